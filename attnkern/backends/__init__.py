@@ -1,0 +1,1 @@
+"""Backends: reference (pure PyTorch oracle) and triton (fused attention kernels)."""

@@ -1,0 +1,167 @@
+"""Eager PyTorch oracle for every attnkern op.
+
+Runs on any device, differentiable by autograd, computed in float64 and
+returned in the input's dtype. The algorithms here are deliberately different
+from the kernels' (sorting for sparsemax and entmax15, bisection for other α,
+autograd instead of hand-written backward formulas) so that the two can check
+each other.
+
+Conventions shared with the kernels (see shared/ALGORITHMS.md):
+- a -inf score gets probability exactly 0; a row of only -inf gives zeros;
+- a NaN anywhere in a row makes that whole row NaN, and no other row;
+- α = 1 is softmax; the family is continuous there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# |α - 1| below which the forward is softmax (matches the kernels).
+SOFTMAX_FORWARD_BAND = 1e-6
+# Bisection steps: the bracket is at most ln(n) + 1 wide, so 100 halvings
+# reach float64 resolution for any row length.
+_BISECT_STEPS = 100
+# A finite stand-in for -inf scores in the sorting algorithms; far below any
+# support threshold once the row max is subtracted.
+_FAR = -1e30
+
+
+def _rows_last(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.movedim(dim, -1).to(torch.float64)
+
+
+def _finish(p64: torch.Tensor, x: torch.Tensor, dim: int, nan_rows: torch.Tensor) -> torch.Tensor:
+    p64 = torch.where(nan_rows, torch.full_like(p64, math.nan), p64)
+    return p64.movedim(-1, dim).to(x.dtype)
+
+
+def _prepare(x: torch.Tensor, dim: int):
+    """Scores along the last dim, in float64, shifted by the row max, with -inf
+    (and the rows that are all -inf) tracked separately."""
+    z = _rows_last(x, dim)
+    nan_rows = torch.isnan(z).any(-1, keepdim=True)
+    posinf_rows = (z == math.inf).any(-1, keepdim=True)
+    valid = z > -math.inf
+    empty_rows = ~valid.any(-1, keepdim=True)
+    z_safe = torch.where(valid, z, torch.zeros_like(z))
+    z_safe = torch.where(nan_rows | posinf_rows, torch.zeros_like(z), z_safe)
+    m = z_safe.masked_fill(~valid, -math.inf).amax(-1, keepdim=True)
+    m = torch.where(empty_rows, torch.zeros_like(m), m).detach()
+    y = torch.where(valid, z_safe - m, torch.full_like(z, _FAR))
+    return y, valid, empty_rows, nan_rows | posinf_rows
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """softmax(x)_i = exp(x_i) / Σ_j exp(x_j) along `dim`; rows of only -inf give 0."""
+    y, valid, empty, bad = _prepare(x, dim)
+    e = torch.exp(y) * valid
+    p = e / e.sum(-1, keepdim=True).clamp_min(1e-300)
+    p = torch.where(empty, torch.zeros_like(p), p)
+    return _finish(p, x, dim, bad)
+
+
+def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Euclidean projection onto the simplex, argmin_{p in Δ} ||p - x||², by sorting."""
+    y, valid, empty, bad = _prepare(x, dim)
+    ys, _ = torch.sort(y, dim=-1, descending=True)
+    n = y.shape[-1]
+    k = torch.arange(1, n + 1, device=y.device, dtype=y.dtype)
+    cs = ys.cumsum(-1)
+    in_support = 1 + k * ys > cs
+    ksz = in_support.sum(-1, keepdim=True).clamp_min(1)
+    tau = (cs.gather(-1, ksz - 1) - 1) / ksz.to(y.dtype)
+    p = torch.clamp(y - tau, min=0) * valid
+    p = torch.where(empty, torch.zeros_like(p), p)
+    return _finish(p, x, dim, bad)
+
+
+def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """1.5-entmax, argmax_{p in Δ} <p, x> + H_1.5(p), by sorting (Peters et al., 2019)."""
+    y, valid, empty, bad = _prepare(x, dim)
+    z = y / 2
+    zs, _ = torch.sort(z, dim=-1, descending=True)
+    n = z.shape[-1]
+    rho = torch.arange(1, n + 1, device=z.device, dtype=z.dtype)
+    mean = zs.cumsum(-1) / rho
+    # Prefix variance about the running mean; the stand-in -1e30 entries only
+    # appear after the support, where these values are not used.
+    mean_sq = (zs * zs).cumsum(-1) / rho
+    ss = rho * (mean_sq - mean * mean)
+    delta = (1 - ss) / rho
+    tau = mean - torch.sqrt(torch.clamp(delta, min=0))
+    ksz = (tau <= zs).sum(-1, keepdim=True).clamp_min(1)
+    tau_star = tau.gather(-1, ksz - 1)
+    p = torch.clamp(z - tau_star, min=0) ** 2 * valid
+    p = torch.where(empty, torch.zeros_like(p), p)
+    return _finish(p, x, dim, bad)
+
+
+def _phi(t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[1 + b t]_+^(1/b), differentiable in t and b, 0 (with 0 gradient) outside the support."""
+    bt = b * t
+    inside = bt > -1
+    safe = torch.where(inside, bt, torch.zeros_like(bt))
+    return torch.where(inside, torch.exp(torch.log1p(safe) / b), torch.zeros_like(bt))
+
+
+def _alpha_rows(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    if shape:
+        shape[dim] = 1
+    a = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64, device=x.device)
+    return _rows_last(a.to(torch.float64).expand(shape), dim)
+
+
+def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
+    """α-entmax, argmax_{p in Δ} <p, x> + H^T_α(p) (Tsallis entropy), any α > 0.
+
+    alpha: float, or tensor broadcastable to x with size 1 along `dim`; may
+    require grad. The threshold is found by bisection (no gradient) and made
+    differentiable with one implicit-function step, so autograd gives the exact
+    gradient in x and α.
+    """
+    y, valid, empty, bad = _prepare(x, dim)
+    a = _alpha_rows(alpha, x, dim)
+    b = a - 1
+    soft = b.abs() < SOFTMAX_FORWARD_BAND
+    b_safe = torch.where(soft, torch.full_like(b, 0.5), b)
+    n = y.shape[-1]
+
+    with torch.no_grad():
+        bd = b_safe.detach()
+        yd = y.detach()
+        lo = torch.zeros_like(bd)
+        hi = -torch.expm1(-bd * math.log(n)) / bd if n > 1 else torch.zeros_like(bd)
+        hi = hi.clone()
+        for _ in range(_BISECT_STEPS):
+            mid = 0.5 * (lo + hi)
+            s = (_phi(yd - mid, bd) * valid).sum(-1, keepdim=True)
+            big = s >= 1
+            lo = torch.where(big, mid, lo)
+            hi = torch.where(big, hi, mid)
+        c0 = 0.5 * (lo + hi)
+        p0 = _phi(yd - c0, bd) * valid
+        d0 = 1 + bd * (yd - c0)
+        g0 = torch.where(p0 > 0, p0 / d0, torch.zeros_like(p0)).sum(-1, keepdim=True)
+
+    # Implicit function step: value c0, gradient -F_x/F_c and -F_b/F_c.
+    f = (_phi(y - c0, b_safe) * valid).sum(-1, keepdim=True) - 1
+    c = c0 + f / g0
+    p = _phi(y - c, b_safe) * valid
+    p = p / p.sum(-1, keepdim=True).detach().clamp_min(1e-300)
+
+    # Rows at α = 1: softmax, with the α-derivative of the family at α = 1,
+    # dp/dα = -p/2 ((ln p)² - Σ p (ln p)²), attached to α.
+    ps = softmax(y.masked_fill(~valid, -math.inf), -1)
+    ln = torch.where(ps > 0, torch.log(ps.clamp_min(1e-300)), torch.zeros_like(ps))
+    dpda = -0.5 * ps * (ln * ln - (ps * ln * ln).sum(-1, keepdim=True))
+    p_soft = ps + (a - a.detach()) * dpda.detach()
+    p = torch.where(soft, p_soft, p)
+    p = torch.where(empty, torch.zeros_like(p), p)
+    return _finish(p, x, dim, bad)
+
+
+def entmax_bisect(x: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
+    return entmax(x, alpha, dim)

@@ -1,0 +1,92 @@
+"""Modules for the row-wise normalizers (signatures as the `entmax` package's)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnkern import ops
+
+
+class Softmax(nn.Module):
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return ops.softmax(X, dim=self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class Sparsemax(nn.Module):
+    def __init__(self, dim: int = -1, k: int | None = None):
+        super().__init__()
+        self.dim, self.k = dim, k
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return ops.sparsemax(X, dim=self.dim, k=self.k)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class Entmax15(nn.Module):
+    def __init__(self, dim: int = -1, k: int | None = None):
+        super().__init__()
+        self.dim, self.k = dim, k
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return ops.entmax15(X, dim=self.dim, k=self.k)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class EntmaxBisect(nn.Module):
+    """α-entmax with a fixed α (a float or a tensor, as `attnkern.entmax_bisect`)."""
+
+    def __init__(self, alpha=1.5, dim: int = -1, n_iter: int = 50):
+        super().__init__()
+        self.alpha, self.dim, self.n_iter = alpha, dim, n_iter
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return ops.entmax_bisect(X, alpha=self.alpha, dim=self.dim, n_iter=self.n_iter)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, dim={self.dim}"
+
+
+class EntmaxAlpha(nn.Module):
+    """α-entmax with a learnable α per head, kept above 1 (adaptively sparse
+    transformers, Correia et al., 2019): α = 1 + sigmoid(θ) ∈ (1, 2).
+
+    Input: (batch, heads, ..., n) scores normalized along `dim` (default last);
+    the head axis is dim 1 (or `head_dim`).
+    """
+
+    def __init__(self, heads: int, alpha_init: float = 1.5, dim: int = -1, head_dim: int = 1):
+        super().__init__()
+        if not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"heads must be a positive int, got {heads!r}")
+        if not 1.0 < float(alpha_init) < 2.0:
+            raise ValueError(f"alpha_init must be in (1, 2), got {alpha_init}")
+        theta = torch.logit(torch.tensor(float(alpha_init) - 1.0))
+        self.theta = nn.Parameter(theta.repeat(heads))
+        self.heads, self.dim, self.head_dim = heads, dim, head_dim
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return 1.0 + torch.sigmoid(self.theta)
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        if X.dim() < 2 or X.shape[self.head_dim] != self.heads:
+            raise ValueError(f"X must have {self.heads} heads along dim {self.head_dim}, got shape {tuple(X.shape)}")
+        shape = [1] * X.dim()
+        shape[self.head_dim] = self.heads
+        alpha = self.alpha.to(X.dtype if X.dtype == torch.float64 else torch.float32).view(shape)
+        return ops.entmax(X, alpha, dim=self.dim)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, dim={self.dim}"

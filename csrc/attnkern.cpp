@@ -1,0 +1,33 @@
+// Every attnkern op schema, in one place. The ops are the non-differentiable
+// primitives; attnkern/autograd.py owns the gradients.
+//
+// Row-wise normalizers along `dim`:
+//   <name>_fwd(x, dim) -> p
+//   <name>_bwd(p, grad_p, dim) -> grad_x
+//   entmax_fwd(x, alpha, dim) -> p            alpha: one value per row, any
+//                                             shape broadcastable to x with
+//                                             size 1 along dim
+//   entmax_bwd(p, grad_p, alpha, dim, alpha_grad) -> (grad_x, grad_alpha)
+//                                             grad_alpha: per row (x's shape
+//                                             with size 1 along dim), or an
+//                                             empty tensor if not asked for
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(attnkern, m) {
+  m.def("softmax_fwd(Tensor x, int dim) -> Tensor");
+  m.def("softmax_bwd(Tensor p, Tensor grad, int dim) -> Tensor");
+  m.def("sparsemax_fwd(Tensor x, int dim) -> Tensor");
+  m.def("sparsemax_bwd(Tensor p, Tensor grad, int dim) -> Tensor");
+  m.def("entmax15_fwd(Tensor x, int dim) -> Tensor");
+  m.def("entmax15_bwd(Tensor p, Tensor grad, int dim) -> Tensor");
+  m.def("entmax_fwd(Tensor x, Tensor alpha, int dim) -> Tensor");
+  m.def("entmax_bwd(Tensor p, Tensor grad, Tensor alpha, int dim, bool alpha_grad) -> (Tensor, Tensor)");
+}
+
+// A Python module so that `import attnkern._C` loads the library and runs the
+// registrations above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "attnkern compiled ops", -1, nullptr};
+  return PyModule_Create(&module);
+}
