@@ -12,35 +12,30 @@ import torch
 _ops = torch.ops.attnkern
 
 
-class _FixedNormalizerFunction(torch.autograd.Function):
-    """softmax / sparsemax / entmax15 along `dim` (subclasses name the ops)."""
+def _fixed_normalizer_function(name: str) -> type[torch.autograd.Function]:
+    """The autograd.Function of the fixed normalizer `name` (softmax, sparsemax,
+    entmax15), calling attnkern::<name>_fwd / <name>_bwd along `dim`."""
+    fwd_op = getattr(_ops, f"{name}_fwd")
+    bwd_op = getattr(_ops, f"{name}_bwd")
 
-    fwd_name = ""
-    bwd_name = ""
-
-    @classmethod
-    def forward(cls, ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        p = getattr(_ops, cls.fwd_name)(x, dim)
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        p = fwd_op(x, dim)
         ctx.save_for_backward(p)
         ctx.dim = dim
         return p
 
-    @classmethod
-    def backward(cls, ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):
         (p,) = ctx.saved_tensors
-        return getattr(_ops, cls.bwd_name)(p, grad, ctx.dim), None
+        return bwd_op(p, grad, ctx.dim), None
+
+    cls_name = {"softmax": "Softmax", "sparsemax": "Sparsemax", "entmax15": "Entmax15"}[name] + "Function"
+    return type(cls_name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class SoftmaxFunction(_FixedNormalizerFunction):
-    fwd_name, bwd_name = "softmax_fwd", "softmax_bwd"
-
-
-class SparsemaxFunction(_FixedNormalizerFunction):
-    fwd_name, bwd_name = "sparsemax_fwd", "sparsemax_bwd"
-
-
-class Entmax15Function(_FixedNormalizerFunction):
-    fwd_name, bwd_name = "entmax15_fwd", "entmax15_bwd"
+SoftmaxFunction = _fixed_normalizer_function("softmax")
+SparsemaxFunction = _fixed_normalizer_function("sparsemax")
+Entmax15Function = _fixed_normalizer_function("entmax15")
 
 
 class EntmaxFunction(torch.autograd.Function):

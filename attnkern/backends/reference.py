@@ -110,7 +110,10 @@ def _alpha_rows(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     if shape:
         shape[dim] = 1
-    a = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64, device=x.device)
+    if isinstance(alpha, torch.Tensor):
+        a = alpha
+    else:
+        a = torch.tensor(float(alpha), dtype=torch.float64, device=x.device)
     return _rows_last(a.to(torch.float64).expand(shape), dim)
 
 

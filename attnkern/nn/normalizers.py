@@ -82,7 +82,8 @@ class EntmaxAlpha(nn.Module):
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         if X.dim() < 2 or X.shape[self.head_dim] != self.heads:
-            raise ValueError(f"X must have {self.heads} heads along dim {self.head_dim}, got shape {tuple(X.shape)}")
+            raise ValueError(f"X must have {self.heads} heads along dim {self.head_dim}, "
+                             f"got shape {tuple(X.shape)}")
         shape = [1] * X.dim()
         shape[self.head_dim] = self.heads
         alpha = self.alpha.to(X.dtype if X.dtype == torch.float64 else torch.float32).view(shape)

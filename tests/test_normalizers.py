@@ -1,0 +1,360 @@
+"""Row-wise normalizers: kernels against the float64 reference and the `entmax` package."""
+
+from __future__ import annotations
+
+import math
+
+import entmax as entmax_pkg
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import attnkern
+from attnkern.backends import reference as ref
+from attnkern.testing import DTYPES, assert_close, make_scores, mask_some, with_ties
+
+ALPHAS = (0.5, 0.9, 1.0, 1.0001, 1.2, 1.3, 1.5, 1.7, 2.0, 2.5, 3.0)
+
+
+def fixed(name):
+    """(attnkern function, reference function) for a fixed normalizer."""
+    return {
+        "softmax": (attnkern.softmax, ref.softmax),
+        "sparsemax": (attnkern.sparsemax, ref.sparsemax),
+        "entmax15": (attnkern.entmax15, ref.entmax15),
+    }[name]
+
+
+def alpha_fns(alpha):
+    return (lambda x, dim=-1: attnkern.entmax(x, alpha, dim), lambda x, dim=-1: ref.entmax(x, alpha, dim))
+
+
+NORMALIZERS = [("softmax", *fixed("softmax")), ("sparsemax", *fixed("sparsemax")),
+               ("entmax15", *fixed("entmax15"))] + [(f"entmax{a}", *alpha_fns(a)) for a in ALPHAS]
+NORM_IDS = [n[0] for n in NORMALIZERS]
+
+
+def cond(name: str) -> float:
+    """Tolerance factor: for α > 2, p = d^(1/(α-1)) has an infinite slope at the
+    support's edge, so a rounding-level change of the threshold moves tiny
+    probabilities by about sqrt(eps) (in float64, ~1e-8 absolute)."""
+    return 1e3 if name.startswith("entmax") and name[6:] and float(name[6:]) > 2 else 1.0
+
+
+def check_simplex(p: torch.Tensor, dim: int = -1, atol: float = 1e-5) -> None:
+    assert (p >= 0).all(), "negative probability"
+    sums = p.to(torch.float64).sum(dim)
+    assert torch.allclose(sums, torch.ones_like(sums), atol=atol), f"rows do not sum to 1: {sums}"
+
+
+# --- forward values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+@pytest.mark.parametrize("n", [1, 3, 97, 1025])
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 30.0, 1e4])
+def test_forward_matches_reference_float64(name, fn, rfn, n, scale):
+    x = make_scores((6, n), torch.float64, scale=scale, seed=n)
+    p = fn(x)
+    assert_close(p, rfn(x), scale=cond(name))
+    check_simplex(p, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+def test_forward_dtypes(name, fn, rfn, dtype):
+    x = make_scores((16, 97), dtype, scale=3.0, seed=1)
+    p = fn(x)
+    assert p.dtype == dtype and p.shape == x.shape
+    # The reference sees the same rounded input.
+    expected = rfn(x.to(torch.float64))
+    assert_close(p, expected, dtype=dtype)
+    if dtype == torch.float32:
+        check_simplex(p)
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+def test_long_rows_float32(name, fn, rfn):
+    x = make_scores((3, 32768), torch.float32, scale=2.0, seed=7)
+    assert_close(fn(x), rfn(x.double()), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+@pytest.mark.parametrize("dim", [0, 1, -1, 2])
+def test_any_dim_and_noncontiguous(name, fn, rfn, dim):
+    base = make_scores((7, 5, 11), torch.float64, scale=2.0, seed=3)
+    for x in (base, base.transpose(0, 2), base[:, ::2, 1:]):
+        d = dim if dim < x.dim() else -1
+        assert_close(fn(x, dim=d), rfn(x, dim=d))
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_ties(name, fn, rfn, dtype):
+    x = with_ties((32, 33), dtype, seed=4)
+    p = fn(x)
+    assert_close(p, rfn(x.double()), dtype=dtype)
+    # Tied scores get the same probability.
+    for r in range(4):
+        for v in x[r].unique():
+            sel = p[r][x[r] == v]
+            assert torch.allclose(sel, sel[0].expand_as(sel))
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_masked_and_fully_masked_rows(name, fn, rfn, dtype):
+    x = mask_some(make_scores((9, 40), dtype, scale=2.0, seed=5), frac=0.4, full_rows=2)
+    p = fn(x)
+    assert not torch.isnan(p).any()
+    assert (p[x == -math.inf] == 0).all(), "-inf score got probability"
+    assert (p[:2] == 0).all(), "fully masked row is not zero"
+    assert_close(p, rfn(x.double()), dtype=dtype)
+    xr = x.double().requires_grad_()
+    fn(xr).backward(torch.randn(xr.shape, dtype=torch.float64))
+    assert not torch.isnan(xr.grad).any()
+    assert (xr.grad[:2] == 0).all()
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+def test_nan_stays_in_its_row(name, fn, rfn):
+    x = make_scores((4, 9), torch.float32, seed=6)
+    x[1, 3] = math.nan
+    p = fn(x)
+    assert torch.isnan(p[1]).all()
+    assert not torch.isnan(p[[0, 2, 3]]).any()
+    assert_close(p[[0, 2, 3]], rfn(x[[0, 2, 3]].double()), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+def test_empty_tensors(name, fn, rfn):
+    for shape in [(0, 5), (3, 0), (0,)]:
+        x = torch.empty(shape)
+        assert fn(x).shape == x.shape
+
+
+def test_scalar_tensor_input():
+    x = torch.tensor(3.0)
+    for f in (attnkern.softmax, attnkern.sparsemax, attnkern.entmax15):
+        assert f(x).item() == 1.0
+
+
+# --- against the entmax package ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [1, 3, 97, 1025])
+def test_matches_entmax_package(dtype, n):
+    x = make_scores((8, n), dtype, scale=2.0, seed=n)
+    assert_close(attnkern.sparsemax(x), entmax_pkg.sparsemax(x, -1), dtype=dtype)
+    assert_close(attnkern.entmax15(x), entmax_pkg.entmax15(x, -1), dtype=dtype)
+    for a in (1.25, 1.5, 2.0, 0.7):
+        ours = attnkern.entmax_bisect(x, a)
+        theirs = entmax_pkg.entmax_bisect(x.double(), a, n_iter=100)
+        assert_close(ours, theirs, dtype=dtype)
+
+
+def test_alpha_below_one_known_values():
+    x = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
+    expected = torch.tensor([0.1591, 0.1763, 0.1963, 0.2200, 0.2483], dtype=torch.float64)
+    assert torch.allclose(attnkern.entmax(x, 0.5), expected, atol=1e-4)
+
+
+# --- invariants ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+def test_shift_invariance(name, fn, rfn):
+    x = make_scores((5, 50), torch.float64, seed=8)
+    assert_close(fn(x + 123.25), fn(x))
+
+
+def test_family_members_agree():
+    x = make_scores((10, 77), torch.float64, scale=2.0, seed=9)
+    assert_close(attnkern.entmax(x, 2.0), attnkern.sparsemax(x))
+    assert_close(attnkern.entmax(x, 1.5), attnkern.entmax15(x))
+    assert_close(attnkern.entmax(x, 1.0), attnkern.softmax(x))
+    # Per-row tensor α takes the same exact paths.
+    a = torch.tensor([1.0, 1.5, 2.0] * 3 + [1.5], dtype=torch.float64).unsqueeze(-1)
+    expected = torch.stack([{1.0: attnkern.softmax, 1.5: attnkern.entmax15, 2.0: attnkern.sparsemax}[
+        float(a[i])](x[i]) for i in range(10)])
+    assert_close(attnkern.entmax(x, a), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_continuous_at_alpha_one(dtype):
+    x = make_scores((6, 200), dtype, scale=3.0, seed=10)
+    soft = attnkern.softmax(x)
+    for eps in (1e-3, 1e-4, 1e-6, 1e-8):
+        for a in (1 - eps, 1 + eps):
+            err = (attnkern.entmax(x, a) - soft).abs().max().item()
+            assert err < 50 * eps + 1e-6, (a, err)
+    # Unlike the entmax package, α = 1 is softmax, not uniform.
+    assert_close(attnkern.entmax_bisect(x, 1.0), soft)
+
+
+def test_sparsity_grows_with_alpha():
+    x = make_scores((20, 300), torch.float64, seed=11)
+    nnz = [(attnkern.entmax(x, a) > 0).sum().item() for a in (1.2, 1.5, 2.0, 3.0)]
+    assert nnz == sorted(nnz, reverse=True) and nnz[0] > nnz[-1]
+
+
+# --- gradients -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+def test_gradcheck_x(name, fn, rfn):
+    x = make_scores((3, 8), torch.float64, scale=1.5, seed=12).requires_grad_()
+    assert gradcheck(fn, (x,), eps=1e-6, atol=1e-6)
+    assert gradcheck(rfn, (x,), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.1, 1.3, 1.5, 2.0, 2.6])
+def test_gradcheck_alpha_scalar_and_per_row(alpha):
+    x = make_scores((4, 7), torch.float64, scale=1.5, seed=13).requires_grad_()
+    a0 = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda x, a: attnkern.entmax(x, a), (x, a0), eps=1e-6, atol=1e-6)
+    a_rows = (alpha + 0.05 * torch.arange(4, dtype=torch.float64)).unsqueeze(-1).requires_grad_()
+    assert gradcheck(lambda x, a: attnkern.entmax(x, a), (x, a_rows), eps=1e-6, atol=1e-6)
+    assert gradcheck(lambda x, a: ref.entmax(x, a), (x, a_rows), eps=1e-6, atol=1e-6)
+
+
+def test_alpha_gradient_at_and_near_one():
+    """The α-derivative at α = 1 (softmax limit) against central differences of the reference."""
+    x = make_scores((3, 9), torch.float64, scale=2.0, seed=14)
+    w = make_scores((3, 9), torch.float64, seed=15)
+    for a in (1.0, 1.0 + 1e-4, 1.0 - 1e-4, 1.0 + 3e-3):
+        at = torch.tensor(a, dtype=torch.float64, requires_grad=True)
+        (attnkern.entmax(x, at) * w).sum().backward()
+        h = 1e-5
+        fd = ((ref.entmax(x, a + h) - ref.entmax(x, a - h)) * w).sum() / (2 * h)
+        assert abs(at.grad.item() - fd.item()) < 2e-3 * (1 + abs(fd.item())), (a, at.grad.item(), fd.item())
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_matches_reference(name, fn, rfn, dtype):
+    x = make_scores((12, 300), dtype, scale=2.0, seed=16)
+    g = make_scores((12, 300), dtype, seed=17)
+    xk = x.clone().requires_grad_()
+    fn(xk).backward(g)
+    xr = x.double().requires_grad_()
+    rfn(xr).backward(g.double())
+    assert xk.grad.dtype == dtype
+    assert_close(xk.grad, xr.grad, dtype=dtype, scale=4.0)
+
+
+def test_alpha_gradient_per_head_float32():
+    x = make_scores((2, 4, 6, 50), torch.float32, seed=18)
+    g = make_scores((2, 4, 6, 50), torch.float32, seed=19)
+    a = torch.tensor([1.2, 1.5, 1.8, 2.3]).view(1, 4, 1, 1).requires_grad_()
+    attnkern.entmax(x, a).backward(g)
+    ar = a.detach().double().requires_grad_()
+    ref.entmax(x.double(), ar).backward(g.double())
+    assert a.grad.shape == a.shape
+    torch.testing.assert_close(a.grad.double(), ar.grad, atol=1e-4, rtol=1e-3)
+
+
+# --- modules -------------------------------------------------------------------------------------
+
+
+def test_modules():
+    x = make_scores((2, 3, 4, 10), torch.float32, seed=20)
+    assert_close(attnkern.nn.Softmax(dim=1)(x), ref.softmax(x.double(), 1), dtype=torch.float32)
+    assert_close(attnkern.nn.Sparsemax(dim=-1)(x), ref.sparsemax(x.double()), dtype=torch.float32)
+    assert_close(attnkern.nn.Entmax15()(x), ref.entmax15(x.double()), dtype=torch.float32)
+    assert_close(attnkern.nn.EntmaxBisect(alpha=1.3)(x), ref.entmax(x.double(), 1.3), dtype=torch.float32)
+    m = attnkern.nn.EntmaxAlpha(heads=3, alpha_init=1.4)
+    assert torch.allclose(m.alpha, torch.full((3,), 1.4))
+    p = m(x)
+    check_simplex(p)
+    p.sum().backward()
+    assert m.theta.grad is not None and m.theta.grad.shape == (3,)
+    with pytest.raises(ValueError, match="heads"):
+        m(torch.randn(2, 5, 4, 10))
+    with pytest.raises(ValueError, match="alpha_init"):
+        attnkern.nn.EntmaxAlpha(heads=2, alpha_init=2.5)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(3, 4)
+    with pytest.raises(TypeError, match="X"):
+        attnkern.sparsemax(torch.ones(3, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="X"):
+        attnkern.entmax15(torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="X"):
+        attnkern.softmax([1.0, 2.0])
+    with pytest.raises(IndexError, match="dim"):
+        attnkern.sparsemax(x, dim=2)
+    with pytest.raises(ValueError, match="dim"):
+        attnkern.entmax(x, 1.3, dim=-3)
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="alpha"):
+            attnkern.entmax_bisect(x, bad)
+    with pytest.raises(ValueError, match="alpha"):
+        attnkern.entmax(x, torch.tensor([[1.5], [math.nan], [1.2]]))
+    with pytest.raises(ValueError, match="alpha"):
+        attnkern.entmax(x, torch.full((4, 1), 1.5))  # not broadcastable to (3, 1)
+    with pytest.raises(ValueError, match="alpha"):
+        attnkern.entmax(x, torch.full((3, 4), 1.5))  # varies along dim
+    with pytest.raises(TypeError, match="alpha"):
+        attnkern.entmax(x, "1.5")
+    with pytest.raises(ValueError, match="n_iter"):
+        attnkern.entmax_bisect(x, 1.5, n_iter=0)
+    with pytest.raises(ValueError, match="backend"):
+        attnkern.sparsemax(x, backend="gpu")
+    with pytest.raises(RuntimeError, match="triton"):
+        attnkern.sparsemax(x, backend="triton")
+
+
+def test_reference_backend_is_selectable():
+    x = make_scores((4, 20), torch.float32, seed=21)
+    assert_close(attnkern.entmax15(x, backend="reference"), attnkern.entmax15(x, backend="cpu"),
+                 dtype=torch.float32)
+
+
+# --- torch.library integration -------------------------------------------------------------------
+
+
+def _opcheck_cases():
+    x = make_scores((4, 13), torch.float32, seed=22)
+    xt = make_scores((13, 4), torch.float32, seed=23).t()  # non-contiguous
+    p = attnkern.entmax15(x)
+    g = make_scores((4, 13), torch.float32, seed=24)
+    a = torch.full((4, 1), 1.3)
+    ops = torch.ops.attnkern
+    cases = []
+    for name in ("softmax", "sparsemax", "entmax15"):
+        cases.append((getattr(ops, f"{name}_fwd"), (x, -1)))
+        cases.append((getattr(ops, f"{name}_fwd"), (xt, 0)))
+        cases.append((getattr(ops, f"{name}_bwd"), (p, g, 1)))
+    cases.append((ops.entmax_fwd, (x, a, 1)))
+    cases.append((ops.entmax_fwd, (xt, torch.tensor(1.7), 0)))
+    cases.append((ops.entmax_bwd, (p, g, a, 1, True)))
+    cases.append((ops.entmax_bwd, (p, g, a, 1, False)))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(len(_opcheck_cases())))
+def test_opcheck(case):
+    op, args = _opcheck_cases()[case]
+    torch.library.opcheck(op, args)
+
+
+def test_torch_compile_fullgraph():
+    def f(x, a):
+        return (attnkern.sparsemax(x) + attnkern.entmax15(x, dim=0) + attnkern.entmax(x, a)).sum()
+
+    x = make_scores((6, 10), torch.float32, seed=25).requires_grad_()
+    a = torch.full((6, 1), 1.3, requires_grad=True)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(x, a)
+    out.backward()
+    gx, ga = x.grad.clone(), a.grad.clone()
+    x.grad = a.grad = None
+    f(x, a).backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(ga, a.grad)
