@@ -19,6 +19,10 @@
 
 #include "attnkern/entmax_math.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 namespace attnkern {
 namespace cpu {
 
@@ -27,10 +31,165 @@ using math::Family;
 template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
 
+// Flushes denormal results and inputs to zero while in scope (restores the
+// thread's mode after). Probabilities below the smallest normal float are
+// zeros for every purpose here, and denormal arithmetic costs ~100 cycles an
+// operation on the tails of the powers.
+struct FlushDenormals {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned int saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
 template <typename acc_t>
 inline acc_t hsum(const Vec<acc_t>& v) {
   return at::vec::vec_reduce_all<acc_t>([](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, v);
 }
+
+// Stores the lanes of v selected by `mask` (bit l = lane l) contiguously at
+// dst and returns how many: branch-free stream compaction. dst must have
+// room for a whole vector (it may alias the lanes just loaded: the store never
+// runs ahead of the read position).
+template <typename acc_t>
+inline int left_pack(acc_t* dst, const Vec<acc_t>& v, int mask) {
+  alignas(64) acc_t lanes[Vec<acc_t>::size()];
+  v.store(lanes);
+  int k = 0;
+  for (int l = 0; l < Vec<acc_t>::size(); ++l) {
+    dst[k] = lanes[l];
+    k += (mask >> l) & 1;
+  }
+  return k;
+}
+
+#if !defined(CPU_CAPABILITY_AVX2)
+inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
+  int k = 0;
+  for (int l = 0; l < 8; ++l) {
+    dst[k] = j + l;
+    k += (mask >> l) & 1;
+  }
+  return k;
+}
+#endif
+
+// Lane-index mask of a comparison result (bit l set where lane l is true).
+template <typename acc_t>
+inline int lane_mask(const Vec<acc_t>& cmp) {
+  return ~cmp.zero_mask() & ((1 << Vec<acc_t>::size()) - 1);
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+struct LeftPackTable {
+  alignas(32) int32_t idx[256][8];
+  constexpr LeftPackTable() : idx() {
+    for (int m = 0; m < 256; ++m) {
+      int k = 0;
+      for (int l = 0; l < 8; ++l)
+        if ((m >> l) & 1) idx[m][k++] = l;
+    }
+  }
+};
+inline constexpr LeftPackTable kLeftPack{};
+
+template <>
+inline int left_pack<float>(float* dst, const Vec<float>& v, int mask) {
+  __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLeftPack.idx[mask]));
+  _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(__m256(v), perm));
+  return __builtin_popcount(mask);
+}
+
+// The positions j..j+7 of the lanes selected by mask, stored at dst.
+inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
+  __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLeftPack.idx[mask]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_add_epi32(perm, _mm256_set1_epi32(j)));
+  return __builtin_popcount(mask);
+}
+#define ATTNKERN_HAS_LEFT_PACK_INDEX 1
+
+template <>
+inline int lane_mask<float>(const Vec<float>& cmp) {
+  return _mm256_movemask_ps(__m256(cmp));
+}
+#endif
+
+// 1/d: exact division in general; on AVX2 float, the hardware estimate with
+// one Newton-Raphson step (~2 ulp), which keeps the divider (one ymm division
+// per 5 cycles) off the critical path of the power passes.
+template <typename acc_t>
+inline Vec<acc_t> recip(const Vec<acc_t>& d) {
+  return Vec<acc_t>(acc_t(1)) / d;
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vec<float> recip<float>(const Vec<float>& dv) {
+  __m256 d = __m256(dv);
+  __m256 r = _mm256_rcp_ps(d);
+  return Vec<float>(_mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.0f))));
+}
+#endif
+
+// d^e for 0 < d <= 1 (lanes outside are the caller's to mask), e > 0.
+// These powers are the cost of every α-entmax pass; Sleef's u10 log1p/exp
+// spend ~250 instructions a vector on them. For float on AVX2 this computes
+// 2^(e·log2 d) with short polynomials instead: log via atanh series on the
+// mantissa in [1/√2, √2) (|s| <= 0.172, 5 terms, ~1e-9), 2^f via Taylor
+// around f = 1/2 (7 terms, ~5e-9); relative error a few float ulps times e.
+// Denormal d are flushed to the smallest normal and results below 2^-126 to
+// zero (they are below any probability that matters, and denormal arithmetic
+// is slow).
+template <typename acc_t>
+inline Vec<acc_t> pow_unit(const Vec<acc_t>& d, acc_t e) {
+  return (d.log() * Vec<acc_t>(e)).exp();
+}
+
+// Smallest b = α - 1 for which pow_unit's error (a few ulps times 1/b) stays
+// near float32 resolution; below it the exact log1p/exp path is used.
+template <typename acc_t>
+constexpr acc_t kFastPowMinB = acc_t(0.125);
+
+#if defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vec<float> pow_unit<float>(const Vec<float>& dv, float e) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  __m256 d = _mm256_max_ps(__m256(dv), _mm256_set1_ps(1.17549435e-38f));
+  __m256i bits = _mm256_castps_si256(d);
+  __m256i ex = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+  __m256 m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+  // m in [1, 2): fold to [1/√2, √2).
+  __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  __m256 exf = _mm256_add_ps(_mm256_cvtepi32_ps(ex), _mm256_and_ps(big, one));
+  __m256 sv = _mm256_mul_ps(_mm256_sub_ps(m, one), __m256(recip<float>(Vec<float>(_mm256_add_ps(m, one)))));
+  __m256 s2 = _mm256_mul_ps(sv, sv);
+  __m256 q = _mm256_fmadd_ps(s2, _mm256_set1_ps(1.0f / 9), _mm256_set1_ps(1.0f / 7));
+  q = _mm256_fmadd_ps(q, s2, _mm256_set1_ps(1.0f / 5));
+  q = _mm256_fmadd_ps(q, s2, _mm256_set1_ps(1.0f / 3));
+  q = _mm256_fmadd_ps(q, s2, one);
+  // log2 d = ex + 2 s q / ln 2
+  __m256 l2 = _mm256_fmadd_ps(_mm256_mul_ps(sv, q), _mm256_set1_ps(2.88539008f), exf);
+  __m256 z = _mm256_mul_ps(l2, _mm256_set1_ps(e));
+  __m256 tiny = _mm256_cmp_ps(z, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
+  z = _mm256_max_ps(z, _mm256_set1_ps(-126.0f));
+  __m256 n = _mm256_floor_ps(z);
+  __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_sub_ps(z, n), _mm256_set1_ps(0.5f)),
+                           _mm256_set1_ps(0.693147181f));
+  __m256 r = _mm256_fmadd_ps(x, _mm256_set1_ps(1.0f / 5040), _mm256_set1_ps(1.0f / 720));
+  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 120));
+  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 24));
+  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 6));
+  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(0.5f));
+  r = _mm256_fmadd_ps(r, x, one);
+  r = _mm256_fmadd_ps(r, x, one);
+  r = _mm256_mul_ps(r, _mm256_set1_ps(1.41421356f));
+  __m256i sc = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return Vec<float>(_mm256_andnot_ps(tiny, _mm256_mul_ps(r, _mm256_castsi256_ps(sc))));
+}
+#endif
 
 template <typename acc_t>
 inline acc_t row_max(const acc_t* y, int64_t n) {
@@ -58,15 +217,36 @@ inline void subtract(acc_t* y, int64_t n, acc_t m) {
   for (; j < n; ++j) y[j] -= m;
 }
 
-// Σ φ(y - c) and Σ g over y[0:n] for the family FAM (b = α - 1).
-template <typename acc_t, Family FAM>
-inline void eval_shift(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t& sum_p, acc_t& sum_g) {
+// dst = src - m.
+template <typename acc_t>
+inline void subtract_into(const acc_t* src, int64_t n, acc_t m, acc_t* dst) {
   using V = Vec<acc_t>;
-  const V vc(c), vone(1), vzero(0), vb(b), vinv_b(acc_t(1) / b);
-  V sp(0), sg(0);
+  const V vm(m);
   int64_t j = 0;
-  for (; j + V::size() <= n; j += V::size()) {
-    V t = V::loadu(y + j) - vc;
+  for (; j + V::size() <= n; j += V::size()) (V::loadu(src + j) - vm).store(dst + j);
+  for (; j < n; ++j) dst[j] = src[j] - m;
+}
+
+// Σ φ(y - c), Σ g and Σ g/d over y[0:n] for the family FAM (b = α - 1);
+// g = p/d = -∂p/∂c and g/d = ∂²p/∂c² / (1 - b) feed Newton and Halley steps.
+template <typename acc_t>
+struct ShiftSums {
+  acc_t p = 0, g = 0, h = 0;
+};
+
+// Evaluates the sums at c over cand[0:n] and, in the same pass, drops the
+// entries not above `cut` (cand is compacted in place). Returns the new count.
+template <typename acc_t, Family FAM>
+inline int64_t eval_compact(acc_t* cand, int64_t n, acc_t c, acc_t b, acc_t cut, ShiftSums<acc_t>& out) {
+  using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
+  const V vc(c), vone(1), vzero(0), vb(b), vinv_b(acc_t(1) / b), vcut(cut);
+  V sp(0), sg(0), sh(0);
+  int64_t j = 0, k = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    V v = V::loadu(cand + j);
+    const int keep = lane_mask<acc_t>(v > vcut);
+    V t = v - vc;
     if constexpr (FAM == Family::kSparsemax) {
       V d = vone + t;
       V pos = d > vzero;
@@ -78,39 +258,86 @@ inline void eval_shift(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t& sum_p
       d = V::blendv(vzero, d, pos);
       sp += d * d;
       sg += d;
+      sh += V::blendv(vzero, vone, pos);
     } else {
       V bt = vb * t;
       V d = vone + bt;
-      V p = (bt.log1p() * vinv_b).exp();
       V pos = d > vzero;
-      p = V::blendv(vzero, p, pos);
+      // b > 0: d in (0, 1] on the support; b < 0: d >= 1, keep the exact path.
+      V p = V::blendv(vzero, b >= kFastPowMinB<acc_t> ? pow_unit<acc_t>(d, acc_t(1) / b) : (bt.log1p() * vinv_b).exp(), pos);
+      // d = +inf (y = -inf, b < 0) gives g = 0; d <= 0 is masked.
+      V r = recip<acc_t>(d);
+      V g = V::blendv(vzero, p * r, pos);
       sp += p;
-      // g = p / d; d = +inf (y = -inf, b < 0) gives 0, d <= 0 is masked.
-      sg += V::blendv(vzero, p / d, pos);
+      sg += g;
+      sh += g * r;
+    }
+    k += left_pack(cand + k, v, keep);
+  }
+  ShiftSums<acc_t> s;
+  s.p = hsum(sp);
+  s.g = hsum(sg);
+  s.h = hsum(sh);
+  for (; j < n; ++j) {
+    acc_t e = cand[j];
+    if (!(e > cut)) continue;
+    cand[k++] = e;
+    acc_t p = math::entmax_phi<acc_t>(e - c, b, FAM);
+    if (p > acc_t(0)) {
+      acc_t g = math::entmax_g_from_p<acc_t>(p, b, FAM);
+      s.p += p;
+      s.g += g;
+      s.h += g / math::entmax_base<acc_t>(e - c, b);
     }
   }
-  acc_t s_p = hsum(sp), s_g = hsum(sg);
-  for (; j < n; ++j) {
-    acc_t t = y[j] - c;
-    acc_t p = math::entmax_phi<acc_t>(t, b, FAM);
-    s_p += p;
-    if (p > acc_t(0)) s_g += math::entmax_g_from_p<acc_t>(p, b, FAM);
-  }
-  sum_p = s_p;
-  sum_g = s_g;
+  out = s;
+  return k;
 }
 
-// Keeps the entries of src whose base 1 + b(y - c) is positive (b > 0);
-// src and dst may alias. Returns the new count.
+// Appends the entries of src[0:n] greater than `cut` to dst (which may alias
+// src: it never runs ahead of the read position) and returns their count and
+// sum, without data-dependent branches.
 template <typename acc_t>
-inline int64_t compact_support(const acc_t* src, int64_t n, acc_t cut, acc_t* dst) {
-  int64_t k = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    acc_t v = src[j];
-    dst[k] = v;
-    k += (v > cut) ? 1 : 0;
+inline int64_t compact_above(const acc_t* src, int64_t n, acc_t cut, acc_t* dst, acc_t* sum_out) {
+  using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
+  const V vcut(cut), vzero(0);
+  V vsum(0);
+  int64_t k = 0, j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    V v = V::loadu(src + j);
+    V keep = v > vcut;
+    vsum += V::blendv(vzero, v, keep);
+    k += left_pack(dst + k, v, lane_mask<acc_t>(keep));
   }
+  acc_t sum = hsum(vsum);
+  for (; j < n; ++j) {
+    acc_t e = src[j];
+    if (e > cut) {
+      dst[k++] = e;
+      sum += e;
+    }
+  }
+  if (sum_out) *sum_out = sum;
   return k;
+}
+
+// Sparsemax shift of y[0:n] (max 0) by Michelot's algorithm: c = 1 + (Σ_A y - 1)/|A|
+// over the candidates A = {y > c - 1}, shrinking A until it stops changing.
+// The candidates end in work[0:k]; returns c.
+template <typename acc_t>
+inline acc_t sparsemax_shift(const acc_t* y, int64_t n, acc_t* work, int64_t* k_out) {
+  acc_t sum;
+  int64_t k = compact_above(y, n, acc_t(-1), work, &sum);
+  acc_t c = math::sparsemax_shift_on_support<acc_t>(sum, k);
+  for (int it = 0; it < 2 * 64 + 8; ++it) {
+    int64_t k_new = compact_above(work, k, c - acc_t(1), work, &sum);
+    if (k_new == k || k_new == 0) break;
+    k = k_new;
+    c = math::sparsemax_shift_on_support<acc_t>(sum, k);
+  }
+  *k_out = k;
+  return c;
 }
 
 // exp(y - m) into e, returns the sum.
@@ -133,32 +360,26 @@ inline acc_t exp_shifted(const acc_t* y, int64_t n, acc_t m, acc_t* e) {
   return sum;
 }
 
-// Closed-form finish on a candidate support (sparsemax, entmax15). Returns
-// NaN when the candidates are not yet exactly the support.
+// entmax15's closed-form shift on a candidate support a[0:k]. Returns NaN
+// when the candidates are not yet exactly the support.
 template <typename acc_t, Family FAM>
 inline acc_t exact_shift(const acc_t* a, int64_t k) {
+  static_assert(FAM == Family::kEntmax15, "closed form implemented for entmax15 (sparsemax: Michelot)");
   acc_t s = 0;
   for (int64_t j = 0; j < k; ++j) s += a[j];
-  acc_t c;
-  if constexpr (FAM == Family::kSparsemax) {
-    c = math::sparsemax_shift_on_support<acc_t>(s, k);
-    for (int64_t j = 0; j < k; ++j)
-      if (!(acc_t(1) + (a[j] - c) > acc_t(0))) return std::numeric_limits<acc_t>::quiet_NaN();
-  } else {
-    // a_i = 1 + (y_i - m)/2: mean and population variance, two-pass.
-    acc_t mean_y = s / acc_t(k);
-    acc_t ss = 0;
-    for (int64_t j = 0; j < k; ++j) {
-      acc_t t = a[j] - mean_y;
-      ss += t * t;
-    }
-    acc_t var_a = acc_t(0.25) * ss / acc_t(k);
-    acc_t mean_a = acc_t(1) + acc_t(0.5) * mean_y;
-    c = math::entmax15_shift_on_support<acc_t>(mean_a, var_a, k);
-    if (c != c) return c;
-    for (int64_t j = 0; j < k; ++j)
-      if (!(acc_t(1) + acc_t(0.5) * (a[j] - c) > acc_t(0))) return std::numeric_limits<acc_t>::quiet_NaN();
+  // With a_i = 1 + y_i/2: mean and population variance, two-pass.
+  acc_t mean_y = s / acc_t(k);
+  acc_t ss = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    acc_t t = a[j] - mean_y;
+    ss += t * t;
   }
+  acc_t var_a = acc_t(0.25) * ss / acc_t(k);
+  acc_t mean_a = acc_t(1) + acc_t(0.5) * mean_y;
+  acc_t c = math::entmax15_shift_on_support<acc_t>(mean_a, var_a, k);
+  if (c != c) return c;
+  for (int64_t j = 0; j < k; ++j)
+    if (!(acc_t(1) + acc_t(0.5) * (a[j] - c) > acc_t(0))) return std::numeric_limits<acc_t>::quiet_NaN();
   return c;
 }
 
@@ -167,76 +388,108 @@ constexpr int kMaxIterations = 200;
 // Finds the shift c of one row y[0:n] whose max is 0 (the caller subtracted
 // it). work: scratch of n entries. Returns c; sets *norm to the factor that
 // makes the output sum to one (1 for the exact families).
+//
+// Starting points (all proven bounds, so the safeguarded iteration keeps its
+// bracket):
+// - 0 < b <= 1: φ_b(t) >= φ_1(t) = [1 + t]_+, so the sparsemax shift (cheap:
+//   additions only) is left of the root; entries with y <= c_sparsemax - 1/b
+//   are out of the support for good, which on sparse rows leaves a few
+//   percent of the row for the iterations, whose every pass costs a power.
+// - b > 1: the sparsemax shift is right of the root; start from the max.
+// - b < 0.25 (near softmax): the log-sum-exp is a bound on the correct side
+//   (b < 0: left; b > 0: right).
+// Steps are Halley's (cubic; f'' comes free with the pass), falling back to
+// Newton and then bisection when a step would leave the bracket. Each pass
+// also drops the candidates that are outside the support at the last point
+// known to be left of the root.
 template <typename acc_t, Family FAM>
 acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
   *norm = acc_t(1);
   if constexpr (FAM == Family::kSoftmax) {
     return std::log(exp_shifted(y, n, acc_t(0), work));
+  } else if constexpr (FAM == Family::kSparsemax) {
+    int64_t k;
+    return sparsemax_shift(y, n, work, &k);
   } else {
+    constexpr acc_t kNoCut = -std::numeric_limits<acc_t>::infinity();
     acc_t lo = 0, hi = math::entmax_shift_upper<acc_t>(n, b);
     acc_t c = 0;
-    if constexpr (FAM == Family::kGeneric) {
-      // Near softmax, Newton from the max needs about ln(n) steps; the
-      // log-sum-exp is a bound on the correct side (b < 0: left; b > 0:
-      // right, and one Newton step from the right of a convex root lands on
-      // its left) and cuts that to a few.
-      if (b < acc_t(0.25)) {
-        acc_t lse = std::log(exp_shifted(y, n, acc_t(0), work));
-        if (b < acc_t(0)) {
-          lo = std::max(lo, lse);
-        } else {
-          hi = std::min(hi, lse);
+    int64_t k;
+    if (b >= acc_t(0.25)) {
+      int64_t ks;
+      acc_t csp = sparsemax_shift(y, n, work, &ks);
+      if constexpr (FAM == Family::kGeneric) {
+        // For b < 1/2, φ_b >= φ_(1/2) too, and entmax15's shift (cheap: its
+        // power is a square) is a much closer left start than sparsemax's.
+        if (b < acc_t(0.5)) {
+          acc_t unused;
+          csp = find_shift<acc_t, Family::kEntmax15>(y, n, acc_t(0.5), work, &unused);
         }
-        c = std::max(lo, std::min(lse, hi));
       }
+      if (b <= acc_t(1)) {
+        lo = c = csp;
+        k = compact_above(y, n, csp - acc_t(1) / b, work, static_cast<acc_t*>(nullptr));
+      } else {
+        hi = std::min(hi, csp);
+        k = compact_above(y, n, -acc_t(1) / b, work, static_cast<acc_t*>(nullptr));
+      }
+    } else {
+      acc_t lse = std::log(exp_shifted(y, n, acc_t(0), work));
+      if (b < acc_t(0)) {
+        lo = std::max(lo, lse);
+      } else {
+        hi = std::min(hi, lse);
+      }
+      c = std::max(lo, std::min(lse, hi));
+      k = compact_above(y, n, b > acc_t(0) ? -acc_t(1) / b : kNoCut, work, static_cast<acc_t*>(nullptr));
     }
-    const acc_t* cand = y;  // entries that can still be in the support
-    int64_t k = n;
-    bool from_newton = false;  // c came from a Newton step on the current candidates
-    acc_t sum_p = 0, sum_g = 0;
+    // For 0 < b <= 1, f is convex: a Newton step from a point left of the
+    // root lands left of it again, so every such iterate is a valid cut for
+    // dropping candidates in the very pass that evaluates it. Otherwise
+    // (b > 1, or after a step that left the bracket) the cut lags at `lo`
+    // and the step is Halley's, safeguarded.
+    const acc_t curv = acc_t(1) - b;  // f'' = (1 - b) Σ g/d
+    const bool convex = b > acc_t(0) && b <= acc_t(1);
+    bool c_is_left = convex && c == lo;
+    int64_t k_prev = -1;
+    ShiftSums<acc_t> s;
     for (int it = 0; it < kMaxIterations; ++it) {
-      eval_shift<acc_t, FAM>(cand, k, c, b, sum_p, sum_g);
-      if (sum_p >= acc_t(1)) {
+      acc_t cut = b > acc_t(0) ? (c_is_left ? c : lo) - acc_t(1) / b : kNoCut;
+      k = eval_compact<acc_t, FAM>(work, k, c, b, cut, s);
+      if (s.p >= acc_t(1)) {
         lo = c;
-        if (b > acc_t(0)) {
-          // c is left of the root: an entry outside the support here stays
-          // outside for good.
-          int64_t k_new = compact_support(cand, k, c - acc_t(1) / b, work);
-          bool stable = from_newton && k_new == k;
-          cand = work;
-          k = k_new;
-          if constexpr (FAM == Family::kSparsemax) {
-            // Newton is Michelot's algorithm here: once no candidate drops
-            // out after a Newton step, c solves the support exactly.
-            if (stable) return c;
-          } else if constexpr (FAM == Family::kEntmax15) {
-            if (stable) {
-              acc_t ce = exact_shift<acc_t, FAM>(cand, k);
-              if (ce == ce) return ce;
-            }
+        if constexpr (FAM == Family::kEntmax15) {
+          // Closed form once the candidates stop shrinking.
+          if (k == k_prev) {
+            int64_t ke = compact_above(work, k, c - acc_t(2), work, static_cast<acc_t*>(nullptr));
+            acc_t ce = exact_shift<acc_t, FAM>(work, ke);
+            if (ce == ce) return ce;
+            k = ke;
           }
         }
+        k_prev = k;
       } else {
         hi = c;
       }
-      if (math::entmax_converged<acc_t>(sum_p, lo, hi, k)) break;
-      acc_t next = math::entmax_newton_update<acc_t>(c, sum_p, sum_g, lo, hi);
-      from_newton = sum_g > acc_t(0) && next == c + (sum_p - acc_t(1)) / sum_g;
+      if (math::entmax_converged<acc_t>(s.p, lo, hi, k)) break;
+      acc_t next;
+      if (convex && s.p >= acc_t(1) && s.p < acc_t(1.5)) {
+        next = math::entmax_newton_update<acc_t>(c, s.p, s.g, lo, hi);
+        c_is_left = s.g > acc_t(0) && next == c + (s.p - acc_t(1)) / s.g;
+      } else {
+        next = math::entmax_halley_update<acc_t>(c, s.p, s.g, curv * s.h, lo, hi);
+        c_is_left = false;
+      }
       if (next == c) break;  // below the dtype's resolution
       c = next;
     }
-    if constexpr (FAM == Family::kGeneric) {
-      eval_shift<acc_t, FAM>(cand, k, c, b, sum_p, sum_g);
-      if (sum_p > acc_t(0)) *norm = acc_t(1) / sum_p;
-    } else if constexpr (FAM == Family::kEntmax15) {
-      acc_t ce = exact_shift<acc_t, FAM>(cand, k);
+    if constexpr (FAM == Family::kEntmax15) {
+      int64_t ke = compact_above(work, k, c - acc_t(2), work, static_cast<acc_t*>(nullptr));
+      acc_t ce = exact_shift<acc_t, FAM>(work, ke);
       if (ce == ce) return ce;
-      eval_shift<acc_t, FAM>(cand, k, c, b, sum_p, sum_g);
-      if (sum_p > acc_t(0)) *norm = acc_t(1) / sum_p;
-    } else {
-      eval_shift<acc_t, FAM>(cand, k, c, b, sum_p, sum_g);
-      if (sum_p > acc_t(0)) *norm = acc_t(1) / sum_p;
     }
+    eval_compact<acc_t, FAM>(work, k, c, b, kNoCut, s);
+    if (s.p > acc_t(0)) *norm = acc_t(1) / s.p;
     return c;
   }
 }
@@ -259,11 +512,53 @@ inline void write_probs(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t norm,
       p = d * d;
     } else {
       V bt = vb * t;
-      p = V::blendv(vzero, (bt.log1p() * vinv_b).exp(), (vone + bt) > vzero);
+      V pos = (vone + bt) > vzero;
+      p = V::blendv(vzero, b >= kFastPowMinB<acc_t> ? pow_unit<acc_t>(vone + bt, acc_t(1) / b) : (bt.log1p() * vinv_b).exp(),
+                    pos);
     }
     (p * vnorm).store(out + j);
   }
   for (; j < n; ++j) out[j] = norm * math::entmax_phi<acc_t>(y[j] - c, b, FAM);
+}
+
+// Positions (idx) and values (vals) of the entries of y[0:n] above `cut`;
+// returns their count.
+template <typename acc_t>
+inline int64_t positions_above(const acc_t* y, int64_t n, acc_t cut, acc_t* vals, int32_t* idx) {
+  using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
+  const V vcut(cut);
+  int64_t k = 0, j = 0;
+  if constexpr (kLanes == 8) {
+    for (; j + kLanes <= n; j += kLanes) {
+      V v = V::loadu(y + j);
+      int mask = lane_mask<acc_t>(v > vcut);
+      left_pack(vals + k, v, mask);
+      k += left_pack_index(idx + k, static_cast<int32_t>(j), mask);
+    }
+  }
+  for (; j < n; ++j) {
+    if (y[j] > cut) {
+      vals[k] = y[j];
+      idx[k++] = static_cast<int32_t>(j);
+    }
+  }
+  return k;
+}
+
+// write_probs for the generic family with b > 0 on a sparse row: zeros, then
+// the powers of the support entries only, scattered to their positions.
+// Falls back to the dense pass when the support is a large part of the row.
+template <typename acc_t>
+inline void write_probs_sparse(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t norm, acc_t* out, acc_t* vals,
+                               int32_t* idx) {
+  if (!(b > acc_t(0))) return write_probs<acc_t, Family::kGeneric>(y, n, c, b, norm, out);
+  // The support: entries with 1 + b(y - c) > 0.
+  const int64_t k = positions_above(y, n, c - acc_t(1) / b, vals, idx);
+  if (4 * k > n) return write_probs<acc_t, Family::kGeneric>(y, n, c, b, norm, out);
+  write_probs<acc_t, Family::kGeneric>(vals, k, c, b, norm, vals);
+  std::fill(out, out + n, acc_t(0));
+  for (int64_t i = 0; i < k; ++i) out[idx[i]] = vals[i];
 }
 
 }  // namespace cpu

@@ -22,27 +22,76 @@ namespace {
 
 using at::Tensor;
 
-template <typename acc_t, Family FAM>
-void normalize_row(acc_t* y, int64_t n, acc_t b, acc_t* work) {
-  acc_t m = row_max(y, n);
-  if (m != m) {
-    std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
-    return;
+// Fills a row whose max m is NaN or infinite and returns true; false for an
+// ordinary row.
+template <typename acc_t>
+inline bool special_row(acc_t m, acc_t* out, int64_t n) {
+  if (m != m || m == std::numeric_limits<acc_t>::infinity()) {
+    // NaN stays in its row; +inf scores make the row undefined (as torch.softmax).
+    std::fill(out, out + n, std::numeric_limits<acc_t>::quiet_NaN());
+    return true;
   }
   if (m == -std::numeric_limits<acc_t>::infinity()) {
     // Every entry masked: no support, zeros (never NaN).
-    std::fill(y, y + n, acc_t(0));
-    return;
+    std::fill(out, out + n, acc_t(0));
+    return true;
   }
-  if (m == std::numeric_limits<acc_t>::infinity()) {
-    // As torch.softmax: +inf scores make the row undefined.
-    std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
-    return;
+  return false;
+}
+
+// Scratch of one thread: three rows in the accumulation type and one of indices.
+template <typename acc_t>
+struct RowScratch {
+  std::vector<acc_t> buf;
+  std::vector<int32_t> idx;
+  explicit RowScratch(int64_t n) : buf(3 * n), idx(n) {}
+  acc_t* row() { return buf.data(); }
+  acc_t* y() { return buf.data() + buf.size() / 3; }
+  acc_t* work() { return buf.data() + 2 * (buf.size() / 3); }
+};
+
+// One row: x (contiguous, acc type, may alias out) -> out. y, work, idx: scratch.
+template <typename acc_t, Family FAM>
+void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work, int32_t* idx) {
+  const acc_t m = row_max(x, n);
+  if (special_row(m, out, n)) return;
+  if constexpr (FAM == Family::kSoftmax) {
+    acc_t inv = acc_t(1) / exp_shifted(x, n, m, out);
+    at::vec::map([inv](Vec<acc_t> v) { return v * Vec<acc_t>(inv); }, out, out, n);
+  } else {
+    subtract_into(x, n, m, y);
+    acc_t norm;
+    acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
+    if constexpr (FAM == Family::kGeneric) {
+      write_probs_sparse<acc_t>(y, n, c, b, norm, out, work, idx);
+    } else {
+      write_probs<acc_t, FAM>(y, n, c, b, norm, out);
+    }
   }
-  subtract(y, n, m);
-  acc_t norm;
-  acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
-  write_probs<acc_t, FAM>(y, n, c, b, norm, y);
+}
+
+template <typename acc_t, Family FAM>
+inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work,
+                                int32_t* idx) {
+  if constexpr (FAM == Family::kGeneric) {
+    switch (math::family_of<acc_t>(b)) {
+      case Family::kSoftmax:
+        return normalize_row<acc_t, Family::kSoftmax>(x, n, acc_t(0), out, y, work, idx);
+      case Family::kSparsemax:
+        return normalize_row<acc_t, Family::kSparsemax>(x, n, acc_t(1), out, y, work, idx);
+      case Family::kEntmax15:
+        return normalize_row<acc_t, Family::kEntmax15>(x, n, acc_t(0.5), out, y, work, idx);
+      default:
+        return normalize_row<acc_t, Family::kGeneric>(x, n, b, out, y, work, idx);
+    }
+  } else {
+    normalize_row<acc_t, FAM>(x, n, b, out, y, work, idx);
+  }
+}
+
+template <Family FAM, typename acc_t>
+constexpr acc_t fixed_b() {
+  return FAM == Family::kSparsemax ? acc_t(1) : FAM == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
 }
 
 template <typename scalar_t, Family FAM>
@@ -53,45 +102,80 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const acc_t* ap = (FAM == Family::kGeneric) ? alpha.const_data_ptr<acc_t>() : nullptr;
   const int64_t n = lay.n;
+  // Rows already contiguous in the accumulation type are read and written in
+  // place; others are gathered into a buffer first.
+  const bool direct = lay.inner == 1 && std::is_same_v<scalar_t, acc_t>;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> buf(2 * n);
-    acc_t* y = buf.data();
-    acc_t* work = y + n;
+    FlushDenormals ftz;
+    RowScratch<acc_t> scratch(n);
+    acc_t* row = scratch.row();
+    acc_t* y = scratch.y();
+    acc_t* work = scratch.work();
+    int32_t* idx = scratch.idx.data();
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      lay.load(xp + base, y);
-      if constexpr (FAM == Family::kGeneric) {
-        acc_t b = ap[r] - acc_t(1);
-        switch (math::family_of<acc_t>(b)) {
-          case Family::kSoftmax:
-            normalize_row<acc_t, Family::kSoftmax>(y, n, acc_t(0), work);
-            break;
-          case Family::kSparsemax:
-            normalize_row<acc_t, Family::kSparsemax>(y, n, acc_t(1), work);
-            break;
-          case Family::kEntmax15:
-            normalize_row<acc_t, Family::kEntmax15>(y, n, acc_t(0.5), work);
-            break;
-          default:
-            normalize_row<acc_t, Family::kGeneric>(y, n, b, work);
-        }
+      const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : fixed_b<FAM, acc_t>();
+      if (direct) {
+        normalize_row_alpha<acc_t, FAM>(reinterpret_cast<const acc_t*>(xp + base), n, b,
+                                        reinterpret_cast<acc_t*>(op + base), y, work, idx);
       } else {
-        constexpr acc_t b = FAM == Family::kSparsemax ? acc_t(1) : FAM == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
-        normalize_row<acc_t, FAM>(y, n, b, work);
+        lay.load(xp + base, row);
+        normalize_row_alpha<acc_t, FAM>(row, n, b, row, y, work, idx);
+        lay.store(row, op + base);
       }
-      lay.store(y, op + base);
     }
   });
 }
 
-// Backward of one row: dx = g ⊙ (dp - Σ g dp / Σ g); optionally the α
-// gradient's row reductions. p and dp are loaded into pbuf/gbuf (acc type).
+// Backward of one row: dx = g ⊙ (dp - Σ g dp / Σ g), g = p^(2-α) on the
+// support; dx may alias dp. gbuf: scratch for g (used by the generic family,
+// whose g costs a power). Returns the row's α gradient if want_alpha.
 template <typename acc_t, Family FAM>
-acc_t backward_row(const acc_t* p, acc_t* dp_dx, int64_t n, acc_t b, bool want_alpha) {
+acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n, acc_t b,
+                   bool want_alpha);
+
+// The generic family's backward on a sparse row (b > 0): g = p^(1-b) costs a
+// power, so only the support's entries are gathered and powered. gbuf holds
+// the gathered g (first k entries) and dp (next k). Returns false (having
+// done nothing) when the support is too large for this to pay.
+template <typename acc_t>
+bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
+                         acc_t b, acc_t* sums) {
+  const int64_t k = positions_above(p, n, acc_t(0), gbuf, idx);
+  if (4 * k > n) return false;
+  acc_t* g = gbuf;
+  acc_t* dpk = gbuf + k;
+  for (int64_t i = 0; i < k; ++i) dpk[i] = dp[idx[i]];
   using V = Vec<acc_t>;
-  const V vzero(0), vone_minus_b(acc_t(1) - b);
+  int64_t i = 0;
   V vgsum(0), vgdp(0);
-  int64_t j = 0;
+  for (; i + V::size() <= k; i += V::size()) {
+    V gv = pow_unit<acc_t>(V::loadu(g + i), acc_t(1) - b);
+    gv.store(g + i);
+    vgsum += gv;
+    vgdp += gv * V::loadu(dpk + i);
+  }
+  acc_t gsum = hsum(vgsum), gdp = hsum(vgdp);
+  for (; i < k; ++i) {
+    g[i] = math::entmax_g_from_p<acc_t>(g[i], b, Family::kGeneric);
+    gsum += g[i];
+    gdp += g[i] * dpk[i];
+  }
+  const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+  std::fill(dx, dx + n, acc_t(0));
+  for (i = 0; i < k; ++i) dx[idx[i]] = g[i] * (dpk[i] - mean);
+  sums[0] = gsum;
+  sums[1] = gdp;
+  return true;
+}
+
+template <typename acc_t, Family FAM>
+acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n, acc_t b,
+                   bool want_alpha) {
+  using V = Vec<acc_t>;
+  constexpr int kAll = (1 << V::size()) - 1;
+  constexpr bool kSparse = FAM != Family::kSoftmax;
+  const V vzero(0), vone_minus_b(acc_t(1) - b);
   auto g_of = [&](const V& pv) -> V {
     if constexpr (FAM == Family::kSoftmax) {
       return pv;
@@ -100,30 +184,50 @@ acc_t backward_row(const acc_t* p, acc_t* dp_dx, int64_t n, acc_t b, bool want_a
     } else if constexpr (FAM == Family::kEntmax15) {
       return pv.sqrt();
     } else {
-      return V::blendv(vzero, (vone_minus_b * pv.log()).exp(), pv > vzero);
+      // g = p^(1-b); p in (0, 1] on the support.
+      V g = b < acc_t(1) ? pow_unit<acc_t>(pv, acc_t(1) - b) : (vone_minus_b * pv.log()).exp();
+      return V::blendv(vzero, g, pv > vzero);
     }
   };
+  if constexpr (FAM == Family::kGeneric) {
+    // (With the α gradient wanted, the dense pass keeps dp intact for it.)
+    acc_t sums[2];
+    if (!want_alpha && b > acc_t(0) && backward_row_sparse<acc_t>(p, dp, dx, gbuf, idx, n, b, sums)) return 0;
+  }
+  V vgsum(0), vgdp(0);
+  int64_t j = 0;
   for (; j + V::size() <= n; j += V::size()) {
     V pv = V::loadu(p + j);
+    if (kSparse && (pv.zero_mask() & kAll) == kAll) {
+      if constexpr (FAM == Family::kGeneric) vzero.store(gbuf + j);
+      continue;
+    }
     V g = g_of(pv);
+    if constexpr (FAM == Family::kGeneric) g.store(gbuf + j);
     vgsum += g;
-    vgdp += g * V::loadu(dp_dx + j);
+    vgdp += g * V::loadu(dp + j);
   }
   acc_t gsum = hsum(vgsum), gdp = hsum(vgdp);
   for (; j < n; ++j) {
     acc_t g = math::entmax_g_from_p<acc_t>(p[j], b, FAM);
+    gbuf[j] = g;
     gsum += g;
-    gdp += g * dp_dx[j];
+    gdp += g * dp[j];
   }
   acc_t dalpha = 0;
   if (want_alpha) {
-    // Row reductions of the α gradient (scalar: only rows whose α requires
-    // grad pay for the logarithms). Accumulated in double.
-    double pdp = 0, plp = 0, ent = 0, pl2dp = 0, pl2 = 0;
+    // Row reductions of the α gradient (scalar, over the support only; only
+    // rows whose α requires grad pay for the logarithms). In double.
+    // Σg and Σg·dp are summed again in double: the formula divides their
+    // rounding error by b².
+    double pdp = 0, plp = 0, ent = 0, pl2dp = 0, pl2 = 0, gsum_d = 0, gdp_d = 0;
     for (int64_t i = 0; i < n; ++i) {
-      double pi = p[i], dpi = dp_dx[i];
+      double pi = p[i];
       if (pi > 0) {
-        double l = std::log(pi);
+        double dpi = dp[i], l = std::log(pi);
+        double gi = FAM == Family::kSoftmax ? pi : FAM == Family::kSparsemax ? 1.0 : std::exp((1.0 - b) * l);
+        gsum_d += gi;
+        gdp_d += gi * dpi;
         pdp += pi * dpi;
         plp += pi * l * dpi;
         ent -= pi * l;
@@ -132,17 +236,47 @@ acc_t backward_row(const acc_t* p, acc_t* dp_dx, int64_t n, acc_t b, bool want_a
       }
     }
     dalpha = static_cast<acc_t>(math::entmax_alpha_grad_row<double>(
-        static_cast<double>(b), pdp, static_cast<double>(gdp), static_cast<double>(gsum), plp, ent, pl2dp, pl2));
+        static_cast<double>(b), pdp, gdp_d, gsum_d, plp, ent, pl2dp, pl2));
   }
   const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
   const V vmean(mean);
   j = 0;
   for (; j + V::size() <= n; j += V::size()) {
-    V g = g_of(V::loadu(p + j));
-    (g * (V::loadu(dp_dx + j) - vmean)).store(dp_dx + j);
+    V g;
+    if constexpr (FAM == Family::kGeneric) {
+      g = V::loadu(gbuf + j);
+    } else {
+      V pv = V::loadu(p + j);
+      if (kSparse && (pv.zero_mask() & kAll) == kAll) {
+        vzero.store(dx + j);
+        continue;
+      }
+      g = g_of(pv);
+    }
+    (g * (V::loadu(dp + j) - vmean)).store(dx + j);
   }
-  for (; j < n; ++j) dp_dx[j] = math::entmax_g_from_p<acc_t>(p[j], b, FAM) * (dp_dx[j] - mean);
+  for (; j < n; ++j) dx[j] = gbuf[j] * (dp[j] - mean);
   return dalpha;
+}
+
+template <typename acc_t, Family FAM>
+inline acc_t backward_row_alpha(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
+                                acc_t b, bool want_alpha) {
+  if constexpr (FAM == Family::kGeneric) {
+    switch (math::family_of<acc_t>(b)) {
+      case Family::kSoftmax:
+        // The forward used softmax; the α gradient uses the softmax-limit derivative.
+        return backward_row<acc_t, Family::kSoftmax>(p, dp, dx, gbuf, idx, n, b, want_alpha);
+      case Family::kSparsemax:
+        return backward_row<acc_t, Family::kSparsemax>(p, dp, dx, gbuf, idx, n, b, want_alpha);
+      case Family::kEntmax15:
+        return backward_row<acc_t, Family::kEntmax15>(p, dp, dx, gbuf, idx, n, b, want_alpha);
+      default:
+        return backward_row<acc_t, Family::kGeneric>(p, dp, dx, gbuf, idx, n, b, want_alpha);
+    }
+  } else {
+    return backward_row<acc_t, FAM>(p, dp, dx, gbuf, idx, n, b, false);
+  }
 }
 
 template <typename scalar_t, Family FAM>
@@ -156,38 +290,29 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
   const acc_t* ap = (FAM == Family::kGeneric) ? alpha.const_data_ptr<acc_t>() : nullptr;
   acc_t* dap = dalpha.defined() ? dalpha.mutable_data_ptr<acc_t>() : nullptr;
   const int64_t n = lay.n;
+  const bool direct = lay.inner == 1 && std::is_same_v<scalar_t, acc_t>;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> buf(2 * n);
-    acc_t* pb = buf.data();
-    acc_t* db = pb + n;
+    FlushDenormals ftz;
+    RowScratch<acc_t> scratch(n);
+    acc_t* pb = scratch.row();
+    acc_t* db = scratch.y();
+    acc_t* gb = scratch.work();
+    int32_t* idx = scratch.idx.data();
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      lay.load(pp + base, pb);
-      lay.load(gp + base, db);
-      acc_t da = 0;
-      if constexpr (FAM == Family::kGeneric) {
-        acc_t b = ap[r] - acc_t(1);
-        switch (math::family_of<acc_t>(b)) {
-          case Family::kSoftmax:
-            // The forward used softmax; the α gradient still uses the
-            // softmax-limit derivative.
-            da = backward_row<acc_t, Family::kSoftmax>(pb, db, n, b, dap != nullptr);
-            break;
-          case Family::kSparsemax:
-            da = backward_row<acc_t, Family::kSparsemax>(pb, db, n, b, dap != nullptr);
-            break;
-          case Family::kEntmax15:
-            da = backward_row<acc_t, Family::kEntmax15>(pb, db, n, b, dap != nullptr);
-            break;
-          default:
-            da = backward_row<acc_t, Family::kGeneric>(pb, db, n, b, dap != nullptr);
-        }
+      const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : fixed_b<FAM, acc_t>();
+      acc_t da;
+      if (direct) {
+        da = backward_row_alpha<acc_t, FAM>(reinterpret_cast<const acc_t*>(pp + base),
+                                            reinterpret_cast<const acc_t*>(gp + base),
+                                            reinterpret_cast<acc_t*>(dxp + base), gb, idx, n, b, dap != nullptr);
       } else {
-        constexpr acc_t b = FAM == Family::kSparsemax ? acc_t(1) : FAM == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
-        backward_row<acc_t, FAM>(pb, db, n, b, false);
+        lay.load(pp + base, pb);
+        lay.load(gp + base, db);
+        da = backward_row_alpha<acc_t, FAM>(pb, db, db, gb, idx, n, b, dap != nullptr);
+        lay.store(db, dxp + base);
       }
       if (dap) dap[r] = da;
-      lay.store(db, dxp + base);
     }
   });
 }
@@ -209,6 +334,7 @@ template <Family FAM>
 Tensor forward_op(const Tensor& x_in, const Tensor& alpha_in, int64_t dim) {
   check_input(x_in, "x");
   dim = at::maybe_wrap_dim(dim, x_in.dim());
+  TORCH_CHECK(x_in.dim() == 0 || x_in.size(dim) < (int64_t(1) << 31), "attnkern: rows longer than 2^31 - 1");
   Tensor x = x_in.contiguous();
   Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (x.numel() == 0) return out;

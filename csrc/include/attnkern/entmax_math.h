@@ -138,6 +138,20 @@ AK_HD acc_t entmax_newton_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t lo, ac
   return next;
 }
 
+// One safeguarded Halley update: f = sum_p - 1, f' = -sum_g, f'' = curv
+// (= (1 - b) Σ g/d). Cubic convergence; falls back to Newton, then to
+// bisection, when a step would leave the bracket (lo, hi).
+template <typename acc_t>
+AK_HD acc_t entmax_halley_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t curv, acc_t lo, acc_t hi) {
+  acc_t f = sum_p - acc_t(1);
+  acc_t denom = acc_t(2) * sum_g * sum_g - f * curv;
+  if (denom > acc_t(0)) {
+    acc_t next = c + acc_t(2) * f * sum_g / denom;
+    if (next > lo && next < hi) return next;
+  }
+  return entmax_newton_update<acc_t>(c, sum_p, sum_g, lo, hi);
+}
+
 // Gradient of the loss in α for one row, from the row reductions of the
 // backward pass (dp = upstream gradient on p):
 //   pdp = Σ p dp,  gdp = Σ g dp,  gsum = Σ g,
