@@ -30,6 +30,23 @@ def _kernels():
     return mod
 
 
+def interpreter_ready() -> tuple[bool, str]:
+    """Whether kernels can run on CPU tensors now, or why not.
+
+    triton.jit reads TRITON_INTERPRET when a function is decorated, and
+    triton's own library functions (tl.zeros, tl.max, ...) are decorated when
+    triton is imported, so the variable must be set before `import triton`.
+    """
+    if not knobs.runtime.interpret:
+        return False, "TRITON_INTERPRET=1 is not set"
+    import triton.language.standard as std
+
+    if type(std.zeros).__name__ != "InterpretedFunction":
+        return False, ("TRITON_INTERPRET=1 was set after triton was imported; set it before the first "
+                       "`import triton` (e.g. in the environment)")
+    return True, ""
+
+
 def _check_device(*tensors: torch.Tensor) -> None:
     dev = tensors[0].device
     for t in tensors:
@@ -38,11 +55,12 @@ def _check_device(*tensors: torch.Tensor) -> None:
     if dev.type == "cuda":
         return
     if dev.type == "cpu":
-        if knobs.runtime.interpret:
+        ok, why = interpreter_ready()
+        if ok:
             return
         raise RuntimeError(
-            "triton attention: CPU tensors run only under the Triton interpreter; set TRITON_INTERPRET=1 "
-            "before the kernels are first used (or move the tensors to a CUDA device)")
+            "triton attention: CPU tensors run only under the Triton interpreter, which is not usable: "
+            f"{why} (or move the tensors to a CUDA device)")
     raise RuntimeError(f"triton attention: unsupported device {dev} (CUDA, or CPU with TRITON_INTERPRET=1)")
 
 
@@ -110,6 +128,14 @@ def _alpha_arg(normalizer, alpha, q):
     return torch.empty(0, dtype=torch.float32, device=q.device)
 
 
+def _interpreter_inputs(*tensors):
+    """Under the interpreter, bfloat16 operands as float32 copies: its tl.dot on
+    bfloat16 returns garbage (triton 3.8). Outputs keep their dtypes."""
+    if knobs.runtime.interpret and tensors[0].dtype == torch.bfloat16:
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
 def _mask_args(mask, q):
     if mask is None:
         return q, (0, 0, 0, 0)  # a placeholder pointer, never read
@@ -146,6 +172,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     hd, hdv = _head_dim(E), _head_dim(Ev)
     bm, bn = _block_sizes(L, S, max(hd, hdv))
     grid = (triton.cdiv(L, bm), B * H)
+    q, k, v = _interpreter_inputs(q, k, v)
     kern._attn_fwd_kernel[grid](
         q, k, v, mask_t, _alpha_arg(normalizer, alpha, q), out, shift,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
@@ -202,6 +229,7 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     hd, hdv = _head_dim(E), _head_dim(Ev)
     bm, bn = _block_sizes(L, S, max(hd, hdv))
     alpha_t = _alpha_arg(normalizer, alpha, q)
+    q, k, v, grad_out = _interpreter_inputs(q, k, v, grad_out)
     common = dict(FAMILY=family, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
                   HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=bm, BLOCK_N=bn, ACC=_acc_dtype(q))
     band = kern.ALPHA_GRAD_BAND_F64 if acc_torch == torch.float64 else kern.ALPHA_GRAD_BAND_F32
