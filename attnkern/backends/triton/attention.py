@@ -20,6 +20,8 @@ NORMALIZERS = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "entmax": 3}
 # re-reads K). Rows converge in 3-11 steps for b <= 1; bisection fallbacks for
 # α > 2 may need more.
 _MAX_ITER = 64
+# The smallest BLOCK_N of any configuration (sizes the block-max scratch).
+_MIN_BLOCK_N = 16
 
 
 def _kernels():
@@ -173,10 +175,15 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     bm, bn = _block_sizes(L, S, max(hd, hdv))
     grid = (triton.cdiv(L, bm), B * H)
     q, k, v = _interpreter_inputs(q, k, v)
+    # Per (row, key block) max scores, for skipping blocks in the threshold search.
+    n_blocks = triton.cdiv(S, _MIN_BLOCK_N)
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    block_max = (torch.empty((B * H * L * n_blocks,), dtype=acc_torch, device=q.device)
+                 if normalizer != "softmax" else shift)
     kern._attn_fwd_kernel[grid](
-        q, k, v, mask_t, _alpha_arg(normalizer, alpha, q), out, shift,
+        q, k, v, mask_t, _alpha_arg(normalizer, alpha, q), out, shift, block_max,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), _eps(q),
+        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), n_blocks,
         FAMILY=NORMALIZERS[normalizer], HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
         HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=bm, BLOCK_N=bn, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q),
     )

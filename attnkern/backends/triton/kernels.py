@@ -74,6 +74,15 @@ def _phi_g(y, b, FAMILY: tl.constexpr):
 
 
 @triton.jit
+def _any_support(y_max, b, rows):
+    """Whether some row in `rows` can have p > 0 in a key block whose largest
+    y = s - c is y_max: 1 + b·y_max > 0 (always for b <= 0, dense)."""
+    finite = y_max > -float("inf")
+    inside = 1.0 + b * tl.where(finite, y_max, 0.0) > 0.0
+    return tl.max(tl.where(rows & inside & finite, 1, 0), 0) > 0
+
+
+@triton.jit
 def _load_b(Alpha, h, FAMILY: tl.constexpr, ACC: tl.constexpr):
     if FAMILY == 1:
         b = 1.0
@@ -110,13 +119,13 @@ def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Alpha, Out, Shift,
+    Q, K, V, Mask, Alpha, Out, Shift, BlockMax,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, L, S, E, EV, scale, eps,
+    H, GROUP, L, S, E, EV, scale, eps, n_blocks_max,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_ITER: tl.constexpr, ACC: tl.constexpr,
@@ -147,6 +156,9 @@ def _attn_fwd_kernel(
 
     # Row max: the shift is searched relative to it, so that y = s - m <= 0.
     m = tl.full((BLOCK_M,), neg_inf, ACC)
+    # Per row and key block, the block's max score: later passes skip a key block
+    # (no K or V read, no dot) when it cannot hold any row's support.
+    block_rows = (pid_bh.to(tl.int64) * L + offs_m) * n_blocks_max
     if FAMILY == 0:
         # Online softmax: one pass, rescaling the running sums when the max grows.
         lsum = tl.zeros((BLOCK_M,), ACC)
@@ -175,7 +187,9 @@ def _attn_fwd_kernel(
             kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
             s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
-            m = tl.maximum(m, tl.max(s, 1))
+            block_max = tl.max(s, 1)
+            tl.store(BlockMax + block_rows + start_n // BLOCK_N, block_max, mask=row_ok)
+            m = tl.maximum(m, block_max)
         has = m > neg_inf
         m_safe = tl.where(has, m, 0.0)
 
@@ -199,13 +213,15 @@ def _attn_fwd_kernel(
             sum_p = tl.zeros((BLOCK_M,), ACC)
             sum_g = tl.zeros((BLOCK_M,), ACC)
             for start_n in range(0, n_end, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                            HAS_MASK, IS_CAUSAL, ACC)
-                p, g = _phi_g(s - (m_safe + c)[:, None], b, FAMILY)
-                sum_p += tl.sum(p, 1)
-                sum_g += tl.sum(g, 1)
+                block_max = tl.load(BlockMax + block_rows + start_n // BLOCK_N, mask=row_ok, other=neg_inf)
+                if _any_support(block_max - (m_safe + c), b, active > 0):
+                    offs_n = start_n + tl.arange(0, BLOCK_N)
+                    kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                    s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                                HAS_MASK, IS_CAUSAL, ACC)
+                    p, g = _phi_g(s - (m_safe + c)[:, None], b, FAMILY)
+                    sum_p += tl.sum(p, 1)
+                    sum_g += tl.sum(g, 1)
             f = sum_p - 1.0
             tol_c = 4.0 * eps * (1.0 + c)
             small_f = tl.abs(f) <= tol_f
@@ -225,12 +241,13 @@ def _attn_fwd_kernel(
         shift = tl.where(has, m_safe + c, float("inf"))
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
         for start_n in range(0, n_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC)
-            p, g = _phi_g(s - shift[:, None], b, FAMILY)
-            if tl.max(p) > 0.0:  # skip key blocks outside every row's support
+            block_max = tl.load(BlockMax + block_rows + start_n // BLOCK_N, mask=row_ok, other=neg_inf)
+            if _any_support(block_max - shift, b, has):  # skip key blocks outside every row's support
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                            HAS_MASK, IS_CAUSAL, ACC)
+                p, g = _phi_g(s - shift[:, None], b, FAMILY)
                 v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                             mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
