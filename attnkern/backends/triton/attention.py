@@ -81,14 +81,6 @@ def _head_dim(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _block_sizes(L: int, S: int, head_dim: int) -> tuple[int, int]:
-    if knobs.runtime.interpret:
-        # The interpreter's cost is per block operation: large blocks are cheaper.
-        return min(64, max(16, triton.next_power_of_2(L))), min(64, max(16, triton.next_power_of_2(S)))
-    bm = 64 if head_dim <= 128 else 32
-    return bm, 64 if head_dim <= 64 else 32
-
-
 def _validate(q, k, v, mask, normalizer, alpha):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("triton attention: q, k, v must be 4-D (batch, heads, seq, head_dim), got "
@@ -172,20 +164,19 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         return out, shift
     mask_t, mstr = _mask_args(mask, q)
     hd, hdv = _head_dim(E), _head_dim(Ev)
-    bm, bn = _block_sizes(L, S, max(hd, hdv))
-    grid = (triton.cdiv(L, bm), B * H)
+    grid = lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)
     q, k, v = _interpreter_inputs(q, k, v)
     # Per (row, key block) max scores, for skipping blocks in the threshold search.
     n_blocks = triton.cdiv(S, _MIN_BLOCK_N)
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     block_max = (torch.empty((B * H * L * n_blocks,), dtype=acc_torch, device=q.device)
                  if normalizer != "softmax" else shift)
-    kern._attn_fwd_kernel[grid](
+    kern.attn_fwd[grid](
         q, k, v, mask_t, _alpha_arg(normalizer, alpha, q), out, shift, block_max,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
         H, H // Hk, L, S, E, Ev, float(scale), _eps(q), n_blocks,
         FAMILY=NORMALIZERS[normalizer], HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-        HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=bm, BLOCK_N=bn, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q),
+        HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q),
     )
     return out, shift
 
@@ -234,19 +225,18 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
     mask_t, mstr = _mask_args(mask, q)
     hd, hdv = _head_dim(E), _head_dim(Ev)
-    bm, bn = _block_sizes(L, S, max(hd, hdv))
     alpha_t = _alpha_arg(normalizer, alpha, q)
     q, k, v, grad_out = _interpreter_inputs(q, k, v, grad_out)
     common = dict(FAMILY=family, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-                  HEAD_DIM=hd, HEAD_DIM_V=hdv, BLOCK_M=bm, BLOCK_N=bn, ACC=_acc_dtype(q))
+                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q))
     band = kern.ALPHA_GRAD_BAND_F64 if acc_torch == torch.float64 else kern.ALPHA_GRAD_BAND_F32
-    kern._attn_bwd_dq_kernel[(triton.cdiv(L, bm), B * H)](
+    kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),
         H, H // Hk, L, S, E, Ev, float(scale), band,
         STATS=stats, ALPHA_GRAD=bool(alpha_grad), **common,
     )
-    kern._attn_bwd_dkdv_kernel[(triton.cdiv(S, bn), B * Hk)](
+    kern.attn_bwd_dkdv[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hk)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dk.stride(), *dv.stride(),
         H, H // Hk, L, S, E, Ev, float(scale), **common,

@@ -432,3 +432,73 @@ def _attn_bwd_dkdv_kernel(
              mask=(offs_n[:, None] < S) & (offs_d[None, :] < E))
     tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
              mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV))
+
+
+# --- launch configurations ---------------------------------------------------------------------------
+#
+# On a GPU the block sizes, warps and stages are autotuned per shape (keyed on
+# the lengths, head dims, normalizer and dtypes), from candidates pruned to fit
+# shared memory. Under the interpreter there is no timing: the prune step keeps
+# the single configuration that covers the short test shapes in few blocks, so
+# the autotuner never benchmarks, and the launchers run one code path in both modes.
+
+_INTERP_SIZES = (16, 32, 64)
+# Shared-memory budget for the estimate below: below the 99-227 KiB of recent
+# GPUs, leaving room for the compiler's own buffers.
+_SMEM_BUDGET = 96 * 1024
+
+
+def _interp_block(n):
+    return min(_INTERP_SIZES[-1], max(_INTERP_SIZES[0], triton.next_power_of_2(n)))
+
+
+def _configs(candidates):
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}) for bm in _INTERP_SIZES for bn in _INTERP_SIZES]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in candidates]
+
+
+def _prune(configs, nargs, kw, streamed_is_keys):
+    """Keeps the configurations that fit; `streamed_is_keys`: whether the loop
+    streams key blocks (forward, dQ) or query blocks (dK/dV)."""
+    L, S = nargs["L"], nargs["S"]
+    if INTERPRETED:
+        bm, bn = _interp_block(L), _interp_block(S)
+        return [c for c in configs if c.kwargs["BLOCK_M"] == bm and c.kwargs["BLOCK_N"] == bn][:1]
+    elem = nargs["Q"].element_size()
+    hd, hdv = kw["HEAD_DIM"], kw["HEAD_DIM_V"]
+    wide = 8 if kw["ACC"] == tl.float64 else 4
+    kept = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        resident, streamed = (bm, bn) if streamed_is_keys else (bn, bm)
+        smem = elem * (resident * (hd + hdv) + max(c.num_stages, 1) * streamed * (hd + hdv)) \
+            + wide * bm * bn
+        # Blocks much longer than the sequence only waste work.
+        too_long = bm > max(16, triton.next_power_of_2(L)) or bn > max(16, triton.next_power_of_2(S))
+        if smem <= _SMEM_BUDGET and not too_long:
+            kept.append(c)
+    if not kept:  # the smallest configuration always runs
+        kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
+    return kept
+
+
+_ROW_CANDIDATES = [(bm, bn, w, st) for bm, bn, w in ((128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 4),
+                                                      (16, 16, 2)) for st in (1, 2, 3)]
+_KEY_CANDIDATES = [(bm, bn, w, st) for bm, bn, w in ((32, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4),
+                                                      (16, 16, 2)) for st in (1, 2, 3)]
+_TUNE_KEY = ["L", "S", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "IS_CAUSAL"]
+
+attn_fwd = triton.autotune(
+    configs=_configs(_ROW_CANDIDATES), key=_TUNE_KEY,
+    prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: _prune(cs, nargs, kw, True)},
+)(_attn_fwd_kernel)
+attn_bwd_dq = triton.autotune(
+    configs=_configs(_ROW_CANDIDATES), key=_TUNE_KEY + ["STATS", "ALPHA_GRAD"],
+    prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: _prune(cs, nargs, kw, True)},
+)(_attn_bwd_dq_kernel)
+attn_bwd_dkdv = triton.autotune(
+    configs=_configs(_KEY_CANDIDATES), key=_TUNE_KEY,
+    prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: _prune(cs, nargs, kw, False)},
+)(_attn_bwd_dkdv_kernel)
