@@ -180,6 +180,36 @@ def test_long_rows(normalizer):
     check_against_reference(q, k, v, do, None, True, 0.5, normalizer, None)
 
 
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax"])
+def test_support_in_few_key_blocks(normalizer):
+    # Scores raised on keys 70-89 only: every row's support lies in the second and
+    # third of three key blocks, so the threshold search and P·V skip the others.
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 20, 150, 16, 8
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=11)
+    mask = torch.zeros(1, 1, 1, S)
+    mask[..., 70:90] = 8.0
+    mask[..., 140:] = -math.inf
+    check_against_reference(q, k, v, do, mask, False, 0.3, normalizer, alpha_for(normalizer, H, (1.5, 2.5)),
+                            alpha_grad=normalizer == "entmax")
+
+
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
+def test_small_probabilities_in_other_key_blocks(normalizer):
+    # Scores made exactly: s_j = k_j[0] with q = e_0. The support {5, 100, 140}
+    # spans three key blocks and the middle block's only entry has small p
+    # (sparsemax 0.22), so a block-skipping test that is off drops it.
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 2, 150, 16, 8
+    q = torch.zeros(B, H, L, E)
+    q[..., 0] = 1.0
+    k = torch.zeros(B, Hk, S, E)
+    k[..., 0] = -3.0
+    k[..., 5, 0], k[..., 100, 0], k[..., 140, 0] = 1.0, 0.8, 0.95
+    q[:, :, 1, 0] = 2.0  # a second row, more peaked
+    _, _, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=12)
+    check_against_reference(q, k, v, do, None, False, 1.0, normalizer, alpha_for(normalizer, H, (1.25, 3.0)),
+                            alpha_grad=normalizer == "entmax")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax"])
 def test_long_rows_slow(normalizer):
@@ -353,3 +383,58 @@ def test_register_as_cuda_impl_on_a_scratch_namespace():
     assert torch.equal(out, want_out) and torch.equal(shift, want_shift)
     dq, dk, dv, dalpha = ops.attention_bwd(do, q, k, v, None, True, 0.25, "entmax", alpha, out, shift, True)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dalpha.shape == (2,)
+
+
+_COMPILE_SCRIPT = r"""
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from attnkern.backends.triton import kernels as K
+
+assert not K.INTERPRETED
+dt = sys.argv[1]
+acc = tl.float64 if dt == "fp64" else tl.float32
+accs = "fp64" if dt == "fp64" else "fp32"
+floats = {"scale", "eps", "alpha_band"}
+pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "BlockMax", "DO", "Delta", "DAlphaRow",
+            "DQ", "DK", "DV"}
+for family in range(4):
+    base = dict(FAMILY=family, HAS_MASK=True, IS_CAUSAL=True, HEAD_DIM=64, HEAD_DIM_V=32, BLOCK_M=64,
+                BLOCK_N=32, ACC=acc)
+    for fn, ptrs, const in (
+        (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", BlockMax=accs), dict(base, MAX_ITER=64)),
+        (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow=accs),
+         dict(base, STATS=family != 0, ALPHA_GRAD=family == 3)),
+        (K._attn_bwd_dkdv_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs), base),
+    ):
+        sig = {}
+        for name in fn.arg_names:
+            if name in const:
+                sig[name] = "constexpr"
+            elif name in pointers:
+                sig[name] = "*" + ptrs.get(name, dt)
+            else:
+                sig[name] = "fp32" if name in floats else "i32"
+        triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 80, 32))
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_kernels_compile_for_a_gpu_target(dtype):
+    # The interpreter accepts code that the compiler rejects: compile every kernel
+    # ahead of time for sm_80 (no GPU needed), in a process without the interpreter.
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, dtype], env=env, capture_output=True,
+                         text=True, timeout=900)
+    if res.returncode != 0 and "ptxas" in res.stderr and "No such file" in res.stderr:
+        pytest.skip("no ptxas for the NVIDIA backend")
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
