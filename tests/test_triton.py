@@ -303,6 +303,21 @@ def test_fully_masked_rows_give_zeros(normalizer):
         assert torch.equal(t, torch.zeros_like(t))
 
 
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_nan_stays_in_its_row(normalizer):
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 6, 9, 16, 4
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=13)
+    q[0, 0, 2, 3] = math.nan
+    alpha = alpha_for(normalizer, H, (1.5, 2.5))
+    out, shift = tb.attention_fwd(q, k, v, None, False, 0.5, normalizer, alpha)
+    nan_rows = torch.zeros(B, H, L, dtype=torch.bool)
+    nan_rows[0, 0, 2] = True
+    assert torch.equal(out.isnan().any(-1), nan_rows) and out[nan_rows].isnan().all()
+    assert torch.equal(shift.isnan(), nan_rows)
+    dq = tb.attention_bwd(do, q, k, v, None, False, 0.5, normalizer, alpha, out, shift, False)[0]
+    assert torch.equal(dq.isnan().any(-1), nan_rows)
+
+
 def test_any_strides_and_broadcast_mask():
     # q, k, v as transposed views of (B, seq, heads, dim) buffers, a mask broadcast
     # from (L, S) (stride 0 over batch and heads), grad_out non-contiguous.

@@ -70,7 +70,17 @@ def _phi_g(y, b, FAMILY: tl.constexpr):
         p_soft = tl.exp(y)
         p = tl.where(soft, p_soft, p_ent)
         g = tl.where(soft, p_soft, g_ent)
+    if FAMILY != 0:
+        # A NaN score (or shift) gives p = NaN, as exp does for softmax.
+        p = tl.where(y != y, y, p)
+        g = tl.where(y != y, y, g)
     return p, g
+
+
+@triton.jit
+def _any_nonzero(p):
+    # Counts NaN as nonzero, so that a NaN row is not skipped as if p were 0.
+    return tl.max(tl.max(tl.where(p != 0.0, 1, 0), 1), 0) > 0
 
 
 @triton.jit
@@ -159,6 +169,7 @@ def _attn_fwd_kernel(
     # Per row and key block, the block's max score: later passes skip a key block
     # (no K or V read, no dot) when it cannot hold any row's support.
     block_rows = (pid_bh.to(tl.int64) * L + offs_m) * n_blocks_max
+    nan_row = offs_m < 0
     if FAMILY == 0:
         # Online softmax: one pass, rescaling the running sums when the max grows.
         lsum = tl.zeros((BLOCK_M,), ACC)
@@ -180,6 +191,7 @@ def _attn_fwd_kernel(
             m = m_new
         has = lsum > 0.0
         shift = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("inf"))
+        shift = tl.where(lsum != lsum, lsum, shift)  # a NaN row keeps NaN
         out = acc / tl.where(has, lsum, 1.0)[:, None]
     else:
         for start_n in range(0, n_end, BLOCK_N):
@@ -190,7 +202,9 @@ def _attn_fwd_kernel(
             block_max = tl.max(s, 1)
             tl.store(BlockMax + block_rows + start_n // BLOCK_N, block_max, mask=row_ok)
             m = tl.maximum(m, block_max)
-        has = m > neg_inf
+            nan_row = nan_row | (tl.max(tl.where(s != s, 1, 0), 1) > 0)
+        # A NaN score makes its row NaN (out and shift) and no other.
+        has = (m > neg_inf) & ~nan_row
         m_safe = tl.where(has, m, 0.0)
 
         # Bracket [0, (1 - S^-b)/b] for c - m (ALGORITHMS.md), softmax limit ln S;
@@ -238,7 +252,7 @@ def _attn_fwd_kernel(
             active = tl.where(done, 0, active)
             it += 1
 
-        shift = tl.where(has, m_safe + c, float("inf"))
+        shift = tl.where(nan_row, float("nan"), tl.where(has, m_safe + c, float("inf")))
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
         for start_n in range(0, n_end, BLOCK_N):
             block_max = tl.load(BlockMax + block_rows + start_n // BLOCK_N, mask=row_ok, other=neg_inf)
@@ -251,7 +265,7 @@ def _attn_fwd_kernel(
                 v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                             mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
-        out = acc
+        out = tl.where(nan_row[:, None], float("nan"), acc)
 
     tl.store(Out + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < EV))
@@ -322,7 +336,7 @@ def _attn_bwd_dq_kernel(
             s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
             p, g = _phi_g(s - c[:, None], b, FAMILY)
-            if tl.max(p) > 0.0:
+            if _any_nonzero(p):
                 vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
                 dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
                 gsum += tl.sum(g, 1)
@@ -356,7 +370,7 @@ def _attn_bwd_dq_kernel(
         s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                     HAS_MASK, IS_CAUSAL, ACC)
         p, g = _phi_g(s - c[:, None], b, FAMILY)
-        if tl.max(p) > 0.0:  # every term vanishes outside the support
+        if _any_nonzero(p):  # every term vanishes outside the support
             vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
             dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
             ds = scale * g * (dp - delta[:, None])
@@ -420,7 +434,7 @@ def _attn_bwd_dkdv_kernel(
             s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
             p, g = _phi_g(s - c[:, None], b, FAMILY)
-            if tl.max(p) > 0.0:  # every term vanishes outside the support
+            if _any_nonzero(p):  # every term vanishes outside the support
                 do = tl.load(DOh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
                              mask=row_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
                 delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
