@@ -1,0 +1,246 @@
+"""Launchers for the fused attention kernels in `kernels.py`.
+
+The functions here implement the contract of the C++ ops
+`attnkern::attention_fwd` / `attnkern::attention_bwd` (see `attention_fwd`),
+so `register_as_cuda_impl` can install them as those ops' CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+import triton
+from triton import knobs
+
+NORMALIZERS = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "entmax": 3}
+
+# Newton steps in the threshold search before giving up on a row (each one
+# re-reads K). Rows converge in 3-11 steps for b <= 1; bisection fallbacks for
+# α > 2 may need more.
+_MAX_ITER = 64
+# The smallest BLOCK_N of any configuration (sizes the block-max scratch).
+_MIN_BLOCK_N = 16
+
+
+def _kernels():
+    """The kernels module, (re)defined so that it matches TRITON_INTERPRET now."""
+    mod = importlib.import_module("attnkern.backends.triton.kernels")
+    if mod.INTERPRETED != bool(knobs.runtime.interpret):
+        mod = importlib.reload(mod)
+    return mod
+
+
+def interpreter_ready() -> tuple[bool, str]:
+    """Whether kernels can run on CPU tensors now, or why not.
+
+    triton.jit reads TRITON_INTERPRET when a function is decorated, and
+    triton's own library functions (tl.zeros, tl.max, ...) are decorated when
+    triton is imported, so the variable must be set before `import triton`.
+    """
+    if not knobs.runtime.interpret:
+        return False, "TRITON_INTERPRET=1 is not set"
+    import triton.language.standard as std
+
+    if type(std.zeros).__name__ != "InterpretedFunction":
+        return False, ("TRITON_INTERPRET=1 was set after triton was imported; set it before the first "
+                       "`import triton` (e.g. in the environment)")
+    return True, ""
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"triton attention: all tensors must be on one device, got {t.device} and {dev}")
+    if dev.type == "cuda":
+        return
+    if dev.type == "cpu":
+        ok, why = interpreter_ready()
+        if ok:
+            return
+        raise RuntimeError(
+            "triton attention: CPU tensors run only under the Triton interpreter, which is not usable: "
+            f"{why} (or move the tensors to a CUDA device)")
+    raise RuntimeError(f"triton attention: unsupported device {dev} (CUDA, or CPU with TRITON_INTERPRET=1)")
+
+
+def _acc_dtype(q: torch.Tensor):
+    import triton.language as tl
+
+    return tl.float64 if q.dtype == torch.float64 else tl.float32
+
+
+def _eps(q: torch.Tensor) -> float:
+    return float(torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32).eps)
+
+
+def _head_dim(n: int) -> int:
+    # tl.arange needs a power of two, tl.dot at least 16.
+    return max(16, triton.next_power_of_2(n))
+
+
+def _validate(q, k, v, mask, normalizer, alpha):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("triton attention: q, k, v must be 4-D (batch, heads, seq, head_dim), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, L, E = q.shape
+    Bk, Hk, S, Ek = k.shape
+    if Bk != B or Ek != E or v.shape[0] != B or v.shape[1] != Hk or v.shape[2] != S:
+        raise ValueError(f"triton attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if Hk == 0 or H % Hk != 0:
+        raise ValueError(f"triton attention: query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise TypeError(f"triton attention: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"triton attention: normalizer must be one of {tuple(NORMALIZERS)}, "
+                         f"got {normalizer!r}")
+    if normalizer == "entmax":
+        if alpha is None or alpha.shape != (H,):
+            raise ValueError(f"triton attention: entmax needs alpha of shape ({H},), got "
+                             f"{None if alpha is None else tuple(alpha.shape)}")
+    if mask is not None:
+        if not mask.is_floating_point():
+            raise TypeError("triton attention: mask must be a float tensor (-inf = not allowed), "
+                            f"got {mask.dtype}")
+        try:
+            mask = mask.expand(B, H, L, S)
+        except RuntimeError as exc:
+            raise ValueError(f"triton attention: mask of shape {tuple(mask.shape)} does not broadcast to "
+                             f"{(B, H, L, S)}") from exc
+    tensors = [q, k, v] + ([mask] if mask is not None else []) + ([alpha] if normalizer == "entmax" else [])
+    _check_device(*tensors)
+    return mask
+
+
+def _alpha_arg(normalizer, alpha, q):
+    if normalizer == "entmax":
+        return alpha.to(torch.float32).contiguous()
+    return torch.empty(0, dtype=torch.float32, device=q.device)
+
+
+def _interpreter_inputs(*tensors):
+    """Under the interpreter, bfloat16 operands as float32 copies: its tl.dot on
+    bfloat16 returns garbage (triton 3.8). Outputs keep their dtypes."""
+    if knobs.runtime.interpret and tensors[0].dtype == torch.bfloat16:
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
+def _mask_args(mask, q):
+    if mask is None:
+        return q, (0, 0, 0, 0)  # a placeholder pointer, never read
+    return mask, tuple(mask.stride())
+
+
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  is_causal: bool, scale: float, normalizer: str, alpha: torch.Tensor | None):
+    """Fused attention forward: out = p·v with p = normalizer(scale·q·kᵀ + mask) per query row.
+
+    q: (B, H, L, E); k: (B, Hk, S, E); v: (B, Hk, S, Ev), H a multiple of Hk
+    (query head h reads key/value head h // (H // Hk)); any strides.
+    mask: None or a float tensor broadcastable to (B, H, L, S), added to the
+    scores (-inf = not allowed). is_causal: query i sees keys j <= i.
+    normalizer: "softmax", "sparsemax", "entmax15" or "entmax" (then alpha is a
+    float32 tensor (H,), α per head).
+    Returns out (B, H, L, Ev) in q's dtype and shift (B, H, L) float32: the c
+    with p_ij = φ_b(s_ij - c_i) (the log-sum-exp for softmax; +inf for a row
+    with no allowed key, whose output is 0).
+    """
+    mask = _validate(q, k, v, mask, normalizer, alpha)
+    kern = _kernels()
+    B, H, L, E = q.shape
+    Hk, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty((B, H, L, Ev), dtype=q.dtype, device=q.device)
+    shift = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+    if B * H * L == 0:
+        return out, shift
+    if S == 0:
+        out.zero_()
+        shift.fill_(math.inf)
+        return out, shift
+    mask_t, mstr = _mask_args(mask, q)
+    hd, hdv = _head_dim(E), _head_dim(Ev)
+    grid = lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)
+    q, k, v = _interpreter_inputs(q, k, v)
+    # Per (row, key block) max scores, for skipping blocks in the threshold search.
+    n_blocks = triton.cdiv(S, _MIN_BLOCK_N)
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    block_max = (torch.empty((B * H * L * n_blocks,), dtype=acc_torch, device=q.device)
+                 if normalizer != "softmax" else shift)
+    kern.attn_fwd[grid](
+        q, k, v, mask_t, _alpha_arg(normalizer, alpha, q), out, shift, block_max,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
+        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), n_blocks,
+        FAMILY=NORMALIZERS[normalizer], HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+        HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q),
+    )
+    return out, shift
+
+
+def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None, is_causal: bool, scale: float, normalizer: str,
+                  alpha: torch.Tensor | None, out: torch.Tensor, shift: torch.Tensor, alpha_grad: bool):
+    """Fused attention backward, recomputing the scores from q, k and the saved shift.
+
+    Arguments as `attention_fwd`, plus grad_out (B, H, L, Ev), the forward's
+    out and shift, and alpha_grad (only for normalizer "entmax").
+    Returns dq, dk, dv (the dtypes and shapes of q, k, v) and dalpha: float32
+    (H,) when alpha_grad, else an empty tensor. With g = p^(2-α) on the
+    support and dp = dO·vᵀ: ds = scale·g⊙(dp - Σ g dp / Σ g), dq = ds·K,
+    dk = dsᵀ·Q, dv = pᵀ·dO.
+    """
+    mask = _validate(q, k, v, mask, normalizer, alpha)
+    if alpha_grad and normalizer != "entmax":
+        raise ValueError(f"triton attention: alpha_grad needs normalizer 'entmax', got {normalizer!r}")
+    _check_device(q, grad_out, out, shift)
+    kern = _kernels()
+    B, H, L, E = q.shape
+    Hk, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    if grad_out.shape != (B, H, L, Ev) or shift.shape != (B, H, L):
+        raise ValueError(f"triton attention: grad_out {tuple(grad_out.shape)} / shift "
+                         f"{tuple(shift.shape)} do not match {(B, H, L, Ev)} / {(B, H, L)}")
+    dq = torch.zeros((B, H, L, E), dtype=q.dtype, device=q.device)
+    dk = torch.zeros((B, Hk, S, E), dtype=k.dtype, device=q.device)
+    dv = torch.zeros((B, Hk, S, Ev), dtype=v.dtype, device=q.device)
+    dalpha = (torch.zeros(H, dtype=torch.float32, device=q.device) if alpha_grad
+              else torch.empty(0, dtype=torch.float32, device=q.device))
+    if B * H * L == 0 or S == 0:
+        return dq, dk, dv, dalpha
+
+    family = NORMALIZERS[normalizer]
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    shift = shift.to(torch.float32).contiguous()
+    grad_out = grad_out.to(q.dtype)
+    stats = family != 0
+    if stats:
+        delta = torch.empty((B, H, L), dtype=acc_torch, device=q.device)
+    else:
+        # Softmax: Σ_j p_j dp_j = dO·O (FlashAttention's delta).
+        delta = (grad_out.to(acc_torch) * out.to(acc_torch)).sum(-1).contiguous()
+    dalpha_rows = torch.zeros((B, H, L) if alpha_grad else (1,), dtype=acc_torch, device=q.device)
+
+    mask_t, mstr = _mask_args(mask, q)
+    hd, hdv = _head_dim(E), _head_dim(Ev)
+    alpha_t = _alpha_arg(normalizer, alpha, q)
+    q, k, v, grad_out = _interpreter_inputs(q, k, v, grad_out)
+    common = dict(FAMILY=family, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q))
+    band = kern.ALPHA_GRAD_BAND_F64 if acc_torch == torch.float64 else kern.ALPHA_GRAD_BAND_F32
+    kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
+        q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, dq,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),
+        H, H // Hk, L, S, E, Ev, float(scale), band,
+        STATS=stats, ALPHA_GRAD=bool(alpha_grad), **common,
+    )
+    kern.attn_bwd_dkdv[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hk)](
+        q, k, v, mask_t, alpha_t, grad_out, shift, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dk.stride(), *dv.stride(),
+        H, H // Hk, L, S, E, Ev, float(scale), **common,
+    )
+    if alpha_grad:
+        dalpha = dalpha_rows.sum(dim=(0, 2)).to(torch.float32)
+    return dq, dk, dv, dalpha

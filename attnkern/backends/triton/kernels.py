@@ -1,0 +1,518 @@
+"""Triton kernels for fused softmax / sparsemax / α-entmax attention.
+
+Importing this module defines the kernels, and `triton.jit` decides at that
+moment whether they are compiled for a GPU or run by the interpreter
+(TRITON_INTERPRET=1). `INTERPRETED` records which; the launchers in
+`attention.py` reload this module when the setting has changed since.
+
+Every kernel works on one (batch, head) pair and a block of query rows (or of
+keys), in the shift form of ALGORITHMS.md: p_ij = φ_b(s_ij - c_i) with
+φ_b(y) = [1 + b·y]_+^(1/b) and φ_0 = exp. The row shift c is what the forward
+saves; the backward recomputes the scores s = scale·q·kᵀ + mask from it.
+
+FAMILY selects the normalizer at compile time: 0 softmax, 1 sparsemax (b = 1),
+2 entmax15 (b = 1/2), 3 α-entmax with one b = α - 1 per head read at run time
+(|b| < SOFTMAX_BAND behaves as softmax).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton import knobs
+
+INTERPRETED = bool(knobs.runtime.interpret)
+
+# |α - 1| below which a head is treated as softmax (forward), and below which
+# the α-gradient uses its softmax limit (float32 / float64 accumulation); the
+# same constants as csrc/include/attnkern/entmax_math.h.
+SOFTMAX_BAND = 1e-6
+ALPHA_GRAD_BAND_F32 = 1e-3
+ALPHA_GRAD_BAND_F64 = 1e-5
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) without the cancellation of log(fl(1 + x)) for small x: the
+    # ratio x / (u - 1) corrects for the rounding of u = 1 + x.
+    u = 1.0 + x
+    d = u - 1.0
+    small = d == 0.0
+    return tl.where(small, x, tl.log(u) * (x / tl.where(small, 1.0, d)))
+
+
+@triton.jit
+def _phi_g(y, b, FAMILY: tl.constexpr):
+    """p = φ_b(y) and g = p^(2-α) = p / (1 + b·y) on the support, 0 elsewhere.
+
+    y = s - c may be -inf (a masked key, or a row without support): p = g = 0.
+    """
+    if FAMILY == 0:
+        p = tl.exp(y)
+        g = p
+    elif FAMILY == 1:
+        p = tl.maximum(1.0 + y, 0.0)
+        g = tl.where(p > 0.0, 1.0, 0.0).to(p.dtype)
+    elif FAMILY == 2:
+        d = tl.maximum(1.0 + 0.5 * y, 0.0)
+        p = d * d
+        g = d
+    else:
+        finite = y > -float("inf")
+        by = b * tl.where(finite, y, 0.0)
+        inside = (by > -1.0) & finite
+        by_safe = tl.where(inside, by, 0.0)
+        ln_d = _log1p(by_safe)
+        inv_b = 1.0 / tl.where(b == 0.0, 1.0, b)
+        p_ent = tl.where(inside, tl.exp(ln_d * inv_b), 0.0)
+        g_ent = tl.where(inside, tl.exp(ln_d * (inv_b - 1.0)), 0.0)
+        soft = (b > -1e-6) & (b < 1e-6)  # SOFTMAX_BAND
+        p_soft = tl.exp(y)
+        p = tl.where(soft, p_soft, p_ent)
+        g = tl.where(soft, p_soft, g_ent)
+    if FAMILY != 0:
+        # A NaN score (or shift) gives p = NaN, as exp does for softmax.
+        p = tl.where(y != y, y, p)
+        g = tl.where(y != y, y, g)
+    return p, g
+
+
+@triton.jit
+def _any_nonzero(p):
+    # Counts NaN as nonzero, so that a NaN row is not skipped as if p were 0.
+    return tl.max(tl.max(tl.where(p != 0.0, 1, 0), 1), 0) > 0
+
+
+@triton.jit
+def _any_support(y_max, b, rows):
+    """Whether some row in `rows` can have p > 0 in a key block whose largest
+    y = s - c is y_max: 1 + b·y_max > 0 (always for b <= 0, dense)."""
+    finite = y_max > -float("inf")
+    inside = 1.0 + b * tl.where(finite, y_max, 0.0) > 0.0
+    return tl.max(tl.where(rows & inside & finite, 1, 0), 0) > 0
+
+
+@triton.jit
+def _load_b(Alpha, h, FAMILY: tl.constexpr, ACC: tl.constexpr):
+    if FAMILY == 1:
+        b = 1.0
+    elif FAMILY == 2:
+        b = 0.5
+    elif FAMILY == 3:
+        b = tl.load(Alpha + h).to(tl.float32) - 1.0
+    else:
+        b = 0.0
+    return tl.full((), b, ACC)
+
+
+@triton.jit
+def _load_t(X, stride_n, stride_d, offs_n, N, D, HEAD_DIM: tl.constexpr):
+    """Rows offs_n of an (N, D) matrix, transposed to (HEAD_DIM, len(offs_n)), zero-padded."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    return tl.load(X + offs_n[None, :] * stride_n + offs_d[:, None] * stride_d,
+                   mask=(offs_n[None, :] < N) & (offs_d[:, None] < D), other=0.0)
+
+
+@triton.jit
+def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+            HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC: tl.constexpr):
+    """s = scale·q·kᵀ + mask for one (query block, key block) tile, -inf where not allowed."""
+    s = tl.dot(q, kt, input_precision="ieee", out_dtype=ACC) * scale
+    ok = (offs_m[:, None] < L) & (offs_n[None, :] < S)
+    if IS_CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None])
+    if HAS_MASK:
+        mv = tl.load(Mask + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=ok, other=0.0)
+        s = s + mv.to(ACC)
+    return tl.where(ok, s, -float("inf"))
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Mask, Alpha, Out, Shift, BlockMax,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, GROUP, L, S, E, EV, scale, eps, n_blocks_max,
+    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_ITER: tl.constexpr, ACC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    bi = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = (h // GROUP).to(tl.int64)
+    Q += bi * stride_qb + h.to(tl.int64) * stride_qh
+    K += bi * stride_kb + hk * stride_kh
+    V += bi * stride_vb + hk * stride_vh
+    Mask += bi * stride_mb + h.to(tl.int64) * stride_mh
+    Out += bi * stride_ob + h.to(tl.int64) * stride_oh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    row_ok = offs_m < L
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+    if IS_CAUSAL:
+        n_end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
+    else:
+        n_end = S
+    b = _load_b(Alpha, h, FAMILY, ACC)
+    neg_inf = -float("inf")
+
+    # Row max: the shift is searched relative to it, so that y = s - m <= 0.
+    m = tl.full((BLOCK_M,), neg_inf, ACC)
+    # Per row and key block, the block's max score: later passes skip a key block
+    # (no K or V read, no dot) when it cannot hold any row's support.
+    block_rows = (pid_bh.to(tl.int64) * L + offs_m) * n_blocks_max
+    nan_row = offs_m < 0
+    if FAMILY == 0:
+        # Online softmax: one pass, rescaling the running sums when the max grows.
+        lsum = tl.zeros((BLOCK_M,), ACC)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
+        for start_n in range(0, n_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                        HAS_MASK, IS_CAUSAL, ACC)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new > neg_inf, m_new, 0.0)
+            rescale = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            lsum = lsum * rescale + tl.sum(p, 1)
+            v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                        mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+            acc = acc * rescale[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
+            m = m_new
+        has = lsum > 0.0
+        shift = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("inf"))
+        shift = tl.where(lsum != lsum, lsum, shift)  # a NaN row keeps NaN
+        out = acc / tl.where(has, lsum, 1.0)[:, None]
+    else:
+        for start_n in range(0, n_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                        HAS_MASK, IS_CAUSAL, ACC)
+            block_max = tl.max(s, 1)
+            tl.store(BlockMax + block_rows + start_n // BLOCK_N, block_max, mask=row_ok)
+            m = tl.maximum(m, block_max)
+            nan_row = nan_row | (tl.max(tl.where(s != s, 1, 0), 1) > 0)
+        # A NaN score makes its row NaN (out and shift) and no other.
+        has = (m > neg_inf) & ~nan_row
+        m_safe = tl.where(has, m, 0.0)
+
+        # Bracket [0, (1 - S^-b)/b] for c - m (ALGORITHMS.md), softmax limit ln S;
+        # widened by a relative 1e-3 against the rounding of the formula.
+        ln_n = tl.log(tl.full((), 1.0, ACC) * S)
+        b_nz = tl.where(b == 0.0, 1.0, b)
+        upper = tl.where((b > -1e-6) & (b < 1e-6), ln_n, (1.0 - tl.exp(-b * ln_n)) / b_nz)
+        upper = upper * 1.001 + 1e-6
+        lo = tl.zeros((BLOCK_M,), ACC)
+        hi = tl.zeros((BLOCK_M,), ACC) + upper
+        c = tl.zeros((BLOCK_M,), ACC)
+        active = (has & row_ok).to(tl.int32)
+        soft_head = (b > -1e-6) & (b < 1e-6)
+        tol_f = eps * (2.0 + tl.sqrt(tl.full((), 1.0, ACC) * S))
+        it = 0
+        # Safeguarded Newton on f(c) = Σ φ(y - c) - 1, f' = -Σ g. From the left
+        # (c = 0) it is monotone for b <= 1 (f convex); for b > 1 a step that
+        # leaves the bracket is replaced by bisection. Each step re-streams K.
+        while (it < MAX_ITER) & (tl.max(active, 0) > 0):
+            sum_p = tl.zeros((BLOCK_M,), ACC)
+            sum_g = tl.zeros((BLOCK_M,), ACC)
+            for start_n in range(0, n_end, BLOCK_N):
+                block_max = tl.load(BlockMax + block_rows + start_n // BLOCK_N, mask=row_ok, other=neg_inf)
+                if _any_support(block_max - (m_safe + c), b, active > 0):
+                    offs_n = start_n + tl.arange(0, BLOCK_N)
+                    kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                    s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                                HAS_MASK, IS_CAUSAL, ACC)
+                    p, g = _phi_g(s - (m_safe + c)[:, None], b, FAMILY)
+                    sum_p += tl.sum(p, 1)
+                    sum_g += tl.sum(g, 1)
+            f = sum_p - 1.0
+            tol_c = 4.0 * eps * (1.0 + c)
+            small_f = tl.abs(f) <= tol_f
+            lo = tl.where(f > 0.0, c, lo)
+            hi = tl.where(f > 0.0, hi, c)
+            newton = c + f / tl.where(sum_g > 0.0, sum_g, 1.0)
+            inside = (newton > lo) & (newton < hi) & (sum_g > 0.0)
+            c_next = tl.where(inside, newton, 0.5 * (lo + hi))
+            # Softmax heads of the α-entmax family: Σ exp(y - c) = 1 is solved exactly.
+            c_next = tl.where(soft_head, c + tl.log(tl.where(sum_p > 0.0, sum_p, 1.0)), c_next)
+            # Stop at Σp = 1 to rounding, or when a step or the bracket is below resolution.
+            done = small_f | (tl.abs(c_next - c) <= tol_c) | (hi - lo <= tol_c)
+            c = tl.where((active > 0) & ~small_f, c_next, c)
+            active = tl.where(done, 0, active)
+            it += 1
+
+        shift = tl.where(nan_row, float("nan"), tl.where(has, m_safe + c, float("inf")))
+        acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
+        for start_n in range(0, n_end, BLOCK_N):
+            block_max = tl.load(BlockMax + block_rows + start_n // BLOCK_N, mask=row_ok, other=neg_inf)
+            if _any_support(block_max - shift, b, has):  # skip key blocks outside every row's support
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                            HAS_MASK, IS_CAUSAL, ACC)
+                p, g = _phi_g(s - shift[:, None], b, FAMILY)
+                v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                            mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
+        out = tl.where(nan_row[:, None], float("nan"), acc)
+
+    tl.store(Out + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < EV))
+    tl.store(Shift + pid_bh.to(tl.int64) * L + offs_m, shift.to(tl.float32), mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, Mask, Alpha, DO, Shift, Delta, DAlphaRow, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, GROUP, L, S, E, EV, scale, alpha_band,
+    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    STATS: tl.constexpr, ALPHA_GRAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """dQ for one block of query rows; with STATS, first the row reductions.
+
+    STATS (sparse normalizers): one pass over the keys for Σg and Σ g·dp, giving
+    delta = Σ g dp / Σ g (stored for the dK/dV kernel) and, with ALPHA_GRAD, the
+    per-row gradient in α. Without STATS, delta was computed by the launcher
+    (softmax: dO·O).
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    bi = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = (h // GROUP).to(tl.int64)
+    Q += bi * stride_qb + h.to(tl.int64) * stride_qh
+    K += bi * stride_kb + hk * stride_kh
+    V += bi * stride_vb + hk * stride_vh
+    Mask += bi * stride_mb + h.to(tl.int64) * stride_mh
+    DO += bi * stride_ob + h.to(tl.int64) * stride_oh
+    DQ += bi * stride_dqb + h.to(tl.int64) * stride_dqh
+    row_base = pid_bh.to(tl.int64) * L
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    row_ok = offs_m < L
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
+    c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
+    if IS_CAUSAL:
+        n_end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
+    else:
+        n_end = S
+    b = _load_b(Alpha, h, FAMILY, ACC)
+
+    if STATS:
+        gsum = tl.zeros((BLOCK_M,), ACC)
+        gdp = tl.zeros((BLOCK_M,), ACC)
+        pdp = tl.zeros((BLOCK_M,), ACC)
+        plp = tl.zeros((BLOCK_M,), ACC)
+        ent = tl.zeros((BLOCK_M,), ACC)
+        pl2dp = tl.zeros((BLOCK_M,), ACC)
+        pl2 = tl.zeros((BLOCK_M,), ACC)
+        for start_n in range(0, n_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                        HAS_MASK, IS_CAUSAL, ACC)
+            p, g = _phi_g(s - c[:, None], b, FAMILY)
+            if _any_nonzero(p):
+                vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+                dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+                gsum += tl.sum(g, 1)
+                gdp += tl.sum(g * dp, 1)
+                if ALPHA_GRAD:
+                    lnp = tl.log(tl.where(p > 0.0, p, 1.0))
+                    plnp = p * lnp
+                    pdp += tl.sum(p * dp, 1)
+                    plp += tl.sum(plnp * dp, 1)
+                    ent -= tl.sum(plnp, 1)
+                    pl2dp += tl.sum(plnp * lnp * dp, 1)
+                    pl2 += tl.sum(plnp * lnp, 1)
+        has = gsum > 0.0
+        delta = tl.where(has, gdp / tl.where(has, gsum, 1.0), 0.0)
+        tl.store(Delta + row_base + offs_m, delta, mask=row_ok)
+        if ALPHA_GRAD:
+            # entmax_alpha_grad_row of entmax_math.h.
+            b_nz = tl.where(b == 0.0, 1.0, b)
+            general = (pdp - delta) / (b_nz * b_nz) - (plp + ent * delta) / b_nz
+            limit = -0.5 * (pl2dp - pdp * pl2)
+            near_one = (b > -alpha_band) & (b < alpha_band)
+            da = tl.where(has, tl.where(near_one, limit, general), 0.0)
+            tl.store(DAlphaRow + row_base + offs_m, da, mask=row_ok)
+    else:
+        delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
+
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), ACC)
+    for start_n in range(0, n_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                    HAS_MASK, IS_CAUSAL, ACC)
+        p, g = _phi_g(s - c[:, None], b, FAMILY)
+        if _any_nonzero(p):  # every term vanishes outside the support
+            vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+            dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+            ds = scale * g * (dp - delta[:, None])
+            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision="ieee", out_dtype=ACC)
+    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < E))
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, Mask, Alpha, DO, Shift, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, GROUP, L, S, E, EV, scale,
+    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """dK = Σ dsᵀ·Q and dV = Σ pᵀ·dO for one block of keys of one key/value head,
+    summed over the GROUP query heads that share it (no atomics)."""
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    HK = H // GROUP
+    bi = (pid_bhk // HK).to(tl.int64)
+    hk = pid_bhk % HK
+    K += bi * stride_kb + hk.to(tl.int64) * stride_kh
+    V += bi * stride_vb + hk.to(tl.int64) * stride_vh
+    DK += bi * stride_dkb + hk.to(tl.int64) * stride_dkh
+    DV += bi * stride_dvb + hk.to(tl.int64) * stride_dvh
+
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+    vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), ACC)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM_V), ACC)
+    if IS_CAUSAL:
+        m_start = (start_n // BLOCK_M) * BLOCK_M  # earlier query rows see none of these keys
+    else:
+        m_start = 0
+    for j in range(0, GROUP):
+        h = hk * GROUP + j
+        b = _load_b(Alpha, h, FAMILY, ACC)
+        Qh = Q + bi * stride_qb + h.to(tl.int64) * stride_qh
+        DOh = DO + bi * stride_ob + h.to(tl.int64) * stride_oh
+        Mh = Mask + bi * stride_mb + h.to(tl.int64) * stride_mh
+        row_base = (bi * H + h).to(tl.int64) * L
+        for start_m in range(m_start, L, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < L
+            q = tl.load(Qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                        mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+            c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
+            s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                        HAS_MASK, IS_CAUSAL, ACC)
+            p, g = _phi_g(s - c[:, None], b, FAMILY)
+            if _any_nonzero(p):  # every term vanishes outside the support
+                do = tl.load(DOh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                             mask=row_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
+                delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
+                dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+                ds = scale * g * (dp - delta[:, None])
+                dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision="ieee", out_dtype=ACC)
+                dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision="ieee", out_dtype=ACC)
+    tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=(offs_n[:, None] < S) & (offs_d[None, :] < E))
+    tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV))
+
+
+# --- launch configurations ---------------------------------------------------------------------------
+#
+# On a GPU the block sizes, warps and stages are autotuned per shape (keyed on
+# the lengths, head dims, normalizer and dtypes), from candidates pruned to fit
+# shared memory. Under the interpreter there is no timing: the prune step keeps
+# the single configuration that covers the short test shapes in few blocks, so
+# the autotuner never benchmarks, and the launchers run one code path in both modes.
+
+_INTERP_SIZES = (16, 32, 64)
+# Shared-memory budget for the estimate below: below the 99-227 KiB of recent
+# GPUs, leaving room for the compiler's own buffers.
+_SMEM_BUDGET = 96 * 1024
+
+
+def _interp_block(n):
+    return min(_INTERP_SIZES[-1], max(_INTERP_SIZES[0], triton.next_power_of_2(n)))
+
+
+def _configs(candidates):
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}) for bm in _INTERP_SIZES for bn in _INTERP_SIZES]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in candidates]
+
+
+def _prune(configs, nargs, kw, streamed_is_keys):
+    """Keeps the configurations that fit; `streamed_is_keys`: whether the loop
+    streams key blocks (forward, dQ) or query blocks (dK/dV)."""
+    L, S = nargs["L"], nargs["S"]
+    if INTERPRETED:
+        bm, bn = _interp_block(L), _interp_block(S)
+        return [c for c in configs if c.kwargs["BLOCK_M"] == bm and c.kwargs["BLOCK_N"] == bn][:1]
+    elem = nargs["Q"].element_size()
+    hd, hdv = kw["HEAD_DIM"], kw["HEAD_DIM_V"]
+    wide = 8 if kw["ACC"] == tl.float64 else 4
+    kept = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        resident, streamed = (bm, bn) if streamed_is_keys else (bn, bm)
+        smem = elem * (resident * (hd + hdv) + max(c.num_stages, 1) * streamed * (hd + hdv)) \
+            + wide * bm * bn
+        # Blocks much longer than the sequence only waste work.
+        too_long = bm > max(16, triton.next_power_of_2(L)) or bn > max(16, triton.next_power_of_2(S))
+        if smem <= _SMEM_BUDGET and not too_long:
+            kept.append(c)
+    if not kept:  # the smallest configuration always runs
+        kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
+    return kept
+
+
+_ROW_CANDIDATES = [(bm, bn, w, st) for bm, bn, w in ((128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 4),
+                                                      (16, 16, 2)) for st in (1, 2, 3)]
+_KEY_CANDIDATES = [(bm, bn, w, st) for bm, bn, w in ((32, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4),
+                                                      (16, 16, 2)) for st in (1, 2, 3)]
+_TUNE_KEY = ["L", "S", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "IS_CAUSAL"]
+
+attn_fwd = triton.autotune(
+    configs=_configs(_ROW_CANDIDATES), key=_TUNE_KEY,
+    prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: _prune(cs, nargs, kw, True)},
+)(_attn_fwd_kernel)
+attn_bwd_dq = triton.autotune(
+    configs=_configs(_ROW_CANDIDATES), key=_TUNE_KEY + ["STATS", "ALPHA_GRAD"],
+    prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: _prune(cs, nargs, kw, True)},
+)(_attn_bwd_dq_kernel)
+attn_bwd_dkdv = triton.autotune(
+    configs=_configs(_KEY_CANDIDATES), key=_TUNE_KEY,
+    prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: _prune(cs, nargs, kw, False)},
+)(_attn_bwd_dkdv_kernel)

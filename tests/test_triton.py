@@ -1,0 +1,455 @@
+"""Triton fused attention (attnkern.backends.triton) against a float64 reference.
+
+The kernels run on CPU tensors under the Triton interpreter. Triton 3.8 reads
+TRITON_INTERPRET when a function is decorated with triton.jit, and decorates
+its own library (tl.zeros, ...) when triton is imported; so this module sets
+the variable before importing triton, and skips with the reason if some
+earlier import of triton (without the variable) makes that too late. Our
+kernels are defined on first launch and redefined if the setting changed.
+The interpreter is slow: shapes are small, with odd sizes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attnkern.backends import reference  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from attnkern.backends import triton as tb  # noqa: E402
+
+_ok, _why = tb.available()
+if not _ok:
+    pytest.skip(f"the Triton interpreter cannot run here: {_why}", allow_module_level=True)
+
+NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
+
+
+# --- the oracle ---------------------------------------------------------------
+
+
+def reference_attention(q, k, v, mask, is_causal, scale, normalizer, alpha):
+    """out = p·v in float64 with p = reference.<normalizer>(scale·q·kᵀ + mask), by autograd.
+
+    Rows with no allowed key are computed on zeros and multiplied by 0, so they
+    give p = 0 and zero gradients (the reference's α-gradient is NaN on them).
+    """
+    B, H, L, _ = q.shape
+    group = H // k.shape[1]
+    k = k.repeat_interleave(group, 1)
+    v = v.repeat_interleave(group, 1)
+    s = scale * q @ k.transpose(-1, -2)
+    if mask is not None:
+        s = s + mask.to(s.dtype)
+    if is_causal:
+        s = s.masked_fill(~torch.ones(L, k.shape[2], dtype=torch.bool).tril(), -math.inf)
+    empty = ~(s > -math.inf).any(-1, keepdim=True)
+    s = s.masked_fill(empty, 0.0)
+    if normalizer == "entmax":
+        p = reference.entmax(s, alpha[None, :, None, None].expand(B, H, L, 1), -1)
+    else:
+        p = getattr(reference, normalizer)(s, -1)
+    return (p * ~empty) @ v
+
+
+def make_inputs(B, H, Hk, L, S, E, Ev, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hk, S, E, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, Hk, S, Ev, generator=g, dtype=torch.float64).to(dtype)
+    do = torch.randn(B, H, L, Ev, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, do
+
+
+def make_mask(kind, B, H, L, S, dtype=torch.float32, seed=1):
+    """(mask, is_causal) for a mask kind."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None, False
+    if kind == "causal":
+        return None, True
+    mask = torch.randn(B, 1, L, S, generator=g, dtype=torch.float64)
+    mask = mask.masked_fill(torch.rand(B, 1, L, S, generator=g) < 0.25, -math.inf)
+    mask[..., 0] = 0.0  # every row keeps a key...
+    if kind == "empty_rows":
+        mask[0, 0, L // 2] = -math.inf  # ...but these
+        if B > 1:
+            mask[1, 0, L - 1] = -math.inf
+    return mask.to(dtype).expand(B, H, L, S), kind == "empty_rows"
+
+
+def alpha_for(normalizer, H, values=(1.5, 2.0, 1.25, 1.0)):
+    if normalizer != "entmax":
+        return None
+    return torch.tensor([values[h % len(values)] for h in range(H)], dtype=torch.float32)
+
+
+def tolerances(dtype):
+    return dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=2e-4, atol=4e-5)
+
+
+def check_against_reference(q, k, v, do, mask, is_causal, scale, normalizer, alpha, *, backward=True,
+                            alpha_grad=False):
+    out, shift = tb.attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha)
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[-1])
+    assert shift.dtype == torch.float32 and shift.shape == q.shape[:3]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    a64 = alpha.double().requires_grad_() if alpha is not None else None
+    ref = reference_attention(q64, k64, v64, mask, is_causal, scale, normalizer, a64)
+    tol = tolerances(q.dtype)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    assert not torch.isnan(shift).any()
+    if not backward:
+        return out, shift
+    ref.backward(do.double())
+    dq, dk, dv, dalpha = tb.attention_bwd(do, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift,
+                                          alpha_grad)
+    for name, got, want, like in (("dq", dq, q64.grad, q), ("dk", dk, k64.grad, k), ("dv", dv, v64.grad, v)):
+        assert got.dtype == like.dtype and got.shape == like.shape, name
+        torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    if alpha_grad:
+        assert dalpha.dtype == torch.float32 and dalpha.shape == alpha.shape
+        torch.testing.assert_close(dalpha.double(), a64.grad, rtol=1e-4 if q.dtype == torch.float32 else 1e-6,
+                                   atol=1e-4 if q.dtype == torch.float32 else 1e-6)
+    else:
+        assert dalpha.numel() == 0
+    return out, shift
+
+
+# --- values -------------------------------------------------------------------
+
+# (B, H, Hk, L, S, E, Ev, mask kind): odd lengths, head dims that are not powers
+# of two, Ev != E, GQA, every mask kind.
+CASES = [
+    (1, 2, 1, 1, 1, 16, 16, "none"),
+    (1, 2, 2, 17, 97, 59, 16, "float"),
+    (1, 2, 1, 97, 17, 64, 33, "causal"),
+    (2, 2, 1, 17, 17, 16, 59, "empty_rows"),
+    (1, 2, 1, 33, 21, 59, 24, "none"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}Hk{}-L{}S{}-E{}Ev{}-{}".format(*c))
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_matches_reference(normalizer, case):
+    B, H, Hk, L, S, E, Ev, kind = case
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev)
+    mask, causal = make_mask(kind, B, H, L, S)
+    check_against_reference(q, k, v, do, mask, causal, 0.4, normalizer, alpha_for(normalizer, H),
+                            alpha_grad=normalizer == "entmax" and kind != "empty_rows")
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_float64(normalizer):
+    B, H, Hk, L, S, E, Ev = 1, 4, 2, 13, 29, 16, 7
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, dtype=torch.float64)
+    mask, _ = make_mask("float", B, H, L, S, dtype=torch.float64)
+    # α < 1, α = 1, 1 < α < 2 and α > 2 (Newton safeguarded by bisection).
+    alpha = alpha_for(normalizer, H, values=(0.75, 1.0, 1.3, 2.5))
+    # shift is float32 by contract, so the backward sees p to float32 resolution.
+    out, shift = tb.attention_fwd(q, k, v, mask, True, 0.7, normalizer, alpha)
+    q64, k64, v64 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    a64 = alpha.double().requires_grad_() if alpha is not None else None
+    ref = reference_attention(q64, k64, v64, mask, True, 0.7, normalizer, a64)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    ref.backward(do)
+    dq, dk, dv, dalpha = tb.attention_bwd(do, q, k, v, mask, True, 0.7, normalizer, alpha, out, shift,
+                                          normalizer == "entmax")
+    for got, want in ((dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    if normalizer == "entmax":
+        torch.testing.assert_close(dalpha.double(), a64.grad, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15"])
+def test_long_rows(normalizer):
+    # More than two key and query blocks (64 under the interpreter), causal.
+    B, H, Hk, L, S, E, Ev = 1, 1, 1, 150, 150, 16, 16
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=3)
+    check_against_reference(q, k, v, do, None, True, 0.5, normalizer, None)
+
+
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax"])
+def test_support_in_few_key_blocks(normalizer):
+    # Scores raised on keys 70-89 only: every row's support lies in the second and
+    # third of three key blocks, so the threshold search and P·V skip the others.
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 20, 150, 16, 8
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=11)
+    mask = torch.zeros(1, 1, 1, S)
+    mask[..., 70:90] = 8.0
+    mask[..., 140:] = -math.inf
+    check_against_reference(q, k, v, do, mask, False, 0.3, normalizer, alpha_for(normalizer, H, (1.5, 2.5)),
+                            alpha_grad=normalizer == "entmax")
+
+
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
+def test_small_probabilities_in_other_key_blocks(normalizer):
+    # Scores made exactly: s_j = k_j[0] with q = e_0. The support {5, 100, 140}
+    # spans three key blocks and the middle block's only entry has small p
+    # (sparsemax 0.22), so a block-skipping test that is off drops it.
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 2, 150, 16, 8
+    q = torch.zeros(B, H, L, E)
+    q[..., 0] = 1.0
+    k = torch.zeros(B, Hk, S, E)
+    k[..., 0] = -3.0
+    k[..., 5, 0], k[..., 100, 0], k[..., 140, 0] = 1.0, 0.8, 0.95
+    q[:, :, 1, 0] = 2.0  # a second row, more peaked
+    _, _, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=12)
+    check_against_reference(q, k, v, do, None, False, 1.0, normalizer, alpha_for(normalizer, H, (1.25, 3.0)),
+                            alpha_grad=normalizer == "entmax")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax"])
+def test_long_rows_slow(normalizer):
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 131, 200, 59, 16
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=4)
+    mask, _ = make_mask("float", B, H, L, S)
+    check_against_reference(q, k, v, do, mask, False, 0.5, normalizer, alpha_for(normalizer, H),
+                            alpha_grad=normalizer == "entmax")
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_ties(normalizer):
+    # Integer scores with many exact ties (duplicated keys, rows of equal scores).
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 9, 12, 16, 8
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-2, 3, (B, H, L, E), generator=g).float()
+    k = torch.randint(-2, 3, (B, Hk, S // 3, E), generator=g).float().repeat(1, 1, 3, 1)
+    q[0, 0, 0] = 0.0  # a row of all-equal scores
+    _, _, v, do = make_inputs(B, H, Hk, L, S, E, Ev)
+    check_against_reference(q, k, v, do, None, False, 0.25, normalizer, alpha_for(normalizer, H))
+
+
+@pytest.mark.parametrize("alpha", [(1.0, 1.0 + 5e-7), (1.7, 0.6), (1.0005, 0.9995)])
+def test_entmax_alpha_near_one_and_below(alpha):
+    # |α - 1| < 1e-6 is softmax; α < 1 is dense; for |α - 1| < 1e-3 the float32
+    # α-gradient is its softmax limit (entmax_math.h), off by O(|α - 1|).
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 7, 19, 16, 5
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=6)
+    near = abs(alpha[0] - 1) > 1e-6
+    check_against_reference(q, k, v, do, None, False, 0.5, "entmax", torch.tensor(alpha), alpha_grad=not near)
+    if near:
+        out, shift = tb.attention_fwd(q, k, v, None, False, 0.5, "entmax", torch.tensor(alpha))
+        a64 = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
+        ref = reference_attention(q.double(), k.double(), v.double(), None, False, 0.5, "entmax", a64)
+        ref.backward(do.double())
+        dalpha = tb.attention_bwd(do, q, k, v, None, False, 0.5, "entmax", torch.tensor(alpha), out, shift,
+                                  True)[3]
+        torch.testing.assert_close(dalpha.double(), a64.grad, rtol=1e-2, atol=1e-2)
+
+
+# --- invariants and edge cases -------------------------------------------------
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_probabilities_via_identity_values(normalizer):
+    # With v = I the output rows are the probabilities themselves.
+    B, H, Hk, L, S, E = 1, 2, 1, 11, 23, 16
+    q, k, _, _ = make_inputs(B, H, Hk, L, S, E, 1, seed=7)
+    q = q * 2
+    v = torch.eye(S).expand(B, Hk, S, S)
+    alpha = alpha_for(normalizer, H)
+    p, shift = tb.attention_fwd(q, k, v, None, False, 1.0, normalizer, alpha)
+    ref = reference_attention(q.double(), k.double(), v.double(), None, False, 1.0, normalizer,
+                              alpha.double() if alpha is not None else None)
+    assert (p >= 0).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(B, H, L), rtol=0, atol=2e-5)
+    if normalizer in ("sparsemax", "entmax15"):
+        # Exact zeros outside the support, and the same support as the reference.
+        assert torch.equal(p > 0, ref > 1e-6)
+        assert (p == 0).any()
+    torch.testing.assert_close(p.double(), ref, **tolerances(torch.float32))
+    # The shift reproduces p: softmax c = log-sum-exp.
+    if normalizer == "softmax":
+        s = q.double() @ k.double().transpose(-1, -2)
+        torch.testing.assert_close(shift.double(), torch.logsumexp(s, -1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_fully_masked_rows_give_zeros(normalizer):
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 5, 6, 16, 4
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=8)
+    mask = torch.zeros(B, H, L, S)
+    mask[:, :, 1] = -math.inf
+    mask[:, 1, 3] = -math.inf
+    alpha = alpha_for(normalizer, H, values=(1.3, 2.5))
+    out, shift = tb.attention_fwd(q, k, v, mask, False, 1.0, normalizer, alpha)
+    assert torch.equal(out[:, :, 1], torch.zeros(B, H, Ev)) and torch.equal(out[:, 1, 3], torch.zeros(B, Ev))
+    assert torch.isinf(shift[:, :, 1]).all() and (shift[:, :, 1] > 0).all()
+    assert torch.isfinite(shift[:, 0, 3]).all()
+    dq, dk, dv, dalpha = tb.attention_bwd(do, q, k, v, mask, False, 1.0, normalizer, alpha, out, shift,
+                                          normalizer == "entmax")
+    for t in (dq, dk, dv, dalpha):
+        assert torch.isfinite(t).all()
+    assert torch.equal(dq[:, :, 1], torch.zeros(B, H, E))
+    # Everything masked: no NaN anywhere, all zeros.
+    mask = torch.full((1, 1, 1, 1), -math.inf).expand(B, H, L, S)
+    out, shift = tb.attention_fwd(q, k, v, mask, False, 1.0, normalizer, alpha)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(shift).all()
+    grads = tb.attention_bwd(do, q, k, v, mask, False, 1.0, normalizer, alpha, out, shift, False)
+    for t in grads[:3]:
+        assert torch.equal(t, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_nan_stays_in_its_row(normalizer):
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 6, 9, 16, 4
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=13)
+    q[0, 0, 2, 3] = math.nan
+    alpha = alpha_for(normalizer, H, (1.5, 2.5))
+    out, shift = tb.attention_fwd(q, k, v, None, False, 0.5, normalizer, alpha)
+    nan_rows = torch.zeros(B, H, L, dtype=torch.bool)
+    nan_rows[0, 0, 2] = True
+    assert torch.equal(out.isnan().any(-1), nan_rows) and out[nan_rows].isnan().all()
+    assert torch.equal(shift.isnan(), nan_rows)
+    dq = tb.attention_bwd(do, q, k, v, None, False, 0.5, normalizer, alpha, out, shift, False)[0]
+    assert torch.equal(dq.isnan().any(-1), nan_rows)
+
+
+def test_any_strides_and_broadcast_mask():
+    # q, k, v as transposed views of (B, seq, heads, dim) buffers, a mask broadcast
+    # from (L, S) (stride 0 over batch and heads), grad_out non-contiguous.
+    B, H, Hk, L, S, E, Ev = 2, 2, 1, 10, 13, 16, 12
+    q0, k0, v0, do0 = make_inputs(B, H, Hk, L, S, E, Ev, seed=9)
+    q = q0.transpose(1, 2).contiguous().transpose(1, 2)
+    k = k0.transpose(1, 2).contiguous().transpose(1, 2)
+    v = v0[..., :Ev].transpose(-1, -2).contiguous().transpose(-1, -2)
+    do = do0.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    mask = torch.randn(L, S).masked_fill(torch.eye(L, S, dtype=torch.bool), -math.inf)
+    check_against_reference(q, k, v, do, mask, False, 0.3, "entmax15", None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_types_forward(dtype):
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 9, 21, 16, 8
+    q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, dtype=dtype, seed=10)
+    for normalizer in ("softmax", "sparsemax"):
+        out, shift = tb.attention_fwd(q, k, v, None, True, 0.5, normalizer, None)
+        assert out.dtype == dtype and shift.dtype == torch.float32
+        ref = reference_attention(q.double(), k.double(), v.double(), None, True, 0.5, normalizer, None)
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2 if dtype == torch.bfloat16 else 4e-3)
+        grads = tb.attention_bwd(do, q, k, v, None, True, 0.5, normalizer, None, out, shift, False)
+        assert all(t.dtype == dtype and torch.isfinite(t).all() for t in grads[:3])
+
+
+# --- API ------------------------------------------------------------------------
+
+
+def test_available_and_errors(monkeypatch):
+    assert tb.available() == (True, "")
+    q, k, v, _ = make_inputs(1, 2, 1, 3, 4, 16, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        tb.attention_fwd(q, k.expand(1, 3, 4, 16), v.expand(1, 3, 4, 16), None, False, 1.0, "softmax", None)
+    with pytest.raises(ValueError, match="normalizer"):
+        tb.attention_fwd(q, k, v, None, False, 1.0, "relu", None)
+    with pytest.raises(ValueError, match="alpha"):
+        tb.attention_fwd(q, k, v, None, False, 1.0, "entmax", None)
+    with pytest.raises(TypeError, match="mask"):
+        tb.attention_fwd(q, k, v, torch.ones(3, 4, dtype=torch.bool), False, 1.0, "softmax", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        tb.attention_fwd(q, k, v, None, False, 1.0, "softmax", None)
+
+
+def test_imports_without_triton(monkeypatch):
+    # The package imports and reports why not when triton is missing.
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delitem(sys.modules, "attnkern.backends.triton")
+    fresh = importlib.import_module("attnkern.backends.triton")
+    try:
+        ok, why = fresh.available()
+        assert not ok and "triton" in why
+        assert fresh.register_as_cuda_impl() is False
+    finally:
+        monkeypatch.undo()
+        importlib.import_module("attnkern.backends.triton")
+
+
+def test_register_as_cuda_impl_on_a_scratch_namespace():
+    # The real attnkern ops may not exist in this build: define the same schemas
+    # on a scratch namespace, register on the CPU key and call through the dispatcher.
+    assert tb.register_as_cuda_impl("attnkern_no_such_namespace") is False
+    lib = torch.library.Library("attnkern_triton_test", "DEF")
+    lib.define("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, "
+               "str normalizer, Tensor? alpha) -> (Tensor out, Tensor shift)")
+    lib.define("attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, "
+               "float scale, str normalizer, Tensor? alpha, Tensor out, Tensor shift, bool alpha_grad) "
+               "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dalpha)")
+    assert tb.register_as_cuda_impl("attnkern_triton_test", "CPU") is True
+    assert tb.register_as_cuda_impl("attnkern_triton_test", "CPU") is True  # idempotent
+    ops = torch.ops.attnkern_triton_test
+    q, k, v, do = make_inputs(1, 2, 1, 5, 7, 16, 8)
+    alpha = torch.tensor([1.5, 1.2])
+    out, shift = ops.attention_fwd(q, k, v, None, True, 0.25, "entmax", alpha)
+    want_out, want_shift = tb.attention_fwd(q, k, v, None, True, 0.25, "entmax", alpha)
+    assert torch.equal(out, want_out) and torch.equal(shift, want_shift)
+    dq, dk, dv, dalpha = ops.attention_bwd(do, q, k, v, None, True, 0.25, "entmax", alpha, out, shift, True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dalpha.shape == (2,)
+
+
+_COMPILE_SCRIPT = r"""
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from attnkern.backends.triton import kernels as K
+
+assert not K.INTERPRETED
+dt = sys.argv[1]
+acc = tl.float64 if dt == "fp64" else tl.float32
+accs = "fp64" if dt == "fp64" else "fp32"
+floats = {"scale", "eps", "alpha_band"}
+pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "BlockMax", "DO", "Delta", "DAlphaRow",
+            "DQ", "DK", "DV"}
+for family in range(4):
+    base = dict(FAMILY=family, HAS_MASK=True, IS_CAUSAL=True, HEAD_DIM=64, HEAD_DIM_V=32, BLOCK_M=64,
+                BLOCK_N=32, ACC=acc)
+    for fn, ptrs, const in (
+        (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", BlockMax=accs), dict(base, MAX_ITER=64)),
+        (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow=accs),
+         dict(base, STATS=family != 0, ALPHA_GRAD=family == 3)),
+        (K._attn_bwd_dkdv_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs), base),
+    ):
+        sig = {}
+        for name in fn.arg_names:
+            if name in const:
+                sig[name] = "constexpr"
+            elif name in pointers:
+                sig[name] = "*" + ptrs.get(name, dt)
+            else:
+                sig[name] = "fp32" if name in floats else "i32"
+        triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 80, 32))
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_kernels_compile_for_a_gpu_target(dtype):
+    # The interpreter accepts code that the compiler rejects: compile every kernel
+    # ahead of time for sm_80 (no GPU needed), in a process without the interpreter.
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, dtype], env=env, capture_output=True,
+                         text=True, timeout=900)
+    if res.returncode != 0 and "ptxas" in res.stderr and "No such file" in res.stderr:
+        pytest.skip("no ptxas for the NVIDIA backend")
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
