@@ -148,6 +148,9 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
         p0 = _phi(yd - c0, bd) * valid
         d0 = 1 + bd * (yd - c0)
         g0 = torch.where(p0 > 0, p0 / d0, torch.zeros_like(p0)).sum(-1, keepdim=True)
+        # Rows with no support (all -inf) are zeroed below; keep their
+        # (unused) branch finite so no NaN reaches the gradients.
+        g0 = torch.where(g0 > 0, g0, torch.ones_like(g0))
 
     # Implicit function step: value c0, gradient -F_x/F_c and -F_b/F_c.
     f = (_phi(y - c0, b_safe) * valid).sum(-1, keepdim=True) - 1

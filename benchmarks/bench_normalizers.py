@@ -1,0 +1,40 @@
+"""Row-wise normalizers: attnkern vs the `entmax` package vs torch.softmax.
+
+`make bench` runs this file and prints the ratio table (benchmarks/report.py).
+Every benchmark records its group, op, provider, mode and shape in extra_info;
+report.py divides each median by torch.softmax's for the same shape and mode.
+"""
+
+from __future__ import annotations
+
+import entmax
+import pytest
+import torch
+from conftest import run
+
+import attnkern
+
+SHAPES = [(4096, 1024), (256, 32768)]
+OPS = {
+    "softmax": {"attnkern": attnkern.softmax, "torch": lambda x: torch.softmax(x, -1)},
+    "sparsemax": {"attnkern": attnkern.sparsemax, "entmax": lambda x: entmax.sparsemax(x, -1)},
+    "entmax15": {"attnkern": attnkern.entmax15, "entmax": lambda x: entmax.entmax15(x, -1)},
+    "entmax_bisect(1.3)": {
+        "attnkern": lambda x: attnkern.entmax_bisect(x, 1.3),
+        "entmax": lambda x: entmax.entmax_bisect(x, 1.3),
+    },
+}
+CASES = [(op, prov) for op, provs in OPS.items() for prov in provs]
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("op,provider", CASES, ids=[f"{o}-{p}" for o, p in CASES])
+def test_normalizer(benchmark, op, provider, shape, mode):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    benchmark.group = f"normalizers {shape[0]}x{shape[1]} {mode}"
+    benchmark.extra_info.update(group="normalizers", op=op, provider=provider, mode=mode,
+                                shape="x".join(map(str, shape)), baseline=(provider == "torch"))
+    # The entmax package sorts every row: a few rounds are enough to see it.
+    rounds = 3 if provider == "entmax" else 15
+    run(benchmark, OPS[op][provider], x, mode, rounds)
