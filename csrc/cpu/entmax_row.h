@@ -348,7 +348,7 @@ inline acc_t exp_shifted(const acc_t* y, int64_t n, acc_t m, acc_t* e) {
   V s(0);
   int64_t j = 0;
   for (; j + V::size() <= n; j += V::size()) {
-    V v = (V::loadu(y + j) - vm).exp();
+    V v = (V::loadu(y + j) - vm).exp_u20();
     v.store(e + j);
     s += v;
   }
@@ -504,7 +504,7 @@ inline void write_probs(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t norm,
     V t = V::loadu(y + j) - vc;
     V p;
     if constexpr (FAM == Family::kSoftmax) {
-      p = t.exp();
+      p = t.exp_u20();
     } else if constexpr (FAM == Family::kSparsemax) {
       p = at::vec::maximum(vone + t, vzero);
     } else if constexpr (FAM == Family::kEntmax15) {
