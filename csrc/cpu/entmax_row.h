@@ -234,44 +234,66 @@ struct ShiftSums {
   acc_t p = 0, g = 0, h = 0;
 };
 
+// Adds the terms of one vector of t = y - c to the running Σp, Σg, Σg/d.
+template <typename acc_t, Family FAM>
+inline void add_shift_terms(const Vec<acc_t>& t, acc_t b, Vec<acc_t>& sp, Vec<acc_t>& sg, Vec<acc_t>& sh) {
+  using V = Vec<acc_t>;
+  const V vone(1), vzero(0);
+  if constexpr (FAM == Family::kSparsemax) {
+    V d = vone + t;
+    V pos = d > vzero;
+    sp += V::blendv(vzero, d, pos);
+    sg += V::blendv(vzero, vone, pos);
+  } else if constexpr (FAM == Family::kEntmax15) {
+    V d = vone + t * V(acc_t(0.5));
+    V pos = d > vzero;
+    d = V::blendv(vzero, d, pos);
+    sp += d * d;
+    sg += d;
+    sh += V::blendv(vzero, vone, pos);
+  } else {
+    V bt = V(b) * t;
+    V d = vone + bt;
+    V pos = d > vzero;
+    // b > 0: d in (0, 1] on the support; b < 0: d >= 1, keep the exact path.
+    V p = V::blendv(vzero,
+                    b >= kFastPowMinB<acc_t> ? pow_unit<acc_t>(d, acc_t(1) / b)
+                                             : (bt.log1p() * V(acc_t(1) / b)).exp(),
+                    pos);
+    // d = +inf (y = -inf, b < 0) gives g = 0; d <= 0 is masked.
+    V r = recip<acc_t>(d);
+    V g = V::blendv(vzero, p * r, pos);
+    sp += p;
+    sg += g;
+    sh += g * r;
+  }
+}
+
+// The scalar tail of add_shift_terms.
+template <typename acc_t, Family FAM>
+inline void add_shift_terms(acc_t t, acc_t b, ShiftSums<acc_t>& s) {
+  acc_t p = math::entmax_phi<acc_t>(t, b, FAM);
+  if (p > acc_t(0)) {
+    acc_t g = math::entmax_g_from_p<acc_t>(p, b, FAM);
+    s.p += p;
+    s.g += g;
+    s.h += g / math::entmax_base<acc_t>(t, b);
+  }
+}
+
 // Evaluates the sums at c over cand[0:n] and, in the same pass, drops the
 // entries not above `cut` (cand is compacted in place). Returns the new count.
 template <typename acc_t, Family FAM>
 inline int64_t eval_compact(acc_t* cand, int64_t n, acc_t c, acc_t b, acc_t cut, ShiftSums<acc_t>& out) {
   using V = Vec<acc_t>;
   constexpr int kLanes = V::size();
-  const V vc(c), vone(1), vzero(0), vb(b), vinv_b(acc_t(1) / b), vcut(cut);
+  const V vc(c), vcut(cut);
   V sp(0), sg(0), sh(0);
   int64_t j = 0, k = 0;
   for (; j + kLanes <= n; j += kLanes) {
     V v = V::loadu(cand + j);
     const int keep = lane_mask<acc_t>(v > vcut);
-    V t = v - vc;
-    if constexpr (FAM == Family::kSparsemax) {
-      V d = vone + t;
-      V pos = d > vzero;
-      sp += V::blendv(vzero, d, pos);
-      sg += V::blendv(vzero, vone, pos);
-    } else if constexpr (FAM == Family::kEntmax15) {
-      V d = vone + t * V(acc_t(0.5));
-      V pos = d > vzero;
-      d = V::blendv(vzero, d, pos);
-      sp += d * d;
-      sg += d;
-      sh += V::blendv(vzero, vone, pos);
-    } else {
-      V bt = vb * t;
-      V d = vone + bt;
-      V pos = d > vzero;
-      // b > 0: d in (0, 1] on the support; b < 0: d >= 1, keep the exact path.
-      V p = V::blendv(vzero, b >= kFastPowMinB<acc_t> ? pow_unit<acc_t>(d, acc_t(1) / b) : (bt.log1p() * vinv_b).exp(), pos);
-      // d = +inf (y = -inf, b < 0) gives g = 0; d <= 0 is masked.
-      V r = recip<acc_t>(d);
-      V g = V::blendv(vzero, p * r, pos);
-      sp += p;
-      sg += g;
-      sh += g * r;
-    }
+    add_shift_terms<acc_t, FAM>(v - vc, b, sp, sg, sh);
     k += left_pack(cand + k, v, keep);
   }
   ShiftSums<acc_t> s;
@@ -282,16 +304,26 @@ inline int64_t eval_compact(acc_t* cand, int64_t n, acc_t c, acc_t b, acc_t cut,
     acc_t e = cand[j];
     if (!(e > cut)) continue;
     cand[k++] = e;
-    acc_t p = math::entmax_phi<acc_t>(e - c, b, FAM);
-    if (p > acc_t(0)) {
-      acc_t g = math::entmax_g_from_p<acc_t>(p, b, FAM);
-      s.p += p;
-      s.g += g;
-      s.h += g / math::entmax_base<acc_t>(e - c, b);
-    }
+    add_shift_terms<acc_t, FAM>(e - c, b, s);
   }
   out = s;
   return k;
+}
+
+// Σ φ(y - c) and Σ g over y[0:n] (no compaction).
+template <typename acc_t, Family FAM>
+inline void eval_shift(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t& sum_p, acc_t& sum_g) {
+  using V = Vec<acc_t>;
+  const V vc(c);
+  V sp(0), sg(0), sh(0);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) add_shift_terms<acc_t, FAM>(V::loadu(y + j) - vc, b, sp, sg, sh);
+  ShiftSums<acc_t> s;
+  s.p = hsum(sp);
+  s.g = hsum(sg);
+  for (; j < n; ++j) add_shift_terms<acc_t, FAM>(y[j] - c, b, s);
+  sum_p = s.p;
+  sum_g = s.g;
 }
 
 // Appends the entries of src[0:n] greater than `cut` to dst (which may alias
