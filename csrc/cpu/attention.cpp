@@ -584,7 +584,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
   }
   Tensor dk = nchunks == 1 ? dk_acc[0] : dk_acc.sum(0);
   Tensor dv = nchunks == 1 ? dv_acc[0] : dv_acc.sum(0);
-  Tensor dalpha = want_alpha ? dalpha_acc.sum({0, 1}).to(at::kFloat) : at::empty({0}, q.options().dtype(at::kFloat));
+  // (H,) whenever asked for (zeros for the normalizers without α), else empty.
+  Tensor dalpha = want_alpha   ? dalpha_acc.sum({0, 1}).to(at::kFloat)
+                  : alpha_grad ? at::zeros({c.H}, q.options().dtype(at::kFloat))
+                               : at::empty({0}, q.options().dtype(at::kFloat));
   return {dq.to(q_in.scalar_type()), dk.to(k_in.scalar_type()), dv.to(v_in.scalar_type()), dalpha};
 }
 
