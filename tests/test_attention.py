@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import attnkern
 from attnkern import _extension
 from attnkern.backends import reference
+from attnkern.testing import half_rule_bound
 
 pytestmark = pytest.mark.skipif(not _extension.LOADED, reason="attnkern._C did not load")
 
@@ -160,7 +161,7 @@ def test_forward_half_types(normalizer, mask_kind, dtype):
     plain = p.to(dtype) @ v
     err_plain = (plain.double() - exact).abs().max().item()
     err = (out.double() - exact).abs().max().item()
-    assert err <= 2 * err_plain + 4e-3, (err, err_plain)
+    assert half_rule_bound(err, err_plain, dtype), (err, err_plain)
     assert torch.isfinite(out).all()
 
 
@@ -277,7 +278,7 @@ def test_gradients_match_reference(normalizer, case, dtype):
 
     got = _grads(kern, (q, k, v, alpha), go)
     want = _grads(ref, (q, k, v, alpha), go)
-    for name, g, w in zip(("dq", "dk", "dv", "dalpha"), got, want, strict=True):
+    for name, g, w in zip(("dq", "dk", "dv", "dalpha")[:len(got)], got, want, strict=True):
         assert g.dtype == w.dtype
         tol = GRAD_TOL[dtype]
         if name == "dalpha":
@@ -332,7 +333,7 @@ def test_large_forward_backward_matches_reference(normalizer):
 
         got = _grads(kern, (q, k, v, alpha), go)
         want = _grads(ref, (q, k, v, alpha), go)
-        for name, g, w in zip(("dq", "dk", "dv", "dalpha"), got, want, strict=True):
+        for name, g, w in zip(("dq", "dk", "dv", "dalpha")[:len(got)], got, want, strict=True):
             tol = (1e-4, 1e-3) if name != "dalpha" else (1e-2, 1e-3)
             assert_close(g, w, tol, f"{normalizer} {name} causal={causal}")
 
