@@ -115,8 +115,53 @@ void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int
   }
 }
 
-// Scores of one row in, probabilities out; returns the shift c with
-// p = φ_b(s - c) (the log-sum-exp for softmax). No allowed key: zeros, +inf.
+// y ← exp(y - m) with ATen's exp_u20 (as PyTorch's CPU flash attention:
+// ~20 ulp, far below the float32 tolerance of an attention output, and about
+// twice as fast as the 1-ulp exp); returns the sum. -inf gives exactly 0.
+template <typename acc_t>
+acc_t exp_fast_inplace(acc_t* y, int64_t n, acc_t m) {
+  using V = Vec<acc_t>;
+  const V vm(m);
+  V s(0);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V e = (V::loadu(y + j) - vm).exp_u20();
+    e.store(y + j);
+    s += e;
+  }
+  acc_t sum = hsum(s);
+  for (; j < n; ++j) {
+    y[j] = std::exp(y[j] - m);
+    sum += y[j];
+  }
+  return sum;
+}
+
+// Softmax scores of one row in, unnormalized exp(s - max) out; returns the
+// log-sum-exp (the shift) and sets *inv to the normalization 1/Σ, applied to
+// the output row after P·V (one pass less over the scores).
+template <typename acc_t>
+acc_t softmax_scores(acc_t* y, int64_t n, acc_t* inv) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const acc_t m = row_max(y, n);
+  if (m == -inf) {
+    std::fill(y, y + n, acc_t(0));
+    *inv = 0;
+    return inf;
+  }
+  if (m != m || m == inf) {
+    std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
+    *inv = std::numeric_limits<acc_t>::quiet_NaN();
+    return *inv;
+  }
+  const acc_t sum = exp_fast_inplace(y, n, m);
+  *inv = acc_t(1) / sum;
+  return m + std::log(sum);
+}
+
+// Scores of one row in, probabilities out (sparse families; softmax goes
+// through softmax_scores); returns the shift c with p = φ_b(s - c).
+// No allowed key: zeros and c = +inf.
 template <typename acc_t, Family FAM>
 acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
@@ -130,15 +175,7 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work) {
     return std::numeric_limits<acc_t>::quiet_NaN();
   }
   subtract(y, n, m);
-  if constexpr (FAM == Family::kSoftmax) {
-    // One exp per entry (find_shift would compute them twice).
-    const acc_t sum = exp_shifted(y, n, acc_t(0), y);
-    const Vec<acc_t> inv(acc_t(1) / sum);
-    int64_t j = 0;
-    for (; j + Vec<acc_t>::size() <= n; j += Vec<acc_t>::size()) (Vec<acc_t>::loadu(y + j) * inv).store(y + j);
-    for (; j < n; ++j) y[j] *= acc_t(1) / sum;
-    return m + std::log(sum);
-  } else {
+  {
     acc_t norm;
     const acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
     write_probs<acc_t, FAM>(y, n, c, b, norm, y);
@@ -184,7 +221,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   const int64_t nb = (P.L + BM - 1) / BM;
   const int64_t tasks = P.B * P.H * nb;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> ybuf(BM * std::max<int64_t>(P.S, 1)), work(std::max<int64_t>(P.S, 1));
+    std::vector<acc_t> ybuf(BM * std::max<int64_t>(P.S, 1)), work(std::max<int64_t>(P.S, 1)), inv(BM);
     std::vector<std::pair<int64_t, int64_t>> runs;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nb, bi = bh / P.H, h = bh % P.H;
@@ -200,12 +237,13 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
       acc_t* y = ybuf.data();
       score_block(P, bi, h, i0, m, n, y);
       const acc_t b = P.b[h];
+      const bool softmax = P.fam[h] == Family::kSoftmax;
       for (int64_t r = 0; r < m; ++r) {
         acc_t* row = y + r * n;
         acc_t cr;
         switch (P.fam[h]) {
           case Family::kSoftmax:
-            cr = normalize_scores<acc_t, Family::kSoftmax>(row, n, b, work.data());
+            cr = softmax_scores<acc_t>(row, n, inv.data() + r);
             break;
           case Family::kSparsemax:
             cr = normalize_scores<acc_t, Family::kSparsemax>(row, n, b, work.data());
@@ -218,7 +256,13 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         }
         c[r] = static_cast<float>(cr);
       }
-      nonzero_runs(y, m, n, runs);
+      // exp() is never exactly 0 on allowed keys, so softmax looks for
+      // skippable key blocks only under an explicit mask.
+      if (softmax && !P.mask) {
+        runs.assign(1, {0, n});
+      } else {
+        nonzero_runs(y, m, n, runs);
+      }
       if (runs.empty()) {
         std::fill(o, o + m * P.Ev, acc_t(0));
         continue;
@@ -229,6 +273,13 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         gemm<acc_t>(false, false, m, P.Ev, j1 - j0, acc_t(1), y + j0, n, vh + j0 * P.Ev, P.Ev,
                     first ? acc_t(0) : acc_t(1), o, P.Ev);
         first = false;
+      }
+      if (softmax) {
+        for (int64_t r = 0; r < m; ++r) {
+          acc_t* orow = o + r * P.Ev;
+          const acc_t f = inv[r];
+          for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= f;
+        }
       }
     }
   });
@@ -247,6 +298,10 @@ void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b) {
     } else {
       std::fill(y, y + n, acc_t(0));
     }
+    return;
+  }
+  if constexpr (FAM == Family::kSoftmax && std::is_same_v<acc_t, float>) {
+    exp_fast_inplace(y, n, c);
     return;
   }
   if constexpr (std::is_same_v<acc_t, double>) {
@@ -400,7 +455,11 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
                 recompute_probs<acc_t, Family::kGeneric>(row, n, cr, b);
             }
           }
-          nonzero_runs(y, m, n, runs);
+          if (P.fam[h] == Family::kSoftmax && !P.mask) {
+            runs.assign(1, {0, n});
+          } else {
+            nonzero_runs(y, m, n, runs);
+          }
           if (runs.empty()) {
             std::fill(dqb, dqb + m * P.E, acc_t(0));
             continue;
