@@ -23,6 +23,10 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -42,6 +46,11 @@ using at::Tensor;
 
 // Granularity of the zero-probability skipping, in keys.
 constexpr int64_t kBlockN = 64;
+// Below this fraction of non-zero probabilities in a block of rows, P·V and
+// the backward run entry by entry over the support (gathering rows of k and
+// v) instead of GEMMs over key blocks: a GEMM costs about 2·Ev flops per
+// (query, key) pair whatever p is, a support entry a few dozen vector ops.
+constexpr double kSparseDensity = 1.0 / 16;
 // Target size of one score buffer (BM x S accumulation-type entries).
 constexpr int64_t kScoreBufferBytes = 512 * 1024;
 
@@ -213,6 +222,57 @@ void nonzero_runs(const acc_t* y, int64_t m, int64_t n, std::vector<std::pair<in
   }
 }
 
+// The support of each row of y (m x n) as CSR: the indices of the non-zero
+// (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]]. Gives up (returns
+// false) once there are more than `limit` entries.
+template <typename acc_t>
+bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit, std::vector<int32_t>& idx,
+                     std::vector<int64_t>& ptr) {
+  idx.clear();
+  ptr.assign(m + 1, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* row = y + r * n;
+    int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<acc_t, float> && Vec<float>::size() == 8) {
+      const Vec<float> zero(0.f);
+      for (; j + 8 <= n; j += 8) {
+        int bits = _mm256_movemask_ps(static_cast<__m256>(Vec<float>::loadu(row + j) != zero));
+        while (bits) {
+          idx.push_back(static_cast<int32_t>(j + __builtin_ctz(bits)));
+          bits &= bits - 1;
+        }
+      }
+    }
+#endif
+    for (; j < n; ++j)
+      if (!(row[j] == acc_t(0))) idx.push_back(static_cast<int32_t>(j));
+    ptr[r + 1] = static_cast<int64_t>(idx.size());
+    if (ptr[r + 1] > limit) return false;
+  }
+  return true;
+}
+
+template <typename acc_t>
+inline void axpy(acc_t* y, const acc_t* x, acc_t a, int64_t n) {
+  using V = Vec<acc_t>;
+  const V va(a);
+  int64_t e = 0;
+  for (; e + V::size() <= n; e += V::size()) (V::loadu(y + e) + va * V::loadu(x + e)).store(y + e);
+  for (; e < n; ++e) y[e] += a * x[e];
+}
+
+template <typename acc_t>
+inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
+  using V = Vec<acc_t>;
+  V s(0);
+  int64_t e = 0;
+  for (; e + V::size() <= n; e += V::size()) s += V::loadu(x + e) * V::loadu(y + e);
+  acc_t r = hsum(s);
+  for (; e < n; ++e) r += x[e] * y[e];
+  return r;
+}
+
 // ---------------------------------------------------------------- forward
 
 template <typename acc_t>
@@ -223,6 +283,8 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> ybuf(BM * std::max<int64_t>(P.S, 1)), work(std::max<int64_t>(P.S, 1)), inv(BM);
     std::vector<std::pair<int64_t, int64_t>> runs;
+    std::vector<int32_t> idx;
+    std::vector<int64_t> ptr;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nb, bi = bh / P.H, h = bh % P.H;
       const int64_t i0 = zigzag(t % nb, nb) * BM, m = std::min(BM, P.L - i0);
@@ -256,6 +318,15 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         }
         c[r] = static_cast<float>(cr);
       }
+      const acc_t* vh = P.v_head(bi, h / P.group());
+      if (!softmax && collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), idx, ptr)) {
+        std::fill(o, o + m * P.Ev, acc_t(0));
+        for (int64_t r = 0; r < m; ++r) {
+          const acc_t* prow = y + r * n;
+          for (int64_t t = ptr[r]; t < ptr[r + 1]; ++t) axpy(o + r * P.Ev, vh + idx[t] * P.Ev, prow[idx[t]], P.Ev);
+        }
+        continue;
+      }
       // exp() is never exactly 0 on allowed keys, so softmax looks for
       // skippable key blocks only under an explicit mask.
       if (softmax && !P.mask) {
@@ -267,7 +338,6 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         std::fill(o, o + m * P.Ev, acc_t(0));
         continue;
       }
-      const acc_t* vh = P.v_head(bi, h / P.group());
       bool first = true;
       for (auto [j0, j1] : runs) {
         gemm<acc_t>(false, false, m, P.Ev, j1 - j0, acc_t(1), y + j0, n, vh + j0 * P.Ev, P.Ev,
@@ -402,6 +472,56 @@ void backward_rows(acc_t* y, acc_t* d, int64_t m, int64_t n, const std::vector<s
   }
 }
 
+// Backward of a block of rows over their supports (CSR idx/ptr), entry by
+// entry: dp = dO·v_j, ds = scale·g·(dp - Σg dp/Σg), dq = Σ ds k_j,
+// dk_j += ds q, dv_j += p dO.
+template <typename acc_t, Family FAM>
+void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, int64_t n,
+                          const std::vector<int32_t>& idx, const std::vector<int64_t>& ptr, acc_t b,
+                          const acc_t* qb, const acc_t* dob, const acc_t* kh, const acc_t* vh, acc_t* dqb,
+                          acc_t* dk, acc_t* dv, double* dalpha, std::vector<acc_t>& dps) {
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* prow = y + r * n;
+    const acc_t* qr = qb + r * P.E;
+    const acc_t* dor = dob + r * P.Ev;
+    acc_t* dqr = dqb + r * P.E;
+    std::fill(dqr, dqr + P.E, acc_t(0));
+    const int64_t t0 = ptr[r], t1 = ptr[r + 1];
+    if (t0 == t1) continue;
+    dps.resize(t1 - t0);
+    acc_t gsum = 0, gdp = 0;
+    double pdp = 0, plp = 0, ent = 0, pl2dp = 0, pl2 = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = idx[t];
+      const acc_t dpj = dot(dor, vh + j * P.Ev, P.Ev);
+      dps[t - t0] = dpj;
+      const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
+      gsum += g;
+      gdp += g * dpj;
+      if (dalpha && prow[j] > 0) {
+        const double pj = prow[j], l = std::log(pj);
+        pdp += pj * dpj;
+        plp += pj * l * dpj;
+        ent -= pj * l;
+        pl2dp += pj * l * l * dpj;
+        pl2 += pj * l * l;
+      }
+    }
+    if (dalpha)
+      *dalpha += math::entmax_alpha_grad_row<double>(static_cast<double>(b), pdp, static_cast<double>(gdp),
+                                                     static_cast<double>(gsum), plp, ent, pl2dp, pl2);
+    const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = idx[t];
+      const acc_t pj = prow[j];
+      const acc_t ds = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * (dps[t - t0] - mean);
+      axpy(dqr, kh + j * P.E, ds, P.E);
+      axpy(dk + j * P.E, qr, ds, P.E);
+      axpy(dv + j * P.Ev, dor, pj, P.Ev);
+    }
+  }
+}
+
 template <typename acc_t>
 void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* shift, acc_t* dq, acc_t* dk_acc,
                      acc_t* dv_acc, int64_t nchunks, double* dalpha_acc) {
@@ -412,8 +532,10 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
   const int64_t kv_head_k = P.S * P.E, kv_head_v = P.S * P.Ev;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t Sb = std::max<int64_t>(P.S, 1);
-    std::vector<acc_t> ybuf(BM * Sb), dbuf(BM * Sb);
+    std::vector<acc_t> ybuf(BM * Sb), dbuf(BM * Sb), dps;
     std::vector<std::pair<int64_t, int64_t>> runs;
+    std::vector<int32_t> idx;
+    std::vector<int64_t> ptr;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t chunk = t % nchunks, bk = t / nchunks, bi = bk / P.Hk, hk = bk % P.Hk;
       acc_t* dk = dk_acc + (chunk * P.B * P.Hk + bk) * kv_head_k;
@@ -454,6 +576,23 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
               default:
                 recompute_probs<acc_t, Family::kGeneric>(row, n, cr, b);
             }
+          }
+          if (P.fam[h] != Family::kSoftmax &&
+              collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), idx, ptr)) {
+            switch (P.fam[h]) {
+              case Family::kSparsemax:
+                backward_sparse_rows<acc_t, Family::kSparsemax>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
+                                                                dv, da, dps);
+                break;
+              case Family::kEntmax15:
+                backward_sparse_rows<acc_t, Family::kEntmax15>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
+                                                               dv, da, dps);
+                break;
+              default:
+                backward_sparse_rows<acc_t, Family::kGeneric>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
+                                                              dv, da, dps);
+            }
+            continue;
           }
           if (P.fam[h] == Family::kSoftmax && !P.mask) {
             runs.assign(1, {0, n});
