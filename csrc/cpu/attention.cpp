@@ -146,30 +146,8 @@ acc_t exp_fast_inplace(acc_t* y, int64_t n, acc_t m) {
   return sum;
 }
 
-// Softmax scores of one row in, unnormalized exp(s - max) out; returns the
-// log-sum-exp (the shift) and sets *inv to the normalization 1/Σ, applied to
-// the output row after P·V (one pass less over the scores).
-template <typename acc_t>
-acc_t softmax_scores(acc_t* y, int64_t n, acc_t* inv) {
-  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
-  const acc_t m = row_max(y, n);
-  if (m == -inf) {
-    std::fill(y, y + n, acc_t(0));
-    *inv = 0;
-    return inf;
-  }
-  if (m != m || m == inf) {
-    std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
-    *inv = std::numeric_limits<acc_t>::quiet_NaN();
-    return *inv;
-  }
-  const acc_t sum = exp_fast_inplace(y, n, m);
-  *inv = acc_t(1) / sum;
-  return m + std::log(sum);
-}
-
 // Scores of one row in, probabilities out (sparse families; softmax goes
-// through softmax_scores); returns the shift c with p = φ_b(s - c).
+// through softmax_forward_block); returns the shift c with p = φ_b(s - c).
 // No allowed key: zeros and c = +inf.
 template <typename acc_t, Family FAM>
 acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work) {
@@ -275,13 +253,89 @@ inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
 
 // ---------------------------------------------------------------- forward
 
+// Keys per block of the online softmax forward.
+constexpr int64_t kSoftmaxBlockN = 512;
+
+// Softmax forward of one block of query rows, online over key blocks of
+// kSoftmaxBlockN (as FlashAttention): the scores of a key block stay in L1/L2
+// and the output is rescaled when the running max grows. Softmax needs no
+// whole row, and on long rows this beats the row buffer of the sparse
+// normalizers. y: m x kSoftmaxBlockN scratch; mrow, lrow: m entries.
+template <typename acc_t>
+void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                           acc_t* y, acc_t* o, float* c, acc_t* mrow, acc_t* lrow) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+  const acc_t* qb = P.q_rows(bi, h, i0);
+  const acc_t* kh = P.k_head(bi, h / P.group());
+  const acc_t* vh = P.v_head(bi, h / P.group());
+  std::fill(o, o + m * P.Ev, acc_t(0));
+  std::fill(mrow, mrow + m, -inf);
+  std::fill(lrow, lrow + m, acc_t(0));
+  for (int64_t j0 = 0; j0 < n; j0 += kSoftmaxBlockN) {
+    const int64_t w = std::min(kSoftmaxBlockN, n - j0);
+    gemm<acc_t>(false, true, m, w, P.E, P.scale, qb, P.E, kh + j0 * P.E, P.E, acc_t(0), y, w);
+    for (int64_t r = 0; r < m; ++r) {
+      acc_t* row = y + r * w;
+      if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
+      if (P.causal) {
+        for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j) row[j] = -inf;
+      }
+      const acc_t bm = row_max(row, w);
+      const acc_t old = mrow[r];
+      if (bm != bm || old != old) {
+        std::fill(row, row + w, nan);
+        mrow[r] = nan;
+        continue;
+      }
+      const acc_t mx = std::max(old, bm);
+      if (mx == -inf) {  // nothing allowed yet in this row
+        std::fill(row, row + w, acc_t(0));
+        continue;
+      }
+      const acc_t sum = exp_fast_inplace(row, w, mx);
+      if (mx != old) {
+        const acc_t corr = std::exp(old - mx);  // 0 when old = -inf
+        lrow[r] *= corr;
+        if (old != -inf) {
+          acc_t* orow = o + r * P.Ev;
+          for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= corr;
+        }
+        mrow[r] = mx;
+      }
+      lrow[r] += sum;
+    }
+    gemm<acc_t>(false, false, m, P.Ev, w, acc_t(1), y, w, vh + j0 * P.Ev, P.Ev, acc_t(1), o, P.Ev);
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* orow = o + r * P.Ev;
+    if (mrow[r] != mrow[r]) {
+      std::fill(orow, orow + P.Ev, nan);
+      c[r] = std::numeric_limits<float>::quiet_NaN();
+    } else if (mrow[r] == -inf || !(lrow[r] > acc_t(0))) {
+      std::fill(orow, orow + P.Ev, acc_t(0));
+      c[r] = std::numeric_limits<float>::infinity();
+    } else {
+      const acc_t f = acc_t(1) / lrow[r];
+      for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= f;
+      c[r] = static_cast<float>(mrow[r] + std::log(lrow[r]));
+    }
+  }
+}
+
 template <typename acc_t>
 void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
-  const int64_t BM = block_rows(P.S, P.L, sizeof(acc_t));
+  // Softmax heads run online over key blocks and need only BM x
+  // kSoftmaxBlockN of scores; larger query blocks amortize the GEMM packing.
+  const bool all_softmax = std::all_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
+  const int64_t BM = all_softmax ? std::min<int64_t>(env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_M", 128), std::max<int64_t>(P.L, 1))
+                                 : block_rows(P.S, P.L, sizeof(acc_t));
+  const int64_t row_len = all_softmax ? std::min(P.S, kSoftmaxBlockN) : P.S;
   const int64_t nb = (P.L + BM - 1) / BM;
   const int64_t tasks = P.B * P.H * nb;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> ybuf(BM * std::max<int64_t>(P.S, 1)), work(std::max<int64_t>(P.S, 1)), inv(BM);
+    std::vector<acc_t> ybuf(BM * std::max<int64_t>({row_len, std::min(P.S, kSoftmaxBlockN), 1})),
+        work(std::max<int64_t>(P.S, 1)), mrow(BM), lsum(BM);
     std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<int32_t> idx;
     std::vector<int64_t> ptr;
@@ -297,16 +351,16 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         continue;
       }
       acc_t* y = ybuf.data();
+      if (P.fam[h] == Family::kSoftmax) {
+        softmax_forward_block(P, bi, h, i0, m, n, y, o, c, mrow.data(), lsum.data());
+        continue;
+      }
       score_block(P, bi, h, i0, m, n, y);
       const acc_t b = P.b[h];
-      const bool softmax = P.fam[h] == Family::kSoftmax;
       for (int64_t r = 0; r < m; ++r) {
         acc_t* row = y + r * n;
         acc_t cr;
         switch (P.fam[h]) {
-          case Family::kSoftmax:
-            cr = softmax_scores<acc_t>(row, n, inv.data() + r);
-            break;
           case Family::kSparsemax:
             cr = normalize_scores<acc_t, Family::kSparsemax>(row, n, b, work.data());
             break;
@@ -319,7 +373,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         c[r] = static_cast<float>(cr);
       }
       const acc_t* vh = P.v_head(bi, h / P.group());
-      if (!softmax && collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), idx, ptr)) {
+      if (collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), idx, ptr)) {
         std::fill(o, o + m * P.Ev, acc_t(0));
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* prow = y + r * n;
@@ -327,13 +381,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         }
         continue;
       }
-      // exp() is never exactly 0 on allowed keys, so softmax looks for
-      // skippable key blocks only under an explicit mask.
-      if (softmax && !P.mask) {
-        runs.assign(1, {0, n});
-      } else {
-        nonzero_runs(y, m, n, runs);
-      }
+      nonzero_runs(y, m, n, runs);
       if (runs.empty()) {
         std::fill(o, o + m * P.Ev, acc_t(0));
         continue;
@@ -343,13 +391,6 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         gemm<acc_t>(false, false, m, P.Ev, j1 - j0, acc_t(1), y + j0, n, vh + j0 * P.Ev, P.Ev,
                     first ? acc_t(0) : acc_t(1), o, P.Ev);
         first = false;
-      }
-      if (softmax) {
-        for (int64_t r = 0; r < m; ++r) {
-          acc_t* orow = o + r * P.Ev;
-          const acc_t f = inv[r];
-          for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= f;
-        }
       }
     }
   });
