@@ -41,5 +41,18 @@ def _register() -> None:
         return _like(p), p.new_empty((0,))
 
 
+def _register_attention() -> None:
+    @torch.library.register_fake("attnkern::attention_fwd")
+    def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha):
+        B, H, L, _ = q.shape
+        return q.new_empty((B, H, L, v.shape[-1])), q.new_empty((B, H, L), dtype=torch.float32)
+
+    @torch.library.register_fake("attnkern::attention_bwd")
+    def _attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad):
+        dalpha = q.new_empty((q.shape[1],) if alpha_grad else (0,), dtype=torch.float32)
+        return _like(q), _like(k), _like(v), dalpha
+
+
 if _extension.LOADED:
     _register()
+    _register_attention()

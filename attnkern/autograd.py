@@ -56,3 +56,39 @@ class EntmaxFunction(torch.autograd.Function):
         if not want_alpha:
             return dx, None, None
         return dx, dalpha.sum_to_size(alpha.shape).to(alpha.dtype), None
+
+
+def _attention_impl(impl: str):
+    """The attention_fwd/attention_bwd pair: the compiled ops (dispatching on
+    device) or the Triton launchers."""
+    if impl == "triton":
+        from attnkern.backends import triton as triton_backend
+
+        return triton_backend.attention_fwd, triton_backend.attention_bwd
+    return _ops.attention_fwd, _ops.attention_bwd
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Fused attention, q (B, H, L, E), k (B, Hk, S, E), v (B, Hk, S, Ev).
+
+    Saves q, k, v, the mask, α, the output and one shift per query row; the
+    backward op recomputes the scores. mask: float (B, H, L, S)-broadcastable
+    or None (no gradient); alpha: float32 (H,) or None.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, alpha, is_causal: bool, scale: float, normalizer: str, impl: str):
+        fwd, _ = _attention_impl(impl)
+        out, shift = fwd(q, k, v, mask, is_causal, scale, normalizer, alpha)
+        ctx.save_for_backward(q, k, v, mask, alpha, out, shift)
+        ctx.is_causal, ctx.scale, ctx.normalizer, ctx.impl = is_causal, scale, normalizer, impl
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, alpha, out, shift = ctx.saved_tensors
+        _, bwd = _attention_impl(ctx.impl)
+        want_alpha = alpha is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dalpha = bwd(grad_out, q, k, v, mask, ctx.is_causal, ctx.scale, ctx.normalizer, alpha,
+                                 out, shift, want_alpha)
+        return dq, dk, dv, None, (dalpha if want_alpha else None), None, None, None, None

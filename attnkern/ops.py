@@ -99,28 +99,39 @@ def _kernel_unavailable(backend: str, x: torch.Tensor) -> str | None:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def use_kernels(backend: str, x: torch.Tensor) -> bool:
-    """True to call the compiled ops (dispatching on x's device), False for the reference."""
+def choose_backend(backend: str, x: torch.Tensor, unavailable=None, candidates=("cpu", "cuda")) -> str:
+    """The backend that runs a call on x: one of `candidates` or "reference".
+
+    unavailable(name, x) says why a backend cannot run the call (None if it
+    can); it defaults to the row-wise normalizers' rules. "auto" takes the
+    first candidate that can run, else the reference; a forced backend that
+    cannot run raises one error listing every backend's reason.
+    """
+    unavailable = unavailable or _kernel_unavailable
     if backend == "reference":
-        return False
+        return "reference"
     if backend == "auto":
         if _compiling():
-            return True
+            return candidates[0]
+        for b in candidates:
+            if unavailable(b, x) is None:
+                return b
         if not _extension.LOADED:
             _extension.warn_fallback()
-            return False
-        for b in ("cpu", "cuda"):
-            if _kernel_unavailable(b, x) is None:
-                return True
-        return False  # e.g. a meta or MPS tensor: the reference runs anywhere
+        return "reference"  # e.g. a meta or MPS tensor: the reference runs anywhere
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    why = _kernel_unavailable(backend, x)
+    why = unavailable(backend, x)
     if why is not None:
-        reasons = [r for r in (_kernel_unavailable(b, x) for b in ("cpu", "cuda", "triton")) if r]
+        reasons = [r for r in (unavailable(b, x) for b in ("cpu", "cuda", "triton")) if r]
         raise RuntimeError(f"backend={backend!r} cannot run this call: {why}. All backends: "
                            + "; ".join(reasons + ["reference: available"]))
-    return True
+    return backend
+
+
+def use_kernels(backend: str, x: torch.Tensor) -> bool:
+    """True to call the compiled ops (dispatching on x's device), False for the reference."""
+    return choose_backend(backend, x) != "reference"
 
 
 # --- public functions --------------------------------------------------------

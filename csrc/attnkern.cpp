@@ -11,6 +11,15 @@
 //                                             grad_alpha: per row (x's shape
 //                                             with size 1 along dim), or an
 //                                             empty tensor if not asked for
+//
+// Fused attention (q (B,H,L,E), k (B,Hk,S,E), v (B,Hk,S,Ev), H % Hk == 0):
+//   attention_fwd(...) -> (out (B,H,L,Ev) in q's dtype, shift (B,H,L) float32)
+//       scores s = scale·q·kᵀ + mask (float, broadcastable to (B,H,L,S),
+//       -inf = not allowed), causal: key j <= query i. p = φ_b(s - shift);
+//       a row with no allowed key has shift +inf and output 0.
+//       normalizer: softmax | sparsemax | entmax15 | entmax (alpha: float32 (H,))
+//   attention_bwd(...) -> (dq, dk, dv, dalpha (H,) float32 or empty)
+//       recomputes the scores from q, k and the saved shift.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -23,6 +32,11 @@ TORCH_LIBRARY(attnkern, m) {
   m.def("entmax15_bwd(Tensor p, Tensor grad, int dim) -> Tensor");
   m.def("entmax_fwd(Tensor x, Tensor alpha, int dim) -> Tensor");
   m.def("entmax_bwd(Tensor p, Tensor grad, Tensor alpha, int dim, bool alpha_grad) -> (Tensor, Tensor)");
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, str normalizer, "
+        "Tensor? alpha) -> (Tensor out, Tensor shift)");
+  m.def("attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, "
+        "str normalizer, Tensor? alpha, Tensor out, Tensor shift, bool alpha_grad) "
+        "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dalpha)");
 }
 
 // A Python module so that `import attnkern._C` loads the library and runs the

@@ -171,3 +171,58 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
 
 def entmax_bisect(x: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
     return entmax(x, alpha, dim)
+
+
+# --- fused attention ----------------------------------------------------------
+
+_ATTENTION_NORMALIZERS = {"softmax": softmax, "sparsemax": sparsemax, "entmax15": entmax15}
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+              is_causal: bool = False, scale=None, *, normalizer: str = "softmax", alpha=None,
+              dropout_p: float = 0.0, return_weights: bool = False):
+    """Unfused attention in float64: p = normalizer(scale·q·kᵀ + mask) along keys, out = p·v.
+
+    query (..., H, L, E), key (..., Hk, S, E), value (..., Hk, S, Ev) with H a
+    multiple of Hk (query head h uses key/value head h // (H // Hk)); leading
+    dims broadcast. attn_mask: None, bool (True = takes part) or float (added),
+    broadcastable to (..., H, L, S). is_causal: query i sees keys j <= i.
+    alpha ("entmax" only): float, or tensor broadcastable to (..., H, 1, 1).
+    dropout_p: dropout on p before p·v (as torch's MultiheadAttention).
+    A query with no allowed key gets p = 0 and output 0.
+    Returns out (..., H, L, Ev) in query's dtype, and p (the weights used) if
+    return_weights.
+    """
+    q, k, v = query.to(torch.float64), key.to(torch.float64), value.to(torch.float64)
+    if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3] and k.shape[-3] > 1:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    s = scale * (q @ k.transpose(-2, -1))
+    if is_causal:
+        L, S = s.shape[-2:]
+        allowed = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~allowed, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, -math.inf)
+        else:
+            s = s + attn_mask.to(torch.float64)
+    # Rows with no allowed key are normalized as zeros here and zeroed after,
+    # so that no gradient (in α either) goes through them.
+    empty = (s == -math.inf).all(-1, keepdim=True)
+    s = torch.where(empty, torch.zeros_like(s), s)
+    if normalizer == "entmax":
+        a = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64)
+        p = entmax(s, a.to(device=s.device, dtype=torch.float64), -1)
+    elif normalizer in _ATTENTION_NORMALIZERS:
+        p = _ATTENTION_NORMALIZERS[normalizer](s, -1)
+    else:
+        raise ValueError(f"normalizer must be one of softmax, sparsemax, entmax15, entmax; "
+                         f"got {normalizer!r}")
+    p = torch.where(empty, torch.zeros_like(p), p)
+    if dropout_p > 0:
+        p = torch.nn.functional.dropout(p, dropout_p)
+    out = (p @ v).to(query.dtype)
+    return (out, p.to(query.dtype)) if return_weights else out

@@ -1,0 +1,284 @@
+"""Fused attention with softmax, sparsemax, entmax15 or α-entmax weights.
+
+`attention` takes the arguments of torch.nn.functional.scaled_dot_product_attention
+(same shapes, broadcasting, masks and causal alignment) plus the normalizer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+
+import torch
+
+from attnkern import ops
+from attnkern.backends import reference
+
+NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
+
+
+# --- backend choice -----------------------------------------------------------
+
+
+def _triton_unavailable(q: torch.Tensor) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton: the triton package is not installed"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return f"triton: input is on {q.device} (needs a CUDA device, or CPU tensors with TRITON_INTERPRET=1)"
+    try:
+        mod = importlib.import_module("attnkern.backends.triton")
+    except Exception as exc:  # ImportError, or triton failing to initialize
+        return f"triton: attnkern.backends.triton did not import ({type(exc).__name__}: {exc})"
+    missing = [f for f in ("attention_fwd", "attention_bwd") if not hasattr(mod, f)]
+    if missing:
+        return f"triton: attnkern.backends.triton has no {', '.join(missing)}"
+    return None
+
+
+def _attention_unavailable(backend: str, q: torch.Tensor, *, dropout_p: float, mask_grad: bool,
+                           alpha_batched: bool) -> str | None:
+    """Why `backend` cannot run this attention call, or None if it can."""
+    if backend == "reference":
+        return None
+    if backend == "triton":
+        why = _triton_unavailable(q)
+    else:
+        why = ops._kernel_unavailable(backend, q)
+        if why is None and backend == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                "attnkern::attention_fwd", "CUDA"):
+            why = "cuda: attnkern._C has no CUDA attention kernel"
+    if why is not None:
+        return why
+    if dropout_p > 0:
+        return f"{backend}: no dropout (dropout_p={dropout_p})"
+    if mask_grad:
+        return f"{backend}: no gradient for a float attn_mask that requires grad"
+    if alpha_batched:
+        return f"{backend}: alpha must be one value per head (it varies over the batch dims here)"
+    return None
+
+
+# --- validation -----------------------------------------------------------------
+
+
+def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer,
+                  return_weights) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        ops.check_tensor(t, name)
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., seq, dim), got shape {tuple(t.shape)}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must have one dtype, got {query.dtype}, {key.dtype}, "
+                        f"{value.dtype}")
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device}, "
+                         f"{value.device}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key must have the same last dim (E), got {query.shape[-1]} and "
+                         f"{key.shape[-1]}")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"key and value must have the same sequence length (S), got {key.shape[-2]} and "
+                         f"{value.shape[-2]}")
+    if key.dim() >= 3 and value.dim() >= 3 and key.shape[-3] != value.shape[-3]:
+        raise ValueError(f"key and value must have the same number of heads, got {key.shape[-3]} and "
+                         f"{value.shape[-3]}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be a bool or floating-point tensor, got {attn_mask.dtype}")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    flags = (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("return_weights", return_weights))
+    for name, flag in flags:
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise TypeError(f"scale must be None or a finite float, got {scale!r}")
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+
+
+def _check_alpha(alpha, normalizer: str, target: tuple, heads: int):
+    """α as a float, or a tensor broadcastable to `target` = (*batch, H, 1, 1);
+    a 1-d tensor of H values is one α per head."""
+    if normalizer != "entmax":
+        if alpha is not None:
+            raise ValueError(f"alpha is only used with normalizer='entmax', got normalizer={normalizer!r}")
+        return None
+    if alpha is None:
+        raise ValueError("normalizer='entmax' needs alpha (a float > 0 or a tensor of one value per head)")
+    if isinstance(alpha, bool):
+        raise TypeError("alpha must be a float or a tensor, got bool")
+    if isinstance(alpha, numbers.Real):
+        if math.isnan(alpha) or alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {alpha}")
+        return float(alpha)
+    if not isinstance(alpha, torch.Tensor):
+        raise TypeError(f"alpha must be a float or a torch.Tensor, got {type(alpha).__name__}")
+    if not alpha.is_floating_point():
+        raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
+    a = _alpha_view(alpha, heads)
+    try:
+        ok = torch.broadcast_shapes(a.shape, target) == torch.Size(target)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"alpha of shape {tuple(alpha.shape)} must be a float, a tensor of {heads} values "
+                         f"(one per head), or broadcastable to {tuple(target)}")
+    if a.numel() and a.device.type != "meta":
+        with torch.no_grad():
+            if bool((torch.isnan(a) | (a <= 0)).any()):
+                raise ValueError(f"alpha must be > 0 and not NaN everywhere, got min {a.min().item()}")
+    return a
+
+
+def _alpha_view(alpha: torch.Tensor, heads: int) -> torch.Tensor:
+    """A (H,) tensor means one α per head: view it as (H, 1, 1)."""
+    if alpha.dim() == 1 and alpha.shape[0] == heads and heads > 1:
+        return alpha.view(heads, 1, 1)
+    return alpha
+
+
+# --- the public function ----------------------------------------------------------
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale=None, enable_gqa: bool = False, *,
+              normalizer: str = "softmax", alpha=None, backend: str = "auto", return_weights: bool = False):
+    """Attention with softmax, sparsemax, entmax15 or α-entmax weights.
+
+    Arguments as torch.nn.functional.scaled_dot_product_attention:
+      query (..., H, L, E), key (..., Hk, S, E), value (..., Hk, S, Ev); leading
+      dims broadcast; Hk == H, or H a multiple of Hk with enable_gqa=True (or
+      Hk == 1). attn_mask: bool (True = takes part) or float (added to the
+      scores), broadcastable to (..., H, L, S). is_causal: query i sees keys
+      j <= i (SDPA's top-left alignment). scale: default 1/sqrt(E).
+      dropout_p: dropout on the weights (reference backend only).
+    normalizer: "softmax", "sparsemax" (Euclidean projection onto the simplex),
+      "entmax15", or "entmax" with `alpha`: a float > 0, a tensor of H values
+      (one per head), or a tensor broadcastable to (..., H, 1, 1); it may
+      require grad. Each row of weights p solves
+      argmax_{p in Δ} <p, s> + H^T_α(p) (Tsallis entropy; α = 1 Shannon).
+    A query whose keys are all masked gets zeros (no NaN) for every normalizer.
+    backend: "auto", "cpu", "cuda", "triton" or "reference".
+    return_weights: also return the weights (..., H, L, S); this materializes
+      them and runs unfused (the row-wise normalizer kernels).
+    Returns out (..., H, L, Ev) in query's dtype [, weights].
+    """
+    compiling = ops._compiling()
+    if not compiling:
+        _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer,
+                      return_weights)
+    E = query.shape[-1]
+    L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+
+    # Everything as (*batch, heads, seq, dim); 2-d inputs get a unit head dim.
+    added = max(0, 3 - max(query.dim(), key.dim(), value.dim()))
+    q, k, v = (t.reshape((1,) * max(0, 3 - t.dim()) + tuple(t.shape)) for t in (query, key, value))
+    H, Hk = q.shape[-3], k.shape[-3]
+    if Hk != H:
+        if H % Hk == 0 and (enable_gqa or Hk == 1):
+            pass  # query head h uses key/value head h // (H // Hk)
+        elif H == 1 and not enable_gqa:
+            q = q.expand(*q.shape[:-3], Hk, L, E)
+            H = Hk
+        elif not compiling:
+            raise ValueError(f"query has {H} heads and key/value {Hk}: they must be equal, or the query "
+                             f"heads a multiple of the key/value heads with enable_gqa=True")
+    try:
+        batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    except RuntimeError as exc:
+        raise ValueError(f"the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} do not broadcast") from exc
+    target = batch + (H, L, S)
+    if attn_mask is not None and not compiling:
+        try:
+            ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target} "
+                             f"(..., heads, L, S)")
+    if not compiling:
+        alpha = _check_alpha(alpha, normalizer, batch + (H, 1, 1), H)
+    elif isinstance(alpha, torch.Tensor):
+        alpha = _alpha_view(alpha, H)
+
+    alpha_batched = (isinstance(alpha, torch.Tensor) and alpha.dim() > 3
+                     and any(d != 1 for d in alpha.shape[:-3]))
+    mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
+
+    def unavailable(b, x):
+        return _attention_unavailable(b, x, dropout_p=float(dropout_p), mask_grad=mask_grad,
+                                      alpha_batched=alpha_batched)
+
+    chosen = ops.choose_backend(backend, query, unavailable, candidates=("cpu", "cuda", "triton"))
+    if chosen == "reference":
+        res = reference.attention(q, k, v, attn_mask, is_causal, scale, normalizer=normalizer, alpha=alpha,
+                                  dropout_p=float(dropout_p), return_weights=return_weights)
+        return _unpad(res, added)
+    if return_weights:
+        return _unpad(_unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha,
+                               "auto" if chosen == "triton" else chosen), added)
+
+    B = math.prod(batch)
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q4 = q.expand(batch + (H, L, E)).reshape(B, H, L, E)
+    k4 = k.expand(batch + (Hk, S, E)).reshape(B, Hk, S, E)
+    v4 = v.expand(batch + (Hk, S, Ev)).reshape(B, Hk, S, Ev)
+    mask4 = None
+    if attn_mask is not None:
+        m = attn_mask
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, dtype=acc, device=m.device).masked_fill_(~m, -math.inf)
+        mask4 = m.to(acc).expand(target).reshape(B, H, L, S)
+    alpha_h = None
+    if normalizer == "entmax":
+        if isinstance(alpha, torch.Tensor):
+            a = alpha.reshape(alpha.shape[-3:]) if alpha.dim() > 3 else alpha
+            alpha_h = a.to(torch.float32).expand(H, 1, 1).reshape(H)
+        else:
+            alpha_h = torch.full((H,), alpha, dtype=torch.float32, device=query.device)
+    from attnkern.autograd import AttentionFunction
+
+    impl = "triton" if chosen == "triton" else "ops"
+    out = AttentionFunction.apply(q4, k4, v4, mask4, alpha_h, is_causal, scale, normalizer, impl)
+    return _unpad(out.reshape(batch + (H, L, Ev)), added)
+
+
+def _unpad(res, added: int):
+    """Drops the leading unit dims added to 2-d inputs."""
+    if added == 0:
+        return res
+    if isinstance(res, tuple):
+        return tuple(r.reshape(r.shape[added:]) for r in res)
+    return res.reshape(res.shape[added:])
+
+
+def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend):
+    """Materialized weights through the row-wise normalizers (return_weights=True)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    H, Hk = q.shape[-3], k.shape[-3]
+    if Hk != H:
+        k, v = k.repeat_interleave(H // Hk, -3), v.repeat_interleave(H // Hk, -3)
+    s = scale * (q.to(acc) @ k.to(acc).transpose(-2, -1))
+    if is_causal:
+        L, S = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(), -math.inf)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
+    if normalizer == "entmax":
+        a = alpha.to(acc) if isinstance(alpha, torch.Tensor) else alpha
+        p = ops.entmax(s, a, -1, backend=backend)
+    else:
+        p = getattr(ops, normalizer)(s, -1, backend=backend)
+    out = p @ v.to(acc)
+    return out.to(q.dtype), p.to(q.dtype)

@@ -1,0 +1,842 @@
+// Fused softmax / sparsemax / entmax15 / α-entmax attention on the CPU,
+// forward and backward (the op contract is in csrc/attnkern.cpp).
+//
+// Layout of the work: for one (batch, head) and a block of BM query rows, the
+// scores against every allowed key are computed with one GEMM into a buffer of
+// BM x S floats that stays in L2. The sparse normalizers need the whole row to
+// find their shift (find_shift in entmax_row.h); softmax uses the same buffer
+// (an exact two-pass softmax over a cached row costs the same as online
+// softmax and needs no rescaling). Probabilities are written in place, and
+// P·V runs only over the key blocks (kBlockN keys) where some probability of
+// the block is non-zero: sparsity turns into skipped GEMM work. The backward
+// recomputes the scores from q and k and the saved shift, and skips the same
+// key blocks in all of its GEMMs.
+//
+// Parallelism: the forward over batch x heads x query blocks. The backward
+// over batch x kv-heads x chunks of query blocks; when batch x kv-heads is
+// smaller than the thread count, the query blocks of a head are split into
+// chunks with their own dK/dV accumulators, summed at the end, so both cores
+// work even for a single head.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attnkern/entmax_math.h"
+#include "blas.h"
+#include "entmax_row.h"
+
+namespace attnkern {
+namespace cpu {
+namespace {
+
+using at::Tensor;
+
+// Granularity of the zero-probability skipping, in keys.
+constexpr int64_t kBlockN = 64;
+// Below this fraction of non-zero probabilities in a block of rows, P·V and
+// the backward run entry by entry over the support (gathering rows of k and
+// v) instead of GEMMs over key blocks: a GEMM costs about 2·Ev flops per
+// (query, key) pair whatever p is, a support entry a few dozen vector ops.
+constexpr double kSparseDensity = 1.0 / 16;
+// Target size of one score buffer (BM x S accumulation-type entries).
+constexpr int64_t kScoreBufferBytes = 512 * 1024;
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return fallback;
+  return std::max<int64_t>(1, std::atoll(s));
+}
+
+// Query rows per block: as many as keep the score buffer near
+// kScoreBufferBytes, between 8 and 64 (GEMM efficiency drops below 8 rows).
+// ATTNKERN_ATTN_BLOCK_M overrides it (for tuning).
+int64_t block_rows(int64_t S, int64_t L, size_t elem) {
+  int64_t bm = kScoreBufferBytes / (std::max<int64_t>(S, 1) * static_cast<int64_t>(elem));
+  bm = std::clamp<int64_t>(bm, 8, 64);
+  bm = env_int("ATTNKERN_ATTN_BLOCK_M", bm);
+  return std::max<int64_t>(1, std::min(bm, std::max<int64_t>(L, 1)));
+}
+
+// Block index of the t-th task of a head, in an order that interleaves the
+// early (cheap under a causal mask) and late blocks, so that at::parallel_for's
+// contiguous split hands every thread a similar amount of work.
+inline int64_t zigzag(int64_t t, int64_t nb) { return (t % 2 == 0) ? t / 2 : nb - 1 - t / 2; }
+
+template <typename acc_t>
+struct Problem {
+  const acc_t* q;  // (B, H, L, E) contiguous
+  const acc_t* k;  // (B, Hk, S, E) contiguous
+  const acc_t* v;  // (B, Hk, S, Ev) contiguous
+  const acc_t* mask = nullptr;  // (B, H, L, S) view with the strides below
+  int64_t msb = 0, msh = 0, msl = 0, mss = 0;
+  int64_t B, H, Hk, L, S, E, Ev;
+  acc_t scale;
+  bool causal;
+  // Per head: b = α - 1 and its family.
+  std::vector<acc_t> b;
+  std::vector<Family> fam;
+
+  int64_t group() const { return H / Hk; }
+  // Keys a block of rows [i0, i0 + m) can see.
+  int64_t keys_for(int64_t i0, int64_t m) const { return causal ? std::min(S, i0 + m) : S; }
+  const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0) * E; }
+  const acc_t* k_head(int64_t bi, int64_t hk) const { return k + (bi * Hk + hk) * S * E; }
+  const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk) * S * Ev; }
+};
+
+template <typename acc_t>
+void add_row(acc_t* y, int64_t n, const acc_t* m, int64_t ms) {
+  using V = Vec<acc_t>;
+  if (ms == 1) {
+    int64_t j = 0;
+    for (; j + V::size() <= n; j += V::size()) (V::loadu(y + j) + V::loadu(m + j)).store(y + j);
+    for (; j < n; ++j) y[j] += m[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) y[j] += m[j * ms];
+  }
+}
+
+// y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
+// diagonal.
+template <typename acc_t>
+void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
+  gemm<acc_t>(false, true, m, n, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, h / P.group()), P.E,
+              acc_t(0), y, n);
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * n;
+    if (P.mask) add_row(row, n, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl, P.mss);
+    if (P.causal) {
+      for (int64_t j = i0 + r + 1; j < n; ++j) row[j] = -std::numeric_limits<acc_t>::infinity();
+    }
+  }
+}
+
+// y ← exp(y - m) with ATen's exp_u20 (as PyTorch's CPU flash attention:
+// ~20 ulp, far below the float32 tolerance of an attention output, and about
+// twice as fast as the 1-ulp exp); returns the sum. -inf gives exactly 0.
+template <typename acc_t>
+acc_t exp_fast_inplace(acc_t* y, int64_t n, acc_t m) {
+  using V = Vec<acc_t>;
+  const V vm(m);
+  V s(0);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V e = (V::loadu(y + j) - vm).exp_u20();
+    e.store(y + j);
+    s += e;
+  }
+  acc_t sum = hsum(s);
+  for (; j < n; ++j) {
+    y[j] = std::exp(y[j] - m);
+    sum += y[j];
+  }
+  return sum;
+}
+
+// Scores of one row in, probabilities out (sparse families; softmax goes
+// through softmax_forward_block); returns the shift c with p = φ_b(s - c).
+// No allowed key: zeros and c = +inf.
+template <typename acc_t, Family FAM>
+acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const acc_t m = row_max(y, n);
+  if (m == -inf) {
+    std::fill(y, y + n, acc_t(0));
+    return inf;
+  }
+  if (m != m || m == inf) {
+    std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
+    return std::numeric_limits<acc_t>::quiet_NaN();
+  }
+  subtract(y, n, m);
+  {
+    acc_t norm;
+    const acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
+    write_probs<acc_t, FAM>(y, n, c, b, norm, y);
+    return m + c;
+  }
+}
+
+// Runs of consecutive key blocks of y (m x n) holding any non-zero (or NaN)
+// entry, as [start, end) key ranges.
+template <typename acc_t>
+void nonzero_runs(const acc_t* y, int64_t m, int64_t n, std::vector<std::pair<int64_t, int64_t>>& runs) {
+  using V = Vec<acc_t>;
+  runs.clear();
+  for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
+    const int64_t j1 = std::min(n, j0 + kBlockN);
+    bool any = false;
+    for (int64_t r = 0; r < m && !any; ++r) {
+      const acc_t* row = y + r * n;
+      int64_t j = j0;
+      if (j1 - j0 >= V::size()) {
+        V vm = V::loadu(row + j);
+        for (j += V::size(); j + V::size() <= j1; j += V::size()) vm = at::vec::maximum(vm, V::loadu(row + j));
+        const acc_t mx =
+            at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, vm);
+        any = !(mx == acc_t(0));
+      }
+      for (; j < j1 && !any; ++j) any = !(row[j] == acc_t(0));
+    }
+    if (!any) continue;
+    if (!runs.empty() && runs.back().second == j0) {
+      runs.back().second = j1;
+    } else {
+      runs.emplace_back(j0, j1);
+    }
+  }
+}
+
+// The support of each row of y (m x n) as CSR: the indices of the non-zero
+// (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]]. Gives up (returns
+// false) once there are more than `limit` entries.
+template <typename acc_t>
+bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit, std::vector<int32_t>& idx,
+                     std::vector<int64_t>& ptr) {
+  idx.clear();
+  ptr.assign(m + 1, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* row = y + r * n;
+    int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<acc_t, float> && Vec<float>::size() == 8) {
+      const Vec<float> zero(0.f);
+      for (; j + 8 <= n; j += 8) {
+        int bits = _mm256_movemask_ps(static_cast<__m256>(Vec<float>::loadu(row + j) != zero));
+        while (bits) {
+          idx.push_back(static_cast<int32_t>(j + __builtin_ctz(bits)));
+          bits &= bits - 1;
+        }
+      }
+    }
+#endif
+    for (; j < n; ++j)
+      if (!(row[j] == acc_t(0))) idx.push_back(static_cast<int32_t>(j));
+    ptr[r + 1] = static_cast<int64_t>(idx.size());
+    if (ptr[r + 1] > limit) return false;
+  }
+  return true;
+}
+
+template <typename acc_t>
+inline void axpy(acc_t* y, const acc_t* x, acc_t a, int64_t n) {
+  using V = Vec<acc_t>;
+  const V va(a);
+  int64_t e = 0;
+  for (; e + V::size() <= n; e += V::size()) (V::loadu(y + e) + va * V::loadu(x + e)).store(y + e);
+  for (; e < n; ++e) y[e] += a * x[e];
+}
+
+template <typename acc_t>
+inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
+  using V = Vec<acc_t>;
+  V s(0);
+  int64_t e = 0;
+  for (; e + V::size() <= n; e += V::size()) s += V::loadu(x + e) * V::loadu(y + e);
+  acc_t r = hsum(s);
+  for (; e < n; ++e) r += x[e] * y[e];
+  return r;
+}
+
+// ---------------------------------------------------------------- forward
+
+// Keys per block of the online softmax forward.
+constexpr int64_t kSoftmaxBlockN = 512;
+
+// Softmax forward of one block of query rows, online over key blocks of
+// kSoftmaxBlockN (as FlashAttention): the scores of a key block stay in L1/L2
+// and the output is rescaled when the running max grows. Softmax needs no
+// whole row, and on long rows this beats the row buffer of the sparse
+// normalizers. y: m x kSoftmaxBlockN scratch; mrow, lrow: m entries.
+template <typename acc_t>
+void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                           acc_t* y, acc_t* o, float* c, acc_t* mrow, acc_t* lrow) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+  const acc_t* qb = P.q_rows(bi, h, i0);
+  const acc_t* kh = P.k_head(bi, h / P.group());
+  const acc_t* vh = P.v_head(bi, h / P.group());
+  std::fill(o, o + m * P.Ev, acc_t(0));
+  std::fill(mrow, mrow + m, -inf);
+  std::fill(lrow, lrow + m, acc_t(0));
+  for (int64_t j0 = 0; j0 < n; j0 += kSoftmaxBlockN) {
+    const int64_t w = std::min(kSoftmaxBlockN, n - j0);
+    gemm<acc_t>(false, true, m, w, P.E, P.scale, qb, P.E, kh + j0 * P.E, P.E, acc_t(0), y, w);
+    for (int64_t r = 0; r < m; ++r) {
+      acc_t* row = y + r * w;
+      if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
+      if (P.causal) {
+        for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j) row[j] = -inf;
+      }
+      const acc_t bm = row_max(row, w);
+      const acc_t old = mrow[r];
+      if (bm != bm || old != old) {
+        std::fill(row, row + w, nan);
+        mrow[r] = nan;
+        continue;
+      }
+      const acc_t mx = std::max(old, bm);
+      if (mx == -inf) {  // nothing allowed yet in this row
+        std::fill(row, row + w, acc_t(0));
+        continue;
+      }
+      const acc_t sum = exp_fast_inplace(row, w, mx);
+      if (mx != old) {
+        const acc_t corr = std::exp(old - mx);  // 0 when old = -inf
+        lrow[r] *= corr;
+        if (old != -inf) {
+          acc_t* orow = o + r * P.Ev;
+          for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= corr;
+        }
+        mrow[r] = mx;
+      }
+      lrow[r] += sum;
+    }
+    gemm<acc_t>(false, false, m, P.Ev, w, acc_t(1), y, w, vh + j0 * P.Ev, P.Ev, acc_t(1), o, P.Ev);
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* orow = o + r * P.Ev;
+    if (mrow[r] != mrow[r]) {
+      std::fill(orow, orow + P.Ev, nan);
+      c[r] = std::numeric_limits<float>::quiet_NaN();
+    } else if (mrow[r] == -inf || !(lrow[r] > acc_t(0))) {
+      std::fill(orow, orow + P.Ev, acc_t(0));
+      c[r] = std::numeric_limits<float>::infinity();
+    } else {
+      const acc_t f = acc_t(1) / lrow[r];
+      for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= f;
+      c[r] = static_cast<float>(mrow[r] + std::log(lrow[r]));
+    }
+  }
+}
+
+template <typename acc_t>
+void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
+  // Softmax heads run online over key blocks and need only BM x
+  // kSoftmaxBlockN of scores; 256 query rows (as SDPA) amortize the GEMM
+  // packing of each key block (measured: 256 beats 64 and 128 at N = 8192).
+  const bool all_softmax = std::all_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
+  const int64_t BM = all_softmax ? std::min<int64_t>(env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_M", 256), std::max<int64_t>(P.L, 1))
+                                 : block_rows(P.S, P.L, sizeof(acc_t));
+  const int64_t row_len = all_softmax ? std::min(P.S, kSoftmaxBlockN) : P.S;
+  const int64_t nb = (P.L + BM - 1) / BM;
+  const int64_t tasks = P.B * P.H * nb;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> ybuf(BM * std::max<int64_t>({row_len, std::min(P.S, kSoftmaxBlockN), 1})),
+        work(std::max<int64_t>(P.S, 1)), mrow(BM), lsum(BM);
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    std::vector<int32_t> idx;
+    std::vector<int64_t> ptr;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / nb, bi = bh / P.H, h = bh % P.H;
+      const int64_t i0 = zigzag(t % nb, nb) * BM, m = std::min(BM, P.L - i0);
+      const int64_t n = P.keys_for(i0, m);
+      acc_t* o = out + (bh * P.L + i0) * P.Ev;
+      float* c = shift + bh * P.L + i0;
+      if (n == 0) {
+        std::fill(o, o + m * P.Ev, acc_t(0));
+        std::fill(c, c + m, std::numeric_limits<float>::infinity());
+        continue;
+      }
+      acc_t* y = ybuf.data();
+      if (P.fam[h] == Family::kSoftmax) {
+        softmax_forward_block(P, bi, h, i0, m, n, y, o, c, mrow.data(), lsum.data());
+        continue;
+      }
+      score_block(P, bi, h, i0, m, n, y);
+      const acc_t b = P.b[h];
+      for (int64_t r = 0; r < m; ++r) {
+        acc_t* row = y + r * n;
+        acc_t cr;
+        switch (P.fam[h]) {
+          case Family::kSparsemax:
+            cr = normalize_scores<acc_t, Family::kSparsemax>(row, n, b, work.data());
+            break;
+          case Family::kEntmax15:
+            cr = normalize_scores<acc_t, Family::kEntmax15>(row, n, b, work.data());
+            break;
+          default:
+            cr = normalize_scores<acc_t, Family::kGeneric>(row, n, b, work.data());
+        }
+        c[r] = static_cast<float>(cr);
+      }
+      const acc_t* vh = P.v_head(bi, h / P.group());
+      if (collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), idx, ptr)) {
+        std::fill(o, o + m * P.Ev, acc_t(0));
+        for (int64_t r = 0; r < m; ++r) {
+          const acc_t* prow = y + r * n;
+          for (int64_t t = ptr[r]; t < ptr[r + 1]; ++t) axpy(o + r * P.Ev, vh + idx[t] * P.Ev, prow[idx[t]], P.Ev);
+        }
+        continue;
+      }
+      nonzero_runs(y, m, n, runs);
+      if (runs.empty()) {
+        std::fill(o, o + m * P.Ev, acc_t(0));
+        continue;
+      }
+      bool first = true;
+      for (auto [j0, j1] : runs) {
+        gemm<acc_t>(false, false, m, P.Ev, j1 - j0, acc_t(1), y + j0, n, vh + j0 * P.Ev, P.Ev,
+                    first ? acc_t(0) : acc_t(1), o, P.Ev);
+        first = false;
+      }
+    }
+  });
+}
+
+// --------------------------------------------------------------- backward
+
+// p = φ_b(s - c) for one row of scores (in place). In double, the float32
+// shift is refined by one Newton step so that p matches the forward to
+// double precision (c is stored in float32 by the contract).
+template <typename acc_t, Family FAM>
+void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b) {
+  if (!(c < std::numeric_limits<acc_t>::infinity())) {
+    if (c != c) {
+      std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
+    } else {
+      std::fill(y, y + n, acc_t(0));
+    }
+    return;
+  }
+  if constexpr (FAM == Family::kSoftmax && std::is_same_v<acc_t, float>) {
+    exp_fast_inplace(y, n, c);
+    return;
+  }
+  if constexpr (std::is_same_v<acc_t, double>) {
+    if constexpr (FAM == Family::kSoftmax) {
+      acc_t sum_p = 0;
+      for (int64_t j = 0; j < n; ++j) sum_p += std::exp(y[j] - c);
+      if (sum_p > 0) c += std::log(sum_p);
+    } else {
+      acc_t sum_p = 0, sum_g = 0;
+      eval_shift<acc_t, FAM>(y, n, c, b, sum_p, sum_g);
+      if (sum_g > 0) c += (sum_p - acc_t(1)) / sum_g;
+    }
+  }
+  write_probs<acc_t, FAM>(y, n, c, b, acc_t(1), y);
+}
+
+// Σ g and Σ g·dp over [j0, j1) of one row (g = p^(2-α) on the support).
+template <typename acc_t, Family FAM>
+inline Vec<acc_t> g_of(const Vec<acc_t>& p, acc_t b) {
+  using V = Vec<acc_t>;
+  if constexpr (FAM == Family::kSoftmax) {
+    return p;
+  } else if constexpr (FAM == Family::kSparsemax) {
+    return V::blendv(V(acc_t(0)), V(acc_t(1)), p > V(acc_t(0)));
+  } else if constexpr (FAM == Family::kEntmax15) {
+    return p.sqrt();
+  } else {
+    return V::blendv(V(acc_t(0)), (V(acc_t(1) - b) * p.log()).exp(), p > V(acc_t(0)));
+  }
+}
+
+template <typename acc_t, Family FAM>
+void reduce_g(const acc_t* p, const acc_t* dp, int64_t n, acc_t b, acc_t& gsum, acc_t& gdp) {
+  using V = Vec<acc_t>;
+  V vs(0), vd(0);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V g = g_of<acc_t, FAM>(V::loadu(p + j), b);
+    vs += g;
+    vd += g * V::loadu(dp + j);
+  }
+  acc_t s = hsum(vs), d = hsum(vd);
+  for (; j < n; ++j) {
+    acc_t g = math::entmax_g_from_p<acc_t>(p[j], b, FAM);
+    s += g;
+    d += g * dp[j];
+  }
+  gsum += s;
+  gdp += d;
+}
+
+// dp ← scale · g · (dp - mean), in place.
+template <typename acc_t, Family FAM>
+void apply_g(const acc_t* p, acc_t* dp, int64_t n, acc_t b, acc_t mean, acc_t scale) {
+  using V = Vec<acc_t>;
+  const V vmean(mean), vscale(scale);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V g = g_of<acc_t, FAM>(V::loadu(p + j), b);
+    (vscale * g * (V::loadu(dp + j) - vmean)).store(dp + j);
+  }
+  for (; j < n; ++j) dp[j] = scale * math::entmax_g_from_p<acc_t>(p[j], b, FAM) * (dp[j] - mean);
+}
+
+// One row's contribution to dα (row reductions, accumulated in double).
+template <typename acc_t>
+double alpha_grad_row(const acc_t* p, const acc_t* dp, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                      acc_t b, acc_t gsum, acc_t gdp) {
+  double pdp = 0, plp = 0, ent = 0, pl2dp = 0, pl2 = 0;
+  for (auto [j0, j1] : runs) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const double pj = p[j];
+      if (pj > 0) {
+        const double l = std::log(pj), dpj = dp[j];
+        pdp += pj * dpj;
+        plp += pj * l * dpj;
+        ent -= pj * l;
+        pl2dp += pj * l * l * dpj;
+        pl2 += pj * l * l;
+      }
+    }
+  }
+  return math::entmax_alpha_grad_row<double>(static_cast<double>(b), pdp, static_cast<double>(gdp),
+                                             static_cast<double>(gsum), plp, ent, pl2dp, pl2);
+}
+
+template <typename acc_t, Family FAM>
+void backward_rows(acc_t* y, acc_t* d, int64_t m, int64_t n, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                   acc_t b, acc_t scale, double* dalpha) {
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* p = y + r * n;
+    acc_t* dp = d + r * n;
+    acc_t gsum = 0, gdp = 0;
+    for (auto [j0, j1] : runs) reduce_g<acc_t, FAM>(p + j0, dp + j0, j1 - j0, b, gsum, gdp);
+    if (dalpha) *dalpha += alpha_grad_row<acc_t>(p, dp, runs, b, gsum, gdp);
+    const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+    for (auto [j0, j1] : runs) apply_g<acc_t, FAM>(p + j0, dp + j0, j1 - j0, b, mean, scale);
+  }
+}
+
+// Backward of a block of rows over their supports (CSR idx/ptr), entry by
+// entry: dp = dO·v_j, ds = scale·g·(dp - Σg dp/Σg), dq = Σ ds k_j,
+// dk_j += ds q, dv_j += p dO.
+template <typename acc_t, Family FAM>
+void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, int64_t n,
+                          const std::vector<int32_t>& idx, const std::vector<int64_t>& ptr, acc_t b,
+                          const acc_t* qb, const acc_t* dob, const acc_t* kh, const acc_t* vh, acc_t* dqb,
+                          acc_t* dk, acc_t* dv, double* dalpha, std::vector<acc_t>& dps) {
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* prow = y + r * n;
+    const acc_t* qr = qb + r * P.E;
+    const acc_t* dor = dob + r * P.Ev;
+    acc_t* dqr = dqb + r * P.E;
+    std::fill(dqr, dqr + P.E, acc_t(0));
+    const int64_t t0 = ptr[r], t1 = ptr[r + 1];
+    if (t0 == t1) continue;
+    dps.resize(t1 - t0);
+    acc_t gsum = 0, gdp = 0;
+    double pdp = 0, plp = 0, ent = 0, pl2dp = 0, pl2 = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = idx[t];
+      const acc_t dpj = dot(dor, vh + j * P.Ev, P.Ev);
+      dps[t - t0] = dpj;
+      const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
+      gsum += g;
+      gdp += g * dpj;
+      if (dalpha && prow[j] > 0) {
+        const double pj = prow[j], l = std::log(pj);
+        pdp += pj * dpj;
+        plp += pj * l * dpj;
+        ent -= pj * l;
+        pl2dp += pj * l * l * dpj;
+        pl2 += pj * l * l;
+      }
+    }
+    if (dalpha)
+      *dalpha += math::entmax_alpha_grad_row<double>(static_cast<double>(b), pdp, static_cast<double>(gdp),
+                                                     static_cast<double>(gsum), plp, ent, pl2dp, pl2);
+    const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = idx[t];
+      const acc_t pj = prow[j];
+      const acc_t ds = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * (dps[t - t0] - mean);
+      axpy(dqr, kh + j * P.E, ds, P.E);
+      axpy(dk + j * P.E, qr, ds, P.E);
+      axpy(dv + j * P.Ev, dor, pj, P.Ev);
+    }
+  }
+}
+
+template <typename acc_t>
+void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* shift, acc_t* dq, acc_t* dk_acc,
+                     acc_t* dv_acc, int64_t nchunks, double* dalpha_acc) {
+  const int64_t BM = block_rows(P.S, P.L, sizeof(acc_t));
+  const int64_t nb = (P.L + BM - 1) / BM;
+  const int64_t G = P.group();
+  const int64_t tasks = P.B * P.Hk * nchunks;
+  const int64_t kv_head_k = P.S * P.E, kv_head_v = P.S * P.Ev;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t Sb = std::max<int64_t>(P.S, 1);
+    std::vector<acc_t> ybuf(BM * Sb), dbuf(BM * Sb), dps;
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    std::vector<int32_t> idx;
+    std::vector<int64_t> ptr;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t chunk = t % nchunks, bk = t / nchunks, bi = bk / P.Hk, hk = bk % P.Hk;
+      acc_t* dk = dk_acc + (chunk * P.B * P.Hk + bk) * kv_head_k;
+      acc_t* dv = dv_acc + (chunk * P.B * P.Hk + bk) * kv_head_v;
+      const acc_t* kh = P.k_head(bi, hk);
+      const acc_t* vh = P.v_head(bi, hk);
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
+        const int64_t bh = bi * P.H + h;
+        double* da = dalpha_acc ? dalpha_acc + (chunk * P.B + bi) * P.H + h : nullptr;
+        for (int64_t u = chunk; u < nb; u += nchunks) {
+          const int64_t i0 = zigzag(u, nb) * BM, m = std::min(BM, P.L - i0);
+          const int64_t n = P.keys_for(i0, m);
+          acc_t* dqb = dq + (bh * P.L + i0) * P.E;
+          if (n == 0) {
+            std::fill(dqb, dqb + m * P.E, acc_t(0));
+            continue;
+          }
+          acc_t* y = ybuf.data();
+          acc_t* d = dbuf.data();
+          score_block(P, bi, h, i0, m, n, y);
+          const acc_t b = P.b[h];
+          const float* c = shift + bh * P.L + i0;
+          const acc_t* qb = P.q_rows(bi, h, i0);
+          const acc_t* dob = dout + (bh * P.L + i0) * P.Ev;
+          for (int64_t r = 0; r < m; ++r) {
+            acc_t* row = y + r * n;
+            const acc_t cr = static_cast<acc_t>(c[r]);
+            switch (P.fam[h]) {
+              case Family::kSoftmax:
+                recompute_probs<acc_t, Family::kSoftmax>(row, n, cr, b);
+                break;
+              case Family::kSparsemax:
+                recompute_probs<acc_t, Family::kSparsemax>(row, n, cr, b);
+                break;
+              case Family::kEntmax15:
+                recompute_probs<acc_t, Family::kEntmax15>(row, n, cr, b);
+                break;
+              default:
+                recompute_probs<acc_t, Family::kGeneric>(row, n, cr, b);
+            }
+          }
+          if (P.fam[h] != Family::kSoftmax &&
+              collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), idx, ptr)) {
+            switch (P.fam[h]) {
+              case Family::kSparsemax:
+                backward_sparse_rows<acc_t, Family::kSparsemax>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
+                                                                dv, da, dps);
+                break;
+              case Family::kEntmax15:
+                backward_sparse_rows<acc_t, Family::kEntmax15>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
+                                                               dv, da, dps);
+                break;
+              default:
+                backward_sparse_rows<acc_t, Family::kGeneric>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
+                                                              dv, da, dps);
+            }
+            continue;
+          }
+          if (P.fam[h] == Family::kSoftmax && !P.mask) {
+            runs.assign(1, {0, n});
+          } else {
+            nonzero_runs(y, m, n, runs);
+          }
+          if (runs.empty()) {
+            std::fill(dqb, dqb + m * P.E, acc_t(0));
+            continue;
+          }
+          // dP = dO · Vᵀ on the runs.
+          for (auto [j0, j1] : runs)
+            gemm<acc_t>(false, true, m, j1 - j0, P.Ev, acc_t(1), dob, P.Ev, vh + j0 * P.Ev, P.Ev, acc_t(0), d + j0,
+                        n);
+          switch (P.fam[h]) {
+            case Family::kSoftmax:
+              backward_rows<acc_t, Family::kSoftmax>(y, d, m, n, runs, b, P.scale, da);
+              break;
+            case Family::kSparsemax:
+              backward_rows<acc_t, Family::kSparsemax>(y, d, m, n, runs, b, P.scale, da);
+              break;
+            case Family::kEntmax15:
+              backward_rows<acc_t, Family::kEntmax15>(y, d, m, n, runs, b, P.scale, da);
+              break;
+            default:
+              backward_rows<acc_t, Family::kGeneric>(y, d, m, n, runs, b, P.scale, da);
+          }
+          bool first = true;
+          for (auto [j0, j1] : runs) {
+            const int64_t w = j1 - j0;
+            // dQ = dS · K, dK += dSᵀ · Q, dV += Pᵀ · dO.
+            gemm<acc_t>(false, false, m, P.E, w, acc_t(1), d + j0, n, kh + j0 * P.E, P.E,
+                        first ? acc_t(0) : acc_t(1), dqb, P.E);
+            gemm<acc_t>(true, false, w, P.E, m, acc_t(1), d + j0, n, qb, P.E, acc_t(1), dk + j0 * P.E, P.E);
+            gemm<acc_t>(true, false, w, P.Ev, m, acc_t(1), y + j0, n, dob, P.Ev, acc_t(1), dv + j0 * P.Ev, P.Ev);
+            first = false;
+          }
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------- ops
+
+Family normalizer_family(c10::string_view name) {
+  if (name == "softmax") return Family::kSoftmax;
+  if (name == "sparsemax") return Family::kSparsemax;
+  if (name == "entmax15") return Family::kEntmax15;
+  if (name == "entmax") return Family::kGeneric;
+  TORCH_CHECK(false, "attnkern.attention: normalizer must be one of softmax, sparsemax, entmax15, entmax; got '",
+              std::string(name), "'");
+}
+
+struct Checked {
+  int64_t B, H, Hk, L, S, E, Ev;
+  at::ScalarType acc;
+};
+
+Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
+  for (auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu(), "attnkern.attention: expected CPU tensors");
+    TORCH_CHECK(at::isFloatingType(t->scalar_type()), "attnkern.attention: q, k, v must be floating point");
+    TORCH_CHECK(t->dim() == 4, "attnkern.attention: q, k, v must be 4-d (B, H, L, E), got ", t->dim(), "-d");
+  }
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "attnkern.attention: q, k, v must have one dtype");
+  Checked c;
+  c.B = q.size(0), c.H = q.size(1), c.L = q.size(2), c.E = q.size(3);
+  c.Hk = k.size(1), c.S = k.size(2), c.Ev = v.size(3);
+  TORCH_CHECK(k.size(0) == c.B && v.size(0) == c.B, "attnkern.attention: batch sizes differ");
+  TORCH_CHECK(k.size(3) == c.E, "attnkern.attention: q and k head dims differ");
+  TORCH_CHECK(v.size(1) == c.Hk && v.size(2) == c.S, "attnkern.attention: k and v shapes differ");
+  TORCH_CHECK(c.Hk > 0 && c.H % c.Hk == 0, "attnkern.attention: query heads (", c.H,
+              ") must be a multiple of key/value heads (", c.Hk, ")");
+  c.acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return c;
+}
+
+template <typename acc_t>
+Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& mask, bool is_causal, double scale, Family fam, const Tensor& alpha) {
+  Problem<acc_t> P;
+  P.q = q.const_data_ptr<acc_t>();
+  P.k = k.const_data_ptr<acc_t>();
+  P.v = v.const_data_ptr<acc_t>();
+  P.B = c.B, P.H = c.H, P.Hk = c.Hk, P.L = c.L, P.S = c.S, P.E = c.E, P.Ev = c.Ev;
+  P.scale = static_cast<acc_t>(scale);
+  P.causal = is_causal;
+  if (mask.defined()) {
+    P.mask = mask.const_data_ptr<acc_t>();
+    P.msb = mask.stride(0), P.msh = mask.stride(1), P.msl = mask.stride(2), P.mss = mask.stride(3);
+  }
+  P.b.resize(c.H);
+  P.fam.resize(c.H);
+  for (int64_t h = 0; h < c.H; ++h) {
+    if (fam == Family::kGeneric) {
+      const acc_t b = static_cast<acc_t>(alpha.const_data_ptr<float>()[h]) - acc_t(1);
+      P.b[h] = b;
+      P.fam[h] = math::family_of<acc_t>(b);
+    } else {
+      P.fam[h] = fam;
+      P.b[h] = fam == Family::kSparsemax ? acc_t(1) : fam == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
+    }
+  }
+  return P;
+}
+
+Tensor prepare_mask(const c10::optional<Tensor>& mask, const Checked& c) {
+  if (!mask.has_value() || !mask->defined()) return Tensor();
+  TORCH_CHECK(mask->device().is_cpu(), "attnkern.attention: mask must be a CPU tensor");
+  TORCH_CHECK(at::isFloatingType(mask->scalar_type()),
+              "attnkern.attention: mask must be a float tensor (-inf = not allowed), got ", mask->scalar_type());
+  // Keeps broadcast dimensions as stride-0 views; only the last dim is made
+  // unit-stride when it is neither 1 nor 0.
+  Tensor m = mask->to(c.acc).expand({c.B, c.H, c.L, c.S});
+  if (m.stride(3) != 1 && m.stride(3) != 0 && c.S > 1) m = m.contiguous();
+  return m;
+}
+
+Tensor prepare_alpha(const c10::optional<Tensor>& alpha, Family fam, const Checked& c) {
+  if (fam != Family::kGeneric) return Tensor();
+  TORCH_CHECK(alpha.has_value() && alpha->defined(), "attnkern.attention: normalizer 'entmax' needs alpha");
+  TORCH_CHECK(alpha->numel() == c.H, "attnkern.attention: alpha must have one value per query head (", c.H,
+              "), got shape ", alpha->sizes());
+  Tensor a = alpha->to(at::kFloat).contiguous().view({c.H});
+  auto ac = a.accessor<float, 1>();
+  for (int64_t h = 0; h < c.H; ++h) TORCH_CHECK(ac[h] > 0, "attnkern.attention: alpha must be > 0, got ", ac[h]);
+  return a;
+}
+
+std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                                         const c10::optional<Tensor>& mask_in, bool is_causal, double scale,
+                                         c10::string_view normalizer, const c10::optional<Tensor>& alpha_in) {
+  const Checked c = check_inputs(q_in, k_in, v_in);
+  const Family fam = normalizer_family(normalizer);
+  Tensor q = q_in.to(c.acc).contiguous(), k = k_in.to(c.acc).contiguous(), v = v_in.to(c.acc).contiguous();
+  Tensor mask = prepare_mask(mask_in, c);
+  Tensor alpha = prepare_alpha(alpha_in, fam, c);
+  Tensor out = at::empty({c.B, c.H, c.L, c.Ev}, q.options());
+  Tensor shift = at::empty({c.B, c.H, c.L}, q.options().dtype(at::kFloat));
+  if (out.numel() > 0 || shift.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_fwd", [&] {
+      auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
+      forward_kernel<scalar_t>(P, out.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
+    });
+  }
+  return {out.to(q_in.scalar_type()), shift};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
+    const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+    const c10::optional<Tensor>& mask_in, bool is_causal, double scale, c10::string_view normalizer,
+    const c10::optional<Tensor>& alpha_in, const Tensor& out, const Tensor& shift_in, bool alpha_grad) {
+  (void)out;  // the row reductions come from dp directly; out is part of the contract for other backends
+  const Checked c = check_inputs(q_in, k_in, v_in);
+  const Family fam = normalizer_family(normalizer);
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef({c.B, c.H, c.L, c.Ev}),
+              "attnkern.attention_bwd: grad_out must have shape (B, H, L, Ev)");
+  TORCH_CHECK(shift_in.sizes() == at::IntArrayRef({c.B, c.H, c.L}),
+              "attnkern.attention_bwd: shift must have shape (B, H, L)");
+  Tensor q = q_in.to(c.acc).contiguous(), k = k_in.to(c.acc).contiguous(), v = v_in.to(c.acc).contiguous();
+  Tensor dout = grad_out.to(c.acc).contiguous();
+  Tensor shift = shift_in.to(at::kFloat).contiguous();
+  Tensor mask = prepare_mask(mask_in, c);
+  Tensor alpha = prepare_alpha(alpha_in, fam, c);
+  const bool want_alpha = alpha_grad && fam == Family::kGeneric;
+
+  const int64_t threads = at::get_num_threads();
+  const int64_t bhk = c.B * c.Hk;
+  const int64_t BM = block_rows(c.S, c.L, c.acc == at::kDouble ? 8 : 4);
+  const int64_t nb = (c.L + BM - 1) / BM;
+  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(nb, bhk >= threads ? 1 : (threads + bhk - 1) / bhk));
+
+  Tensor dq = at::empty({c.B, c.H, c.L, c.E}, q.options());
+  Tensor dk_acc = at::zeros({nchunks, c.B, c.Hk, c.S, c.E}, q.options());
+  Tensor dv_acc = at::zeros({nchunks, c.B, c.Hk, c.S, c.Ev}, q.options());
+  Tensor dalpha_acc = want_alpha ? at::zeros({nchunks, c.B, c.H}, q.options().dtype(at::kDouble)) : Tensor();
+  if (dq.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_bwd", [&] {
+      auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
+      backward_kernel<scalar_t>(P, dout.const_data_ptr<scalar_t>(), shift.const_data_ptr<float>(),
+                                dq.mutable_data_ptr<scalar_t>(), dk_acc.mutable_data_ptr<scalar_t>(),
+                                dv_acc.mutable_data_ptr<scalar_t>(), nchunks,
+                                want_alpha ? dalpha_acc.mutable_data_ptr<double>() : nullptr);
+    });
+  }
+  Tensor dk = nchunks == 1 ? dk_acc[0] : dk_acc.sum(0);
+  Tensor dv = nchunks == 1 ? dv_acc[0] : dv_acc.sum(0);
+  // (H,) whenever asked for (zeros for the normalizers without α), else empty.
+  Tensor dalpha = want_alpha   ? dalpha_acc.sum({0, 1}).to(at::kFloat)
+                  : alpha_grad ? at::zeros({c.H}, q.options().dtype(at::kFloat))
+                               : at::empty({0}, q.options().dtype(at::kFloat));
+  return {dq.to(q_in.scalar_type()), dk.to(k_in.scalar_type()), dv.to(v_in.scalar_type()), dalpha};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
+  m.impl("attention_fwd", &attention_fwd);
+  m.impl("attention_bwd", &attention_bwd);
+}
+
+}  // namespace cpu
+}  // namespace attnkern

@@ -1,0 +1,627 @@
+"""attnkern.attention and attnkern.nn.MultiheadAttention against the float64
+reference (attnkern.backends.reference.attention), torch's SDPA and torch's
+MultiheadAttention; opcheck and torch.compile on the attention ops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkern
+from attnkern import _extension
+from attnkern.backends import reference
+from attnkern.testing import half_rule_bound
+
+pytestmark = pytest.mark.skipif(not _extension.LOADED, reason="attnkern._C did not load")
+
+NORMALIZERS = ["softmax", "sparsemax", "entmax15", "entmax"]
+# α per head for "entmax": exact in float32 (the kernel takes α in float32),
+# covering α < 1, the generic solver, α = 1.5 and 2 (exact families) and α > 2.
+ALPHAS = [1.25, 0.75, 1.5, 2.0, 1.75, 2.5, 1.125, 1.0]
+
+# Forward / gradient tolerances (atol, rtol) of the kernel against the float64
+# reference, for inputs of unit scale.
+TOL = {torch.float64: (1e-9, 1e-7), torch.float32: (2e-5, 1e-4)}
+GRAD_TOL = {torch.float64: (1e-8, 1e-6), torch.float32: (1e-4, 1e-3)}
+
+
+# --- helpers -------------------------------------------------------------------
+
+
+def alpha_for(normalizer, H, requires_grad=False):
+    if normalizer != "entmax":
+        return None
+    a = torch.tensor([ALPHAS[h % len(ALPHAS)] for h in range(H)], dtype=torch.float32)
+    return a.requires_grad_(requires_grad)
+
+
+def make_qkv(B, H, Hk, L, S, E, Ev, dtype=torch.float32, noncontig=False, seed=0, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        if noncontig:
+            # (B, seq, heads, dim) storage seen as (B, heads, seq, dim), as a
+            # projection followed by a transpose produces.
+            x = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=g, dtype=torch.float64)
+            return (spread * x).to(dtype).transpose(1, 2)
+        return (spread * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+    return rnd(B, H, L, E), rnd(B, Hk, S, E), rnd(B, Hk, S, Ev)
+
+
+def make_mask(kind, B, H, L, S, seed=1):
+    """(attn_mask, is_causal) for a mask kind."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None, False
+    if kind == "causal":
+        return None, True
+    if kind == "bool":
+        m = torch.rand(B, H, L, S, generator=g) > 0.3
+        m[..., 0] = True
+        return m, False
+    if kind == "float":
+        return torch.randn(1, H, L, S, generator=g, dtype=torch.float64).to(torch.float32), False
+    if kind == "key_padding":
+        lengths = torch.randint(1, S + 1, (B,), generator=g)
+        return (torch.arange(S)[None, :] < lengths[:, None]).view(B, 1, 1, S), False
+    if kind == "fully_masked":
+        m = torch.rand(B, H, L, S, generator=g) > 0.5
+        m[..., 0, :] = False  # the first query of every head sees nothing
+        if L > 2:
+            m[0, 0, L // 2, :] = False
+        return m, False
+    if kind == "causal_float":
+        m = torch.randn(B, 1, 1, S, generator=g).clamp(-2, 2)
+        return m, True
+    raise ValueError(kind)
+
+
+def ref_attention(q, k, v, mask, causal, normalizer, alpha, scale=None, **kw):
+    return reference.attention(q, k, v, mask, causal, scale, normalizer=normalizer,
+                               alpha=None if alpha is None else alpha.view(-1, 1, 1), **kw)
+
+
+def assert_close(actual, expected, tol, what=""):
+    atol, rtol = tol
+    torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+SHAPES = {
+    # (B, H, Hk, L, S, E, Ev)
+    "1x1": (1, 1, 1, 1, 1, 16, 16),
+    "17": (2, 2, 2, 17, 17, 16, 16),
+    "gqa_97x17": (1, 4, 2, 97, 17, 59, 33),
+    "17x1025": (1, 2, 2, 17, 1025, 64, 48),
+    "1025x97": (1, 1, 1, 1025, 97, 128, 128),
+    "mqa_17x97": (2, 4, 1, 17, 97, 64, 16),
+}
+MASKS = ["none", "causal", "bool", "float", "key_padding", "fully_masked", "causal_float"]
+
+
+# --- forward ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_forward_matches_reference_float32(normalizer, shape, mask_kind):
+    B, H, Hk, L, S, E, Ev = SHAPES[shape]
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev)
+    mask, causal = make_mask(mask_kind, B, H, L, S)
+    alpha = alpha_for(normalizer, H)
+    out = attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, normalizer=normalizer,
+                             alpha=alpha, backend="cpu")
+    assert out.dtype == q.dtype and out.shape == (B, H, L, Ev)
+    assert_close(out, ref_attention(q, k, v, mask, causal, normalizer, alpha), TOL[torch.float32], normalizer)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "fully_masked", "float"])
+@pytest.mark.parametrize("shape", ["17", "gqa_97x17", "17x1025"])
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_forward_matches_reference_float64(normalizer, shape, mask_kind):
+    B, H, Hk, L, S, E, Ev = SHAPES[shape]
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=torch.float64, noncontig=True, spread=2.0)
+    mask, causal = make_mask(mask_kind, B, H, L, S)
+    alpha = alpha_for(normalizer, H)
+    out = attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, normalizer=normalizer,
+                             alpha=alpha, backend="cpu")
+    assert_close(out, ref_attention(q, k, v, mask, causal, normalizer, alpha), TOL[torch.float64], normalizer)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "fully_masked"])
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_forward_half_types(normalizer, mask_kind, dtype):
+    """FlashAttention's rule: error against float64 at most twice plain PyTorch's
+    in the same dtype, plus a rounding band."""
+    B, H, Hk, L, S, E, Ev = 2, 2, 2, 33, 70, 64, 32
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype)
+    mask, causal = make_mask(mask_kind, B, H, L, S)
+    alpha = alpha_for(normalizer, H)
+    out = attnkern.attention(q, k, v, mask, is_causal=causal, normalizer=normalizer, alpha=alpha,
+                             backend="cpu")
+    assert out.dtype == dtype
+    exact = ref_attention(q.double(), k.double(), v.double(), mask, causal, normalizer, alpha)
+    # Plain PyTorch in the same dtype: scores and p·v in dtype, the normalizer exact.
+    s = (q @ k.transpose(-2, -1)) * E**-0.5
+    if causal:
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    if normalizer == "entmax":
+        p = reference.entmax(s, alpha.view(-1, 1, 1), -1)
+    else:
+        p = getattr(reference, normalizer)(s, -1)
+    p = p.nan_to_num(0.0)
+    plain = p.to(dtype) @ v
+    err_plain = (plain.double() - exact).abs().max().item()
+    err = (out.double() - exact).abs().max().item()
+    assert half_rule_bound(err, err_plain, dtype), (err, err_plain)
+    assert torch.isfinite(out).all()
+
+
+# --- invariants and edge cases ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_weights_invariants(normalizer):
+    B, H, L, S, E = 2, 3, 33, 70, 16
+    q, k, v = make_qkv(B, H, H, L, S, E, E, spread=2.0)
+    mask, _ = make_mask("fully_masked", B, H, L, S)
+    alpha = alpha_for(normalizer, H)
+    out, p = attnkern.attention(q, k, v, mask, normalizer=normalizer, alpha=alpha, return_weights=True)
+    _, p_ref = ref_attention(q, k, v, mask, False, normalizer, alpha, return_weights=True)
+    assert (p >= 0).all()
+    sums = p.sum(-1)
+    empty = ~mask.any(-1)
+    torch.testing.assert_close(sums[~empty], torch.ones_like(sums[~empty]), atol=1e-5, rtol=0)
+    assert (p[empty] == 0).all() and (p[~mask.expand_as(p)] == 0).all()
+    assert_close(p, p_ref, (1e-5, 1e-4), "weights")
+    if normalizer != "softmax":
+        # The support matches wherever the reference is not at the boundary.
+        clear = (p_ref > 1e-5) | (p_ref == 0)
+        assert torch.equal((p > 0)[clear], (p_ref > 0)[clear])
+    fused = attnkern.attention(q, k, v, mask, normalizer=normalizer, alpha=alpha)
+    assert_close(fused, out, (2e-5, 1e-4), "fused vs weights")
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_fully_masked_rows_are_zero_with_zero_gradient(normalizer):
+    B, H, L, S, E = 1, 2, 9, 12, 8
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, H, L, S, E, E))
+    mask = torch.ones(B, H, L, S, dtype=torch.bool)
+    mask[:, :, 3] = False
+    alpha = alpha_for(normalizer, H, requires_grad=True)
+    out = attnkern.attention(q, k, v, mask, normalizer=normalizer, alpha=alpha, backend="cpu")
+    assert (out[:, :, 3] == 0).all()
+    out.sum().backward()
+    for t in (q, k, v) + ((alpha,) if alpha is not None else ()):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[:, :, 3] == 0).all()
+    # Every key masked for every query, and S = 0 (no keys at all).
+    nothing = torch.zeros(B, H, L, S, dtype=torch.bool)
+    out = attnkern.attention(q, k, v, nothing, normalizer=normalizer, alpha=alpha)
+    assert (out == 0).all()
+    empty = attnkern.attention(q, k[:, :, :0], v[:, :, :0], normalizer=normalizer, alpha=alpha)
+    assert empty.shape == (B, H, L, E) and (empty == 0).all()
+
+
+def test_nan_row_stays_in_its_row():
+    q, k, v = make_qkv(1, 1, 1, 5, 6, 4, 4)
+    q[0, 0, 2, 0] = math.nan
+    for normalizer in NORMALIZERS:
+        out = attnkern.attention(q, k, v, normalizer=normalizer, alpha=alpha_for(normalizer, 1))
+        assert torch.isnan(out[0, 0, 2]).all()
+        assert torch.isfinite(out[0, 0, [0, 1, 3, 4]]).all()
+
+
+def test_alpha_near_one_is_softmax():
+    q, k, v = make_qkv(1, 2, 2, 17, 23, 8, 8)
+    soft = attnkern.attention(q, k, v)
+    near = attnkern.attention(q, k, v, normalizer="entmax", alpha=1.0 + 1e-7)
+    assert_close(near, soft, (1e-6, 1e-5), "alpha=1+1e-7")
+    exact = attnkern.attention(q, k, v, normalizer="entmax", alpha=torch.tensor([1.0, 2.0]))
+    assert_close(exact[:, 0], soft[:, 0], (1e-6, 1e-5), "alpha=1")
+    sparse = attnkern.attention(q, k, v, normalizer="sparsemax")
+    assert_close(exact[:, 1], sparse[:, 1], (1e-6, 1e-5), "alpha=2")
+
+
+def test_sparse_scores_skip_blocks_and_stay_exact():
+    # Large scores: sparsemax keeps a handful of keys per query.
+    q, k, v = make_qkv(1, 2, 2, 200, 700, 32, 16, spread=3.0)
+    for normalizer in ("sparsemax", "entmax15"):
+        out = attnkern.attention(q, k, v, normalizer=normalizer)
+        # Scores of size ~10: float32 rounding of the scores scales with them.
+        assert_close(out, ref_attention(q, k, v, None, False, normalizer, None), (1e-4, 1e-4), normalizer)
+        _, p = attnkern.attention(q, k, v, normalizer=normalizer, return_weights=True)
+        assert (p > 0).float().mean() < 0.1
+
+
+# --- gradients ---------------------------------------------------------------------
+
+
+GRAD_CASES = {
+    "17_none": ((2, 2, 2, 17, 17, 16, 16), "none"),
+    "gqa_causal": ((1, 4, 2, 97, 33, 59, 24), "causal"),
+    "bool": ((2, 2, 2, 33, 97, 16, 8), "bool"),
+    "fully_masked": ((1, 2, 1, 17, 40, 16, 16), "fully_masked"),
+    "float_causal": ((1, 2, 2, 65, 65, 32, 32), "causal_float"),
+}
+
+
+def _grads(fn, inputs, go):
+    out = fn(*inputs)
+    return torch.autograd.grad(out, [t for t in inputs if t is not None and t.requires_grad], go)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_gradients_match_reference(normalizer, case, dtype):
+    (B, H, Hk, L, S, E, Ev), mask_kind = GRAD_CASES[case]
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, noncontig=True))
+    mask, causal = make_mask(mask_kind, B, H, L, S)
+    alpha = alpha_for(normalizer, H, requires_grad=True)
+    go = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(5), dtype=dtype)
+
+    def kern(q, k, v, a):
+        return attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, normalizer=normalizer,
+                                  alpha=a, backend="cpu")
+
+    def ref(q, k, v, a):
+        return ref_attention(q, k, v, mask, causal, normalizer, a)
+
+    got = _grads(kern, (q, k, v, alpha), go)
+    want = _grads(ref, (q, k, v, alpha), go)
+    for name, g, w in zip(("dq", "dk", "dv", "dalpha")[:len(got)], got, want, strict=True):
+        assert g.dtype == w.dtype
+        tol = GRAD_TOL[dtype]
+        if name == "dalpha":
+            # A sum over every row: scale the tolerance with the row count.
+            tol = (tol[0] * B * L, max(tol[1], 1e-4))
+        assert_close(g, w, tol, f"{normalizer} {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("spread", [0.2, 2.0])
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
+def test_sparse_and_dense_block_paths(normalizer, spread, dtype):
+    """Peaked scores (spread 2: a few keys per query) take the per-entry support
+    path, flat ones (spread 0.2) the GEMMs over key blocks; both match."""
+    B, H, L, S, E = 1, 2, 150, 300, 32
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, H, L, S, E, 24, dtype=dtype, spread=spread))
+    mask, causal = make_mask("causal", B, H, L, S)
+    alpha = alpha_for(normalizer, H, requires_grad=True)
+    if alpha is not None:
+        alpha = torch.tensor([1.25, 1.75], requires_grad=True)
+    go = torch.randn(B, H, L, 24, dtype=dtype)
+    out = attnkern.attention(q, k, v, mask, is_causal=causal, normalizer=normalizer, alpha=alpha,
+                             backend="cpu")
+    ref = ref_attention(q, k, v, mask, causal, normalizer, alpha)
+    scale = max(1.0, spread**2)
+    assert_close(out, ref, tuple(t * scale for t in TOL[dtype]), normalizer)
+    inputs = [q, k, v] + ([alpha] if alpha is not None else [])
+    for name, g, w in zip(("dq", "dk", "dv", "dalpha"), torch.autograd.grad(out, inputs, go),
+                          torch.autograd.grad(ref, inputs, go), strict=False):
+        tol = tuple(t * scale for t in GRAD_TOL[dtype])
+        if name == "dalpha":
+            tol = (tol[0] * L, max(tol[1], 1e-4))
+        assert_close(g, w, tol, f"{normalizer} {name}")
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "fully_masked"])
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_gradcheck_float64(normalizer, mask_kind):
+    B, H, Hk, L, S, E, Ev = 1, 2, 1, 5, 7, 4, 3
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Hk, L, S, E, Ev, dtype=torch.float64, spread=2.0))
+    mask, causal = make_mask(mask_kind, B, H, L, S)
+    alpha = alpha_for(normalizer, H)
+
+    def f(q, k, v):
+        return attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, normalizer=normalizer,
+                                  alpha=alpha, backend="cpu")
+
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_gradcheck_alpha_reference_and_kernel_agree():
+    """dα: gradcheck of the reference in float64, then the kernel's dα against it
+    (the kernel takes α in float32, too coarse for finite differences)."""
+    q, k, v = make_qkv(1, 3, 3, 6, 8, 4, 3, dtype=torch.float64, spread=2.0)
+    alpha = torch.tensor([1.25, 1.5, 1.75], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a: attnkern.attention(q, k, v, normalizer="entmax", alpha=a, backend="reference"), (alpha,))
+    go = torch.randn(1, 3, 6, 3, dtype=torch.float64)
+    out = attnkern.attention(q, k, v, normalizer="entmax", alpha=alpha, backend="cpu")
+    (da_k,) = torch.autograd.grad(out, alpha, go)
+    (da_r,) = torch.autograd.grad(attnkern.attention(q, k, v, normalizer="entmax", alpha=alpha,
+                                                     backend="reference"), alpha, go)
+    assert_close(da_k, da_r, (1e-8, 1e-6), "dalpha")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_large_forward_backward_matches_reference(normalizer):
+    B, H, L, S, E = 1, 2, 1025, 1025 if normalizer != "entmax" else 257, 64
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, H, L, S, E, E))
+    alpha = alpha_for(normalizer, H, requires_grad=True)
+    go = torch.randn(B, H, L, E)
+    for causal in (False, True):
+        def kern(q, k, v, a, causal=causal):
+            return attnkern.attention(q, k, v, is_causal=causal, normalizer=normalizer, alpha=a)
+
+        def ref(q, k, v, a, causal=causal):
+            return ref_attention(q, k, v, None, causal, normalizer, a)
+
+        got = _grads(kern, (q, k, v, alpha), go)
+        want = _grads(ref, (q, k, v, alpha), go)
+        for name, g, w in zip(("dq", "dk", "dv", "dalpha")[:len(got)], got, want, strict=True):
+            tol = (1e-4, 1e-3) if name != "dalpha" else (1e-2, 1e-3)
+            assert_close(g, w, tol, f"{normalizer} {name} causal={causal}")
+
+
+# --- SDPA compatibility and public API ----------------------------------------------------
+
+
+SDPA_CASES = [
+    # (q shape, k shape, v shape, mask shape/kind, is_causal, enable_gqa)
+    ((2, 3, 17, 16), (2, 3, 23, 16), (2, 3, 23, 8), None, False, False),
+    ((2, 3, 17, 16), (2, 3, 23, 16), (2, 3, 23, 8), None, True, False),
+    ((17, 16), (23, 16), (23, 8), None, False, False),
+    ((4, 17, 16), (4, 23, 16), (4, 23, 8), "bool", False, False),
+    ((2, 5, 3, 17, 16), (2, 5, 3, 23, 16), (2, 5, 3, 23, 8), "float", False, False),
+    ((2, 4, 17, 16), (2, 2, 23, 16), (2, 2, 23, 8), "bool", False, True),
+    ((2, 4, 17, 16), (1, 4, 23, 16), (1, 4, 23, 8), None, True, False),
+    ((1, 4, 1, 16), (1, 4, 97, 16), (1, 4, 97, 16), "key_padding", False, False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SDPA_CASES)))
+def test_softmax_matches_sdpa(case):
+    qs, ks, vs, mask_kind, causal, gqa = SDPA_CASES[case]
+    g = torch.Generator().manual_seed(case)
+    q, k, v = (torch.randn(s, generator=g).requires_grad_() for s in (qs, ks, vs))
+    L, S = qs[-2], ks[-2]
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(L, S, generator=g) > 0.4
+        mask[:, 0] = True
+    elif mask_kind == "float":
+        mask = torch.randn(qs[-3], L, S, generator=g)
+    elif mask_kind == "key_padding":
+        mask = (torch.arange(S) < S - 10).view(1, 1, 1, S)
+    ours = attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa, scale=0.3)
+    theirs = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa, scale=0.3)
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    go = torch.randn(theirs.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), go), torch.autograd.grad(theirs, (q, k, v), go),
+                    strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("form", ["float", "per_head", "broadcast4d", "scalar_tensor", "per_batch"])
+def test_alpha_forms(form):
+    B, H, L, S, E = 2, 3, 9, 11, 8
+    q, k, v = make_qkv(B, H, H, L, S, E, E)
+    per_head = torch.tensor([1.25, 1.5, 1.75])
+    alpha = {"float": 1.25, "per_head": per_head, "broadcast4d": per_head.view(1, H, 1, 1),
+             "scalar_tensor": torch.tensor(1.25),
+             "per_batch": torch.tensor([[1.25, 1.5, 1.75], [1.5, 1.5, 2.0]]).view(B, H, 1, 1)}[form]
+    alpha = alpha.clone().requires_grad_() if isinstance(alpha, torch.Tensor) else alpha
+    out = attnkern.attention(q, k, v, normalizer="entmax", alpha=alpha)
+    ref_alpha = alpha if form != "per_head" else alpha.view(H, 1, 1)
+    ref = reference.attention(q, k, v, normalizer="entmax", alpha=ref_alpha)
+    assert_close(out, ref, TOL[torch.float32], form)
+    if isinstance(alpha, torch.Tensor):
+        (da,) = torch.autograd.grad(out.sum(), alpha)
+        assert da.shape == alpha.shape and torch.isfinite(da).all()
+    if form == "per_batch":
+        with pytest.raises(RuntimeError, match="alpha"):
+            attnkern.attention(q, k, v, normalizer="entmax", alpha=alpha, backend="cpu")
+
+
+def test_backends_and_dropout():
+    q, k, v = make_qkv(1, 2, 2, 9, 9, 8, 8)
+    with pytest.raises(RuntimeError, match="dropout"):
+        attnkern.attention(q, k, v, dropout_p=0.5, backend="cpu")
+    with pytest.raises(RuntimeError, match="triton"):
+        attnkern.attention(q, k, v, backend="triton")
+    torch.manual_seed(0)
+    out = attnkern.attention(q, k, v, dropout_p=0.5, normalizer="sparsemax")  # auto: the reference
+    assert out.shape == (1, 2, 9, 8) and torch.isfinite(out).all()
+    ref = attnkern.attention(q, k, v, backend="reference", normalizer="entmax15")
+    cpu = attnkern.attention(q, k, v, backend="cpu", normalizer="entmax15")
+    assert_close(ref, cpu, TOL[torch.float32], "reference vs cpu")
+    with pytest.raises(ValueError, match="backend"):
+        attnkern.attention(q, k, v, backend="gpu")
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(query=torch.randn(2, 3, 4).int()), TypeError, "query"),
+    (dict(key=torch.randn(2, 5, 7)), ValueError, "last dim"),
+    (dict(value=torch.randn(2, 6, 4)), ValueError, "sequence length"),
+    (dict(key=torch.randn(2, 5, 4).double()), TypeError, "one dtype"),
+    (dict(attn_mask=torch.ones(3, 5).int()), TypeError, "attn_mask"),
+    (dict(attn_mask=torch.ones(4, 5, dtype=torch.bool)), ValueError, "attn_mask"),
+    (dict(normalizer="relu"), ValueError, "normalizer"),
+    (dict(normalizer="entmax"), ValueError, "alpha"),
+    (dict(normalizer="entmax", alpha=0.0), ValueError, "alpha"),
+    (dict(normalizer="entmax", alpha=torch.tensor([1.5, -1.0])), ValueError, "alpha"),
+    (dict(normalizer="entmax", alpha=torch.ones(5, 1, 1) * 1.5), ValueError, "alpha"),
+    (dict(normalizer="softmax", alpha=1.5), ValueError, "alpha"),
+    (dict(dropout_p=1.5), ValueError, "dropout_p"),
+    (dict(is_causal=1), TypeError, "is_causal"),
+    (dict(scale="big"), TypeError, "scale"),
+    (dict(query=torch.randn(4, 3, 4), key=torch.randn(3, 5, 4), value=torch.randn(3, 5, 4)), ValueError,
+     "heads"),
+])
+def test_validation_errors(bad, exc, match):
+    args = dict(query=torch.randn(2, 3, 4), key=torch.randn(2, 5, 4), value=torch.randn(2, 5, 4))
+    args.update(bad)
+    with pytest.raises(exc, match=match):
+        attnkern.attention(**args)
+
+
+# --- ops: opcheck -------------------------------------------------------------------------
+
+
+def _op_args(normalizer, mask_kind, noncontig):
+    B, H, Hk, L, S, E, Ev = 1, 4, 2, 9, 13, 8, 6
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, noncontig=noncontig)
+    mask = None
+    if mask_kind == "float":
+        mask = torch.randn(1, 1, L, S).expand(B, H, L, S)  # stride-0 view
+    alpha = alpha_for(normalizer, H)
+    return q, k, v, mask, mask_kind == "causal", 0.35, normalizer, alpha
+
+
+@pytest.mark.parametrize("case", [("softmax", "none", False), ("sparsemax", "causal", True),
+                                  ("entmax15", "float", True), ("entmax", "float", False)])
+def test_opcheck(case):
+    q, k, v, mask, causal, scale, normalizer, alpha = _op_args(*case)
+    torch.library.opcheck(torch.ops.attnkern.attention_fwd, (q, k, v, mask, causal, scale, normalizer, alpha))
+    out, shift = torch.ops.attnkern.attention_fwd(q, k, v, mask, causal, scale, normalizer, alpha)
+    go = torch.randn_like(out).transpose(-1, -2).contiguous().transpose(-1, -2)
+    for alpha_grad in (False, True):
+        torch.library.opcheck(torch.ops.attnkern.attention_bwd,
+                              (go, q, k, v, mask, causal, scale, normalizer, alpha, out, shift, alpha_grad))
+    dq, dk, dv, da = torch.ops.attnkern.attention_bwd(go, q, k, v, mask, causal, scale, normalizer, alpha,
+                                                      out, shift, True)
+    assert da.shape == (q.shape[1],) and da.dtype == torch.float32
+    assert shift.dtype == torch.float32 and shift.shape == q.shape[:3]
+
+
+def test_shift_contract():
+    """p = φ_b(s - shift) reproduces the weights; softmax's shift is the log-sum-exp."""
+    q, k, v = make_qkv(1, 2, 2, 7, 9, 8, 8, dtype=torch.float64)
+    mask = torch.ones(7, 9, dtype=torch.bool)
+    mask[2] = False
+    fmask = torch.zeros(7, 9, dtype=torch.float64).masked_fill(~mask, -math.inf)
+    s = 0.5 * q @ k.transpose(-1, -2) + fmask
+    _, shift = torch.ops.attnkern.attention_fwd(q, k, v, fmask, False, 0.5, "softmax", None)
+    lse = torch.logsumexp(s, -1)
+    assert torch.isinf(shift[..., 2]).all() and (shift[..., 2] > 0).all()
+    torch.testing.assert_close(shift[..., [0, 1, 3]].double(), lse[..., [0, 1, 3]], atol=1e-6, rtol=1e-6)
+    _, shift = torch.ops.attnkern.attention_fwd(q, k, v, fmask, False, 0.5, "sparsemax", None)
+    p = (1 + s - shift.double().unsqueeze(-1)).clamp_min(0)
+    sums = p[..., [0, 1, 3], :].sum(-1)
+    torch.testing.assert_close(sums, torch.ones(1, 2, 3, dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+# --- modules -------------------------------------------------------------------------------
+
+
+MHA_CASES = [
+    dict(),
+    dict(batch_first=True),
+    dict(kdim=12, vdim=10),
+    dict(add_bias_kv=True, add_zero_attn=True),
+    dict(bias=False),
+]
+
+
+@pytest.mark.parametrize("call", ["plain", "masks", "causal", "unbatched", "no_avg"])
+@pytest.mark.parametrize("ctor", range(len(MHA_CASES)))
+def test_multihead_attention_matches_torch(ctor, call):
+    kw = MHA_CASES[ctor]
+    E, H, N, L, S = 16, 4, 3, 7, 9
+    torch.manual_seed(ctor)
+    theirs = torch.nn.MultiheadAttention(E, H, **kw)
+    ours = attnkern.nn.MultiheadAttention(E, H, **kw)
+    ours.load_state_dict(theirs.state_dict())
+    bf = kw.get("batch_first", False)
+    kdim, vdim = kw.get("kdim", E), kw.get("vdim", E)
+
+    def seq(n, d):
+        return torch.randn(N, n, d) if bf else torch.randn(n, N, d)
+
+    q, k, v = seq(L, E), seq(S, kdim), seq(S, vdim)
+    fkw = {}
+    if call == "masks":
+        kpm = torch.zeros(N, S, dtype=torch.bool)
+        kpm[0, -3:] = True
+        am = torch.randn(L, S)
+        fkw = dict(key_padding_mask=kpm, attn_mask=am)
+    elif call == "causal":
+        if L != S:
+            q = seq(S, E)
+        am = torch.nn.Transformer.generate_square_subsequent_mask(S)
+        fkw = dict(attn_mask=am, is_causal=True)
+    elif call == "unbatched":
+        q, k, v = torch.randn(L, E), torch.randn(S, kdim), torch.randn(S, vdim)
+    elif call == "no_avg":
+        fkw = dict(average_attn_weights=False)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o1, w1 = ours(q, k, v, **fkw)
+    o2, w2 = theirs(q, k, v, **fkw)
+    torch.testing.assert_close(o1, o2, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(w1, w2, atol=2e-5, rtol=1e-4)
+    o1n, none = ours(q, k, v, need_weights=False, **fkw)
+    assert none is None
+    torch.testing.assert_close(o1n, o2, atol=2e-5, rtol=1e-4)
+    go = torch.randn_like(o2)
+    g1 = torch.autograd.grad(o1n, [q, k, v, *ours.parameters()], go)
+    g2 = torch.autograd.grad(o2, [q, k, v, *theirs.parameters()], go)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("normalizer, alpha", [("sparsemax", None), ("entmax15", None), ("entmax", 1.3),
+                                               ("entmax", "learnable")])
+def test_multihead_attention_normalizers(normalizer, alpha):
+    E, H, N, L = 16, 4, 2, 11
+    m = attnkern.nn.MultiheadAttention(E, H, batch_first=True, normalizer=normalizer, alpha=alpha)
+    x = torch.randn(N, L, E, requires_grad=True)
+    out, w = m(x, x, x, average_attn_weights=False)
+    assert w.shape == (N, H, L, L)
+    torch.testing.assert_close(w.sum(-1), torch.ones(N, H, L), atol=1e-5, rtol=0)
+    out_fused, _ = m(x, x, x, need_weights=False)
+    torch.testing.assert_close(out_fused, out, atol=2e-5, rtol=1e-4)
+    out_fused.sum().backward()
+    if alpha == "learnable":
+        assert m.entmax_alpha.theta.grad is not None and torch.isfinite(m.entmax_alpha.theta.grad).all()
+        assert m.alpha.shape == (H,)
+    with pytest.raises(ValueError, match="alpha"):
+        attnkern.nn.MultiheadAttention(E, H, normalizer="entmax")
+
+
+# --- torch.compile -------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block around attnkern.attention."""
+
+    def __init__(self, d=32, heads=4, normalizer="entmax15", alpha=None):
+        super().__init__()
+        self.heads, self.normalizer, self.alpha = heads, normalizer, alpha
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, L, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = attnkern.attention(q, k, v, is_causal=True, normalizer=self.normalizer, alpha=self.alpha)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, L, d))
+        return x + self.mlp(self.norm2(x))
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph_transformer_block():
+    torch.manual_seed(0)
+    alpha = torch.nn.Parameter(torch.full((4,), 1.3))
+    block = _Block(normalizer="entmax", alpha=alpha)
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    eager = block(x)
+    ge = torch.autograd.grad(eager.sum(), [x, alpha])
+    compiled = torch.compile(block, fullgraph=True)
+    out = compiled(x)
+    gc = torch.autograd.grad(out.sum(), [x, alpha])
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-4)
+    for a, b in zip(gc, ge, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
