@@ -56,3 +56,9 @@ def _register_attention() -> None:
 if _extension.LOADED:
     _register()
     _register_attention()
+    if torch.cuda.is_available():
+        # Without compiled CUDA attention kernels, the Triton launchers serve
+        # attnkern::attention_fwd/_bwd on CUDA tensors (a no-op otherwise).
+        from attnkern.backends import triton as _triton_backend
+
+        _triton_backend.register_as_cuda_impl()
