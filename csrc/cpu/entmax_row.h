@@ -149,7 +149,7 @@ inline Vec<acc_t> pow_unit(const Vec<acc_t>& d, acc_t e) {
 // Smallest b = α - 1 for which pow_unit's error (a few ulps times 1/b) stays
 // near float32 resolution; below it the exact log1p/exp path is used.
 template <typename acc_t>
-constexpr acc_t kFastPowMinB = acc_t(0.125);
+constexpr acc_t kFastPowMinB = acc_t(1.0 / 32);
 
 #if defined(CPU_CAPABILITY_AVX2)
 template <>
@@ -421,19 +421,16 @@ constexpr int kMaxIterations = 200;
 // it). work: scratch of n entries. Returns c; sets *norm to the factor that
 // makes the output sum to one (1 for the exact families).
 //
-// Starting points (all proven bounds, so the safeguarded iteration keeps its
+// Starting points (proven bounds, so the safeguarded iteration keeps its
 // bracket):
 // - 0 < b <= 1: φ_b(t) >= φ_1(t) = [1 + t]_+, so the sparsemax shift (cheap:
 //   additions only) is left of the root; entries with y <= c_sparsemax - 1/b
 //   are out of the support for good, which on sparse rows leaves a few
 //   percent of the row for the iterations, whose every pass costs a power.
 // - b > 1: the sparsemax shift is right of the root; start from the max.
-// - b < 0.25 (near softmax): the log-sum-exp is a bound on the correct side
-//   (b < 0: left; b > 0: right).
-// Steps are Halley's (cubic; f'' comes free with the pass), falling back to
-// Newton and then bisection when a step would leave the bracket. Each pass
-// also drops the candidates that are outside the support at the last point
-// known to be left of the root.
+// - b < 0: the log-sum-exp is left of the root (φ_b >= exp there).
+// Each pass also drops the candidates that are outside the support at the
+// last point known to be left of the root.
 template <typename acc_t, Family FAM>
 acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
   *norm = acc_t(1);
@@ -447,12 +444,12 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
     acc_t lo = 0, hi = math::entmax_shift_upper<acc_t>(n, b);
     acc_t c = 0;
     int64_t k;
-    if (b >= acc_t(0.25)) {
+    if (b > acc_t(0)) {
       int64_t ks;
       acc_t csp = sparsemax_shift(y, n, work, &ks);
       if constexpr (FAM == Family::kGeneric) {
         // For b < 1/2, φ_b >= φ_(1/2) too, and entmax15's shift (cheap: its
-        // power is a square) is a much closer left start than sparsemax's.
+        // power is a square) is a closer left start than sparsemax's.
         if (b < acc_t(0.5)) {
           acc_t unused;
           csp = find_shift<acc_t, Family::kEntmax15>(y, n, acc_t(0.5), work, &unused);
@@ -467,19 +464,15 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
       }
     } else {
       acc_t lse = std::log(exp_shifted(y, n, acc_t(0), work));
-      if (b < acc_t(0)) {
-        lo = std::max(lo, lse);
-      } else {
-        hi = std::min(hi, lse);
-      }
-      c = std::max(lo, std::min(lse, hi));
-      k = compact_above(y, n, b > acc_t(0) ? -acc_t(1) / b : kNoCut, work, static_cast<acc_t*>(nullptr));
+      lo = std::max(lo, lse);
+      c = lo;
+      k = compact_above(y, n, kNoCut, work, static_cast<acc_t*>(nullptr));
     }
-    // For 0 < b <= 1, f is convex: a Newton step from a point left of the
-    // root lands left of it again, so every such iterate is a valid cut for
-    // dropping candidates in the very pass that evaluates it. Otherwise
-    // (b > 1, or after a step that left the bracket) the cut lags at `lo`
-    // and the step is Halley's, safeguarded.
+    // For 0 < b <= 1 the steps are Newton's on the convex h = (Σp)^b
+    // (entmax_norm_newton_update): from either side they land left of the
+    // root, so every such iterate is a valid cut for dropping candidates in
+    // the very pass that evaluates it. Otherwise (b > 1 or b < 0, or after a
+    // bisection) the cut lags at `lo` and the step is a safeguarded Halley's.
     const acc_t curv = acc_t(1) - b;  // f'' = (1 - b) Σ g/d
     const bool convex = b > acc_t(0) && b <= acc_t(1);
     bool c_is_left = convex && c == lo;
@@ -505,9 +498,9 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
       }
       if (math::entmax_converged<acc_t>(s.p, lo, hi, k)) break;
       acc_t next;
-      if (convex && s.p >= acc_t(1) && s.p < acc_t(1.5)) {
-        next = math::entmax_newton_update<acc_t>(c, s.p, s.g, lo, hi);
-        c_is_left = s.g > acc_t(0) && next == c + (s.p - acc_t(1)) / s.g;
+      if (convex) {
+        next = math::entmax_norm_newton_update<acc_t>(c, s.p, s.g, b, lo, hi);
+        c_is_left = next != acc_t(0.5) * (lo + hi);
       } else {
         next = math::entmax_halley_update<acc_t>(c, s.p, s.g, curv * s.h, lo, hi);
         c_is_left = false;

@@ -138,6 +138,21 @@ AK_HD acc_t entmax_newton_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t lo, ac
   return next;
 }
 
+// For 0 < b <= 1, h(c) = (Σ p)^b = ||[1 + b(y - c)]_+||_(1/b) is a norm of a
+// clipped affine map of c: convex and decreasing. Newton on h (rather than on
+// Σp) is exact for softmax (b -> 0: a log-sum-exp step) and for sparsemax on a
+// fixed support, lands left of the root from either side, and needs few steps
+// in between:  c <- c + Σp (1 - (Σp)^(-b)) / (b Σg).
+template <typename acc_t>
+AK_HD acc_t entmax_norm_newton_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t b, acc_t lo, acc_t hi) {
+  acc_t next = std::numeric_limits<acc_t>::quiet_NaN();
+  if (sum_g > acc_t(0) && sum_p > acc_t(0)) {
+    next = c - sum_p * std::expm1(-b * std::log(sum_p)) / (b * sum_g);
+  }
+  if (!(next > lo && next < hi)) next = acc_t(0.5) * (lo + hi);
+  return next;
+}
+
 // One safeguarded Halley update: f = sum_p - 1, f' = -sum_g, f'' = curv
 // (= (1 - b) Σ g/d). Cubic convergence; falls back to Newton, then to
 // bisection, when a step would leave the bracket (lo, hi).
