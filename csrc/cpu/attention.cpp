@@ -150,7 +150,7 @@ acc_t exp_fast_inplace(acc_t* y, int64_t n, acc_t m) {
 // through softmax_forward_block); returns the shift c with p = φ_b(s - c).
 // No allowed key: zeros and c = +inf.
 template <typename acc_t, Family FAM>
-acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work) {
+acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   const acc_t m = row_max(y, n);
   if (m == -inf) {
@@ -165,7 +165,12 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work) {
   {
     acc_t norm;
     const acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
-    write_probs<acc_t, FAM>(y, n, c, b, norm, y);
+    if constexpr (FAM == Family::kGeneric) {
+      // Powers only over the support (work and idx are free again).
+      write_probs_sparse<acc_t>(y, n, c, b, norm, y, work, idx);
+    } else {
+      write_probs<acc_t, FAM>(y, n, c, b, norm, y);
+    }
     return m + c;
   }
 }
@@ -337,6 +342,8 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> ybuf(BM * std::max<int64_t>({row_len, std::min(P.S, kSoftmaxBlockN), 1})),
         work(std::max<int64_t>(P.S, 1)), mrow(BM), lsum(BM);
+    std::vector<int32_t> pidx(std::max<int64_t>(P.S, 1));
+    FlushDenormals ftz;
     std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<int32_t> idx;
     std::vector<int64_t> ptr;
@@ -363,13 +370,13 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         acc_t cr;
         switch (P.fam[h]) {
           case Family::kSparsemax:
-            cr = normalize_scores<acc_t, Family::kSparsemax>(row, n, b, work.data());
+            cr = normalize_scores<acc_t, Family::kSparsemax>(row, n, b, work.data(), pidx.data());
             break;
           case Family::kEntmax15:
-            cr = normalize_scores<acc_t, Family::kEntmax15>(row, n, b, work.data());
+            cr = normalize_scores<acc_t, Family::kEntmax15>(row, n, b, work.data(), pidx.data());
             break;
           default:
-            cr = normalize_scores<acc_t, Family::kGeneric>(row, n, b, work.data());
+            cr = normalize_scores<acc_t, Family::kGeneric>(row, n, b, work.data(), pidx.data());
         }
         c[r] = static_cast<float>(cr);
       }
@@ -403,7 +410,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
 // shift is refined by one Newton step so that p matches the forward to
 // double precision (c is stored in float32 by the contract).
 template <typename acc_t, Family FAM>
-void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b) {
+void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t* idx) {
   if (!(c < std::numeric_limits<acc_t>::infinity())) {
     if (c != c) {
       std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
@@ -427,7 +434,11 @@ void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b) {
       if (sum_g > 0) c += (sum_p - acc_t(1)) / sum_g;
     }
   }
-  write_probs<acc_t, FAM>(y, n, c, b, acc_t(1), y);
+  if constexpr (FAM == Family::kGeneric) {
+    write_probs_sparse<acc_t>(y, n, c, b, acc_t(1), y, vals, idx);
+  } else {
+    write_probs<acc_t, FAM>(y, n, c, b, acc_t(1), y);
+  }
 }
 
 // Σ g and Σ g·dp over [j0, j1) of one row (g = p^(2-α) on the support).
@@ -441,7 +452,9 @@ inline Vec<acc_t> g_of(const Vec<acc_t>& p, acc_t b) {
   } else if constexpr (FAM == Family::kEntmax15) {
     return p.sqrt();
   } else {
-    return V::blendv(V(acc_t(0)), (V(acc_t(1) - b) * p.log()).exp(), p > V(acc_t(0)));
+    // g = p^(1-b), p in (0, 1] on the support.
+    V g = b < acc_t(1) ? pow_unit<acc_t>(p, acc_t(1) - b) : (V(acc_t(1) - b) * p.log()).exp();
+    return V::blendv(V(acc_t(0)), g, p > V(acc_t(0)));
   }
 }
 
@@ -574,7 +587,9 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
   const int64_t kv_head_k = P.S * P.E, kv_head_v = P.S * P.Ev;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t Sb = std::max<int64_t>(P.S, 1);
-    std::vector<acc_t> ybuf(BM * Sb), dbuf(BM * Sb), dps;
+    std::vector<acc_t> ybuf(BM * Sb), dbuf(BM * Sb), dps, pvals(std::max<int64_t>(Sb, 1));
+    std::vector<int32_t> pidx(std::max<int64_t>(Sb, 1));
+    FlushDenormals ftz;
     std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<int32_t> idx;
     std::vector<int64_t> ptr;
@@ -607,16 +622,16 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
             const acc_t cr = static_cast<acc_t>(c[r]);
             switch (P.fam[h]) {
               case Family::kSoftmax:
-                recompute_probs<acc_t, Family::kSoftmax>(row, n, cr, b);
+                recompute_probs<acc_t, Family::kSoftmax>(row, n, cr, b, pvals.data(), pidx.data());
                 break;
               case Family::kSparsemax:
-                recompute_probs<acc_t, Family::kSparsemax>(row, n, cr, b);
+                recompute_probs<acc_t, Family::kSparsemax>(row, n, cr, b, pvals.data(), pidx.data());
                 break;
               case Family::kEntmax15:
-                recompute_probs<acc_t, Family::kEntmax15>(row, n, cr, b);
+                recompute_probs<acc_t, Family::kEntmax15>(row, n, cr, b, pvals.data(), pidx.data());
                 break;
               default:
-                recompute_probs<acc_t, Family::kGeneric>(row, n, cr, b);
+                recompute_probs<acc_t, Family::kGeneric>(row, n, cr, b, pvals.data(), pidx.data());
             }
           }
           if (P.fam[h] != Family::kSoftmax &&
