@@ -124,28 +124,6 @@ void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int
   }
 }
 
-// y ← exp(y - m) with ATen's exp_u20 (as PyTorch's CPU flash attention:
-// ~20 ulp, far below the float32 tolerance of an attention output, and about
-// twice as fast as the 1-ulp exp); returns the sum. -inf gives exactly 0.
-template <typename acc_t>
-acc_t exp_fast_inplace(acc_t* y, int64_t n, acc_t m) {
-  using V = Vec<acc_t>;
-  const V vm(m);
-  V s(0);
-  int64_t j = 0;
-  for (; j + V::size() <= n; j += V::size()) {
-    V e = (V::loadu(y + j) - vm).exp_u20();
-    e.store(y + j);
-    s += e;
-  }
-  acc_t sum = hsum(s);
-  for (; j < n; ++j) {
-    y[j] = std::exp(y[j] - m);
-    sum += y[j];
-  }
-  return sum;
-}
-
 // Scores of one row in, probabilities out (sparse families; softmax goes
 // through softmax_forward_block); returns the shift c with p = φ_b(s - c).
 // No allowed key: zeros and c = +inf.
@@ -298,7 +276,7 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
         std::fill(row, row + w, acc_t(0));
         continue;
       }
-      const acc_t sum = exp_fast_inplace(row, w, mx);
+      const acc_t sum = exp_shifted(row, w, mx, row);  // exp_u20, in place
       if (mx != old) {
         const acc_t corr = std::exp(old - mx);  // 0 when old = -inf
         lrow[r] *= corr;
@@ -420,7 +398,7 @@ void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t
     return;
   }
   if constexpr (FAM == Family::kSoftmax && std::is_same_v<acc_t, float>) {
-    exp_fast_inplace(y, n, c);
+    exp_shifted(y, n, c, y);
     return;
   }
   if constexpr (std::is_same_v<acc_t, double>) {

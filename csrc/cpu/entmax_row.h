@@ -372,7 +372,9 @@ inline acc_t sparsemax_shift(const acc_t* y, int64_t n, acc_t* work, int64_t* k_
   return c;
 }
 
-// exp(y - m) into e, returns the sum.
+// exp(y - m) into e (which may alias y), returns the sum. ATen's exp_u20
+// (~20 ulp, as PyTorch's own softmax kernels) runs about twice as fast as
+// the 1-ulp exp; -inf gives exactly 0.
 template <typename acc_t>
 inline acc_t exp_shifted(const acc_t* y, int64_t n, acc_t m, acc_t* e) {
   using V = Vec<acc_t>;
