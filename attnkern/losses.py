@@ -1,0 +1,174 @@
+"""Fenchel-Young losses of the sparse normalizers, with the `entmax` package's
+signatures: sparsemax_loss, entmax15_loss, sparsemax_bisect_loss,
+entmax_bisect_loss, normmax_bisect_loss.
+
+For a regularizer Ω with prediction map p*(x) = argmax_{p in Δ} <p, x> - Ω(p),
+the loss of scores x (one row) and target class t is
+
+    L(x, t) = <p*, x> - Ω(p*) - x_t + Ω(e_t) ≥ 0,
+
+with gradient p* - e_t in x. By Danskin's theorem its gradient in a parameter
+of Ω (α, where it is a tensor) is -∂Ω/∂α at the fixed p*, so no
+differentiation through the normalizer is needed: p* is computed once by the
+kernels, without a graph, and the loss is assembled from it.
+
+Masked (-inf) logits are accepted: they get p* = 0 and contribute nothing (the
+`entmax` package gives NaN). A -inf target logit gives an infinite loss.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from attnkern import ops
+from attnkern.compat import _check_above_one, _check_n_iter, normmax_bisect
+from attnkern.ops import _compiling, check_alpha, check_tensor
+
+REDUCTIONS = ("elementwise_mean", "mean", "sum", "none")
+
+
+def _check_inputs(X, target) -> None:
+    if _compiling():
+        return
+    check_tensor(X, "X")
+    if X.dim() < 1:
+        raise ValueError("X must have a class dimension (shape (n_samples, n_classes))")
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32, torch.int16,
+                                                                     torch.int8, torch.uint8):
+        raise TypeError("target must be an integer tensor of class indices")
+    if tuple(target.shape) != tuple(X.shape[:-1]):
+        raise ValueError(f"target of shape {tuple(target.shape)} does not match X of shape {tuple(X.shape)} "
+                         "(expected X's shape without its last dim)")
+
+
+def _fy_loss(X: torch.Tensor, target: torch.Tensor, p: torch.Tensor, omega_gap: torch.Tensor) -> torch.Tensor:
+    """<p, x> - x_t + omega_gap, with omega_gap = Ω(e_t) - Ω(p) of shape (..., 1).
+
+    p is detached: the gradient in X is p - e_t. Scores are shifted by their
+    row max (detached; it cancels since Σ p = 1) to avoid cancellation."""
+    finite = X > -math.inf
+    m = torch.where(finite, X, torch.zeros_like(X)).detach()
+    m = m.masked_fill(~finite, -math.inf).amax(-1, keepdim=True)
+    m = torch.where(m > -math.inf, m, torch.zeros_like(m))
+    y = X - m
+    inner = torch.where(p > 0, y, torch.zeros_like(y)) * p
+    t = target.long().unsqueeze(-1)
+    y_t = y.gather(-1, t)
+    loss = inner.sum(-1, keepdim=True) - y_t + omega_gap
+    return loss.squeeze(-1).to(X.dtype)
+
+
+def _alpha_rows(alpha, X: torch.Tensor):
+    """α as a float or a tensor of shape (..., 1) in float64."""
+    if not isinstance(alpha, torch.Tensor):
+        return float(alpha)
+    shape = list(X.shape[:-1]) + [1]
+    return alpha.to(torch.float64).expand(shape)
+
+
+def _tsallis_gap(p64: torch.Tensor, alpha) -> torch.Tensor:
+    """Ω(e_t) - Ω(p) for the Tsallis regularizer Ω(p) = (Σ p^α - 1)/(α(α-1)),
+    i.e. the Tsallis α-entropy of p (the Shannon entropy at α = 1)."""
+    pos = p64 > 0
+    p_safe = torch.where(pos, p64, torch.ones_like(p64))
+    log_p = torch.log(p_safe)
+    shannon = -(torch.where(pos, p64 * log_p, torch.zeros_like(p64))).sum(-1, keepdim=True)
+    if not isinstance(alpha, torch.Tensor):
+        if abs(alpha - 1.0) < 1e-6:
+            return shannon
+        s = torch.where(pos, p_safe ** alpha, torch.zeros_like(p64)).sum(-1, keepdim=True)
+        return (1 - s) / (alpha * (alpha - 1))
+    near_one = (alpha - 1).abs() < 1e-6
+    a = torch.where(near_one, torch.full_like(alpha, 2.0), alpha)
+    s = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p64)).sum(-1, keepdim=True)
+    return torch.where(near_one, shannon + (alpha - alpha.detach()) * 0, (1 - s) / (a * (a - 1)))
+
+
+def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """sparsemax loss, a sparse alternative to cross-entropy.
+
+    X: (n_samples, n_classes) scores (any leading dims, classes last);
+    target: (n_samples,) int class indices. k: compatibility argument (exact for
+    any value). Returns the per-sample losses, shape (n_samples,)."""
+    _check_inputs(X, target)
+    with torch.no_grad():
+        p = ops.sparsemax(X.detach(), -1, k).to(torch.float64)
+    return _fy_loss(X, target, p, _tsallis_gap(p, 2.0))
+
+
+def sparsemax_bisect_loss(X: torch.Tensor, target: torch.Tensor, n_iter: int = 50) -> torch.Tensor:
+    """sparsemax loss with the `entmax` package's bisection signature (exact;
+    n_iter is validated). Shapes as sparsemax_loss."""
+    _check_n_iter(n_iter)
+    return sparsemax_loss(X, target)
+
+
+def entmax15_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """1.5-entmax loss. Shapes as sparsemax_loss; k: compatibility argument."""
+    _check_inputs(X, target)
+    with torch.no_grad():
+        p = ops.entmax15(X.detach(), -1, k).to(torch.float64)
+    return _fy_loss(X, target, p, _tsallis_gap(p, 1.5))
+
+
+def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter: int = 50) -> torch.Tensor:
+    """α-entmax loss, any α > 0 (α = 1: cross-entropy). Shapes as sparsemax_loss.
+
+    alpha: a float or a tensor broadcastable to (n_samples, 1), which may
+    require grad (exact gradient). n_iter: validated, results are exact."""
+    _check_inputs(X, target)
+    _check_n_iter(n_iter)
+    if not _compiling():
+        alpha = check_alpha(alpha, X, X.dim() - 1)
+    with torch.no_grad():
+        a = alpha.detach() if isinstance(alpha, torch.Tensor) else alpha
+        p = ops.entmax(X.detach(), a, -1).to(torch.float64)
+    return _fy_loss(X, target, p, _tsallis_gap(p, _alpha_rows(alpha, X)))
+
+
+def normmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=2, n_iter: int = 50) -> torch.Tensor:
+    """α-normmax loss, Ω(p) = ||p||_α, α > 1. Shapes and alpha as
+    entmax_bisect_loss."""
+    _check_inputs(X, target)
+    _check_n_iter(n_iter)
+    if not _compiling():
+        alpha = check_alpha(alpha, X, X.dim() - 1)
+    _check_above_one(alpha, "alpha")
+    with torch.no_grad():
+        a = alpha.detach() if isinstance(alpha, torch.Tensor) else alpha
+        p = normmax_bisect(X.detach(), a, -1).to(torch.float64)
+    a = _alpha_rows(alpha, X)
+    pos = p > 0
+    log_p = torch.log(torch.where(pos, p, torch.ones_like(p)))
+    s = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p)).sum(-1, keepdim=True)
+    norm = torch.where(s > 0, s, torch.ones_like(s)) ** (1 / a)
+    return _fy_loss(X, target, p, 1 - norm)
+
+
+# --- reduction and ignore_index, shared by the loss modules ---------------------------------------
+
+
+def check_reduction(reduction: str, ignore_index) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def reduce_loss(loss_fn, X: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
+    """Per-sample losses of the samples whose target is not ignore_index (0 and no
+    gradient for the others), reduced as the `entmax` package's modules do:
+    "elementwise_mean" (or "mean") divides the sum by the number of samples
+    that are not ignored."""
+    ignored = target == ignore_index
+    safe_target = torch.where(ignored, torch.zeros_like(target), target)
+    loss = loss_fn(X, safe_target)
+    loss = torch.where(ignored, torch.zeros_like(loss), loss)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction in ("elementwise_mean", "mean"):
+        return loss.sum() / float(target.numel() - int(ignored.sum()))
+    return loss
