@@ -100,7 +100,8 @@ def _budget_threshold(y: torch.Tensor, budget: torch.Tensor, valid: torch.Tensor
     y_fin = torch.where(valid, y, torch.zeros_like(y))
     big = torch.finfo(y.dtype).max
     hi = torch.where(valid, y, torch.full_like(y, -big)).amax(-1, keepdim=True)
-    lo = torch.where(valid, y, torch.full_like(y, big)).amin(-1, keepdim=True) - 1
+    # f(lo) = n_valid: every entry at least 1 above lo (with room for rounding).
+    lo = torch.where(valid, y, torch.full_like(y, big)).amin(-1, keepdim=True) - 2
     hi = torch.where(n_valid > 0, hi, torch.zeros_like(hi))
     lo = torch.where(n_valid > 0, lo, torch.zeros_like(lo))
     tau = lo.clone()
@@ -160,6 +161,8 @@ def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50) ->
     tau = torch.where(k > 0, tau, tau0)
     z_safe = torch.where(valid, z, torch.zeros_like(z))
     p = torch.where(valid, (z_safe - tau).clamp(0, 1), torch.zeros_like(z))
+    # A budget at or above the number of finite entries: all of them get 1.
+    p = torch.where(valid & (b.detach() >= n_valid), torch.ones_like(p), p)
     p = torch.where(nan_rows, torch.full_like(p, math.nan), p)
     p = p.to(X.dtype)
     return p.movedim(-1, dim) if X.dim() else p.reshape(())
