@@ -12,9 +12,11 @@ steps. Here each is exact (converged to the dtype's resolution whatever
   It runs on the entmax kernels (entmax15 for α = 2), and autograd through
   them gives exact gradients in x and α.
 - budget-sparsemax, p = clip(x - τ, 0, 1) with Σ p = budget, is solved by a
-  bracketed active-set Newton iteration (exact once the active set is right)
-  in vectorized torch ops, then τ is rebuilt from the active set so that
-  autograd gives the exact gradient in x and the budget.
+  bracketed active-set Newton iteration (exact once the active set is right):
+  per row in the attnkern::budget_fwd kernel (csrc/cpu/budget.cpp), with the
+  exact backward in BudgetFunction; on other devices (or backend="reference")
+  the same iteration in vectorized torch ops, then τ rebuilt from the active
+  set so that autograd gives the exact gradient in x and the budget.
 """
 
 from __future__ import annotations
@@ -122,7 +124,37 @@ def _budget_threshold(y: torch.Tensor, budget: torch.Tensor, valid: torch.Tensor
     return tau
 
 
-def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50) -> torch.Tensor:
+class BudgetFunction(torch.autograd.Function):
+    """budget-sparsemax through attnkern::budget_fwd. Backward, with s the
+    active indicator (0 < p < 1) and k = Σ s: dx = s ⊙ (g - Σ s g / k), and
+    d budget = Σ s g / k (0 for a row with no active entry)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, budget: torch.Tensor, dim: int) -> torch.Tensor:
+        p = torch.ops.attnkern.budget_fwd(x, budget, dim)
+        ctx.save_for_backward(p, budget)
+        ctx.dim = dim
+        return p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, budget = ctx.saved_tensors
+        dim = ctx.dim if p.dim() else 0
+        if p.dim() == 0:
+            return torch.zeros_like(p), None, None
+        active = (p > 0) & (p < 1)
+        k = active.sum(dim, keepdim=True)
+        g = torch.where(active, grad, torch.zeros_like(grad))
+        v = g.sum(dim, keepdim=True) / k.clamp_min(1).to(grad.dtype)
+        dx = torch.where(active, grad - v, torch.zeros_like(grad))
+        db = None
+        if ctx.needs_input_grad[1]:
+            db = torch.where(k > 0, v, torch.zeros_like(v)).to(budget.dtype).sum_to_size(budget.shape)
+        return dx, db, None
+
+
+def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50, *,
+                  backend: str = "auto") -> torch.Tensor:
     """budget-sparsemax along `dim`: argmax_{p} <p, X> - ½||p||² subject to
     0 ≤ p ≤ 1 and Σ p = budget (a k-subset relaxation).
 
@@ -135,6 +167,16 @@ def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50) ->
     _check_n_iter(n_iter)
     if not _compiling():
         budget = check_alpha(budget, X, dim, name="budget")
+    if ops.use_kernels(backend, X) and X.dim() > 0:
+        b = budget if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=torch.float64,
+                                                                         device=X.device)
+        return BudgetFunction.apply(X, b, dim)
+    return _budget_torch(X, budget, dim)
+
+
+def _budget_torch(X: torch.Tensor, budget, dim: int) -> torch.Tensor:
+    """budget-sparsemax in vectorized torch ops (float64), for the reference
+    backend and devices without a kernel."""
     z = X.movedim(dim, -1).to(torch.float64) if X.dim() else X.reshape(1).to(torch.float64)
     if isinstance(budget, torch.Tensor):
         b = budget.to(torch.float64)

@@ -7,7 +7,10 @@ the loss of scores x (one row) and target class t is
 
     L(x, t) = <p*, x> - Ω(p*) - x_t + Ω(e_t) ≥ 0,
 
-with gradient p* - e_t in x. By Danskin's theorem its gradient in a parameter
+with gradient p* - e_t in x. The α-entmax losses (sparsemax, entmax15, α)
+run in one fused kernel per row (attnkern::entmax_loss_fwd: p, the loss and
+p - e_t); the normmax loss is assembled in torch ops from normmax_bisect's p.
+By Danskin's theorem its gradient in a parameter
 of Ω (α, where it is a tensor) is -∂Ω/∂α at the fixed p*, so no
 differentiation through the normalizer is needed: p* is computed once by the
 kernels, without a graph, and the loss is assembled from it.
@@ -87,6 +90,45 @@ def _tsallis_gap(p64: torch.Tensor, alpha) -> torch.Tensor:
     return torch.where(near_one, shannon + (alpha - alpha.detach()) * 0, (1 - s) / (a * (a - 1)))
 
 
+class EntmaxLossFunction(torch.autograd.Function):
+    """The α-entmax loss of x (rows, n) against target (rows,) through the fused
+    attnkern::entmax_loss_fwd kernel, which returns the loss and its gradient
+    p - e_t in one pass per row; backward scales the saved gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        loss, grad = torch.ops.attnkern.entmax_loss_fwd(x, target, alpha)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad_loss.unsqueeze(-1).to(grad.dtype) * grad, None, None
+
+
+def _entmax_family_loss(X: torch.Tensor, target: torch.Tensor, alpha, k=None) -> torch.Tensor:
+    """The α-entmax loss along the last dim, any α > 0 (float or per-row tensor)."""
+    if X.device.type == "cpu" and ops.use_kernels("auto", X) and X.shape[-1] > 0:
+        C = X.shape[-1]
+        a = alpha.detach() if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64)
+        a_rows = a.to(torch.float64 if X.dtype == torch.float64 else torch.float32).expand(
+            tuple(X.shape[:-1]) + (1,)).reshape(-1)
+        loss = EntmaxLossFunction.apply(X.reshape(-1, C), target.reshape(-1).long(), a_rows)
+        loss = loss.reshape(X.shape[:-1])
+        if isinstance(alpha, torch.Tensor) and alpha.requires_grad:
+            # Danskin: the α-gradient is ∂H_α/∂α at the fixed p; this term is 0 in value.
+            with torch.no_grad():
+                p = ops.entmax(X.detach(), a, -1).to(torch.float64)
+            a64 = _alpha_rows(alpha, X)
+            loss = loss + (_tsallis_gap(p, a64) - _tsallis_gap(p, a64.detach())).squeeze(-1).to(loss.dtype)
+        return loss.to(X.dtype)
+    with torch.no_grad():
+        a = alpha.detach() if isinstance(alpha, torch.Tensor) else alpha
+        p = ops.entmax(X.detach(), a, -1).to(torch.float64)
+    return _fy_loss(X, target, p, _tsallis_gap(p, _alpha_rows(alpha, X)))
+
+
 def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """sparsemax loss, a sparse alternative to cross-entropy.
 
@@ -94,9 +136,8 @@ def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) 
     target: (n_samples,) int class indices. k: compatibility argument (exact for
     any value). Returns the per-sample losses, shape (n_samples,)."""
     _check_inputs(X, target)
-    with torch.no_grad():
-        p = ops.sparsemax(X.detach(), -1, k).to(torch.float64)
-    return _fy_loss(X, target, p, _tsallis_gap(p, 2.0))
+    ops._check_k(k)
+    return _entmax_family_loss(X, target, 2.0)
 
 
 def sparsemax_bisect_loss(X: torch.Tensor, target: torch.Tensor, n_iter: int = 50) -> torch.Tensor:
@@ -109,9 +150,8 @@ def sparsemax_bisect_loss(X: torch.Tensor, target: torch.Tensor, n_iter: int = 5
 def entmax15_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """1.5-entmax loss. Shapes as sparsemax_loss; k: compatibility argument."""
     _check_inputs(X, target)
-    with torch.no_grad():
-        p = ops.entmax15(X.detach(), -1, k).to(torch.float64)
-    return _fy_loss(X, target, p, _tsallis_gap(p, 1.5))
+    ops._check_k(k)
+    return _entmax_family_loss(X, target, 1.5)
 
 
 def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter: int = 50) -> torch.Tensor:
@@ -123,10 +163,7 @@ def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter:
     _check_n_iter(n_iter)
     if not _compiling():
         alpha = check_alpha(alpha, X, X.dim() - 1)
-    with torch.no_grad():
-        a = alpha.detach() if isinstance(alpha, torch.Tensor) else alpha
-        p = ops.entmax(X.detach(), a, -1).to(torch.float64)
-    return _fy_loss(X, target, p, _tsallis_gap(p, _alpha_rows(alpha, X)))
+    return _entmax_family_loss(X, target, alpha)
 
 
 def normmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=2, n_iter: int = 50) -> torch.Tensor:

@@ -1,0 +1,124 @@
+// budget-sparsemax on the CPU, forward: p = clip(x - τ, 0, 1) with Σ p = B per
+// row. Σ clip(x - τ, 0, 1) is piecewise linear and decreasing in τ; on the
+// piece where the active set A = {0 < x - τ < 1} and the capped count C are
+// fixed, its root is τ = (C + Σ_A x - B) / |A|. Iterating that step (Newton on
+// a piecewise-linear function), safeguarded by a bisection bracket, ends
+// exactly once A and C stop changing — typically in a handful of passes.
+// The backward (dx = s ⊙ (g - Σ_A g / |A|), s the active indicator) is a few
+// elementwise ops on the saved p and lives in attnkern/compat.py.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "row_layout.h"
+
+namespace attnkern {
+namespace cpu {
+namespace {
+
+using at::Tensor;
+
+constexpr int kMaxSteps = 200;
+
+// One row (contiguous, acc type) -> out (may alias x).
+template <typename acc_t>
+void budget_row(const acc_t* x, int64_t n, double B, acc_t* out) {
+  const acc_t inf = std::numeric_limits<acc_t>::infinity();
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  int64_t n_valid = 0;
+  bool bad = false;
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t v = x[j];
+    if (v != v || v == inf) bad = true;
+    if (v > -inf) {
+      ++n_valid;
+      lo = std::min(lo, double(v));
+      hi = std::max(hi, double(v));
+    }
+  }
+  if (bad) {
+    std::fill(out, out + n, std::numeric_limits<acc_t>::quiet_NaN());
+    return;
+  }
+  if (n_valid == 0 || B >= double(n_valid)) {
+    for (int64_t j = 0; j < n; ++j) out[j] = x[j] > -inf ? acc_t(1) : acc_t(0);
+    if (n_valid == 0) std::fill(out, out + n, acc_t(0));
+    return;
+  }
+  lo -= 2;  // f(lo) = n_valid - B > 0, f(hi) = -B < 0
+  double tau = hi - 1;
+  for (int step = 0; step < kMaxSteps; ++step) {
+    double sum_active = 0, f = -B;
+    int64_t k = 0, capped = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double d = double(x[j]) - tau;
+      if (d >= 1) {
+        ++capped;
+      } else if (d > 0) {
+        ++k;
+        sum_active += double(x[j]);
+      }
+    }
+    f += double(capped) + sum_active - double(k) * tau;
+    if (f == 0) break;
+    if (f > 0) lo = tau; else hi = tau;
+    double next = 0.5 * (lo + hi);
+    if (k > 0) {
+      const double t = (double(capped) + sum_active - B) / double(k);
+      if (t == tau) break;  // the piece's root: converged
+      if (t > lo && t < hi) next = t;
+    }
+    if (next == tau || !(hi > lo)) break;
+    tau = next;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const double d = double(x[j]) - tau;
+    out[j] = x[j] > -inf ? acc_t(std::min(1.0, std::max(0.0, d))) : acc_t(0);
+  }
+}
+
+template <typename scalar_t>
+void budget_impl(const Tensor& x, Tensor& out, const Tensor& budget, int64_t dim) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const RowLayout lay = RowLayout::of(x, dim);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  scalar_t* op = out.mutable_data_ptr<scalar_t>();
+  const double* bp = budget.const_data_ptr<double>();
+  const int64_t n = lay.n;
+  at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> row(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = lay.base(r);
+      lay.load(xp + base, row.data());
+      budget_row<acc_t>(row.data(), n, bp[r], row.data());
+      lay.store(row.data(), op + base);
+    }
+  });
+}
+
+Tensor budget_fwd(const Tensor& x_in, const Tensor& budget_in, int64_t dim) {
+  TORCH_CHECK(x_in.device().is_cpu() && at::isFloatingType(x_in.scalar_type()),
+              "attnkern: x must be a floating-point CPU tensor");
+  dim = at::maybe_wrap_dim(dim, x_in.dim());
+  Tensor x = x_in.contiguous();
+  Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() == 0) return out;
+  auto shape = x.sizes().vec();
+  if (!shape.empty()) shape[dim] = 1;
+  Tensor budget = budget_in.to(at::kDouble).expand(shape).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_budget_fwd",
+                                  [&] { budget_impl<scalar_t>(x, out, budget, dim); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnkern, CPU, m) { m.impl("budget_fwd", &budget_fwd); }
+
+}  // namespace cpu
+}  // namespace attnkern
