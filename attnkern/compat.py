@@ -41,8 +41,9 @@ def sparsemax_bisect(X: torch.Tensor, dim: int = -1, n_iter: int = 50, ensure_su
                      backend: str = "auto") -> torch.Tensor:
     """sparsemax along `dim` with the `entmax` package's `sparsemax_bisect`
     signature: argmin_{p in Δ} ||p - X||². Exact (n_iter and ensure_sum_one are
-    validated and otherwise change nothing). X: any shape, floating point."""
-    _check_n_iter(n_iter)
+    validated and otherwise change nothing; n_iter may be None, as the package's
+    SparsemaxBisect passes it). X: any shape, floating point."""
+    _check_n_iter(n_iter, allow_none=True)
     if not _compiling() and not isinstance(ensure_sum_one, bool):
         raise TypeError(f"ensure_sum_one must be a bool, got {type(ensure_sum_one).__name__}")
     return ops.sparsemax(X, dim, backend=backend)
@@ -81,12 +82,16 @@ def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
         inner = 2.0 - 1.0 / a
         scale = a / (a - 1.0)
     r = ops.entmax(X * scale, inner, dim, backend=backend)
-    # r^(1/α) has an infinite slope at 0: keep r = 0 (outside the support,
-    # where the entmax backward gives no gradient) off that branch.
-    pos = r > 0
-    q = torch.where(pos, torch.where(pos, r, torch.ones_like(r)) ** (1.0 / a), r)
+    if r.requires_grad:
+        # r^(1/α) has an infinite slope at 0: keep r = 0 (outside the support,
+        # where the entmax backward gives no gradient) off that branch.
+        pos = r > 0
+        q = torch.where(pos, torch.where(pos, r, torch.ones_like(r)) ** (1.0 / a), r)
+    else:
+        q = r.pow_(1.0 / a) if not isinstance(a, torch.Tensor) else r.pow_((1.0 / a).to(r.dtype))
     total = q.sum(dim, keepdim=True)
-    return q / torch.where(total > 0, total, torch.ones_like(total))
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    return q / total if q.requires_grad else q.div_(total)
 
 
 # --- budget-sparsemax --------------------------------------------------------------------------

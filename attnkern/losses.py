@@ -21,7 +21,6 @@ Masked (-inf) logits are accepted: they get p* = 0 and contribute nothing (the
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -51,17 +50,16 @@ def _fy_loss(X: torch.Tensor, target: torch.Tensor, p: torch.Tensor, omega_gap: 
     """<p, x> - x_t + omega_gap, with omega_gap = Ω(e_t) - Ω(p) of shape (..., 1).
 
     p is detached: the gradient in X is p - e_t. Scores are shifted by their
-    row max (detached; it cancels since Σ p = 1) to avoid cancellation."""
-    finite = X > -math.inf
-    m = torch.where(finite, X, torch.zeros_like(X)).detach()
-    m = m.masked_fill(~finite, -math.inf).amax(-1, keepdim=True)
-    m = torch.where(m > -math.inf, m, torch.zeros_like(m))
-    y = X - m
-    inner = torch.where(p > 0, y, torch.zeros_like(y)) * p
-    t = target.long().unsqueeze(-1)
-    y_t = y.gather(-1, t)
-    loss = inner.sum(-1, keepdim=True) - y_t + omega_gap
-    return loss.squeeze(-1).to(X.dtype)
+    row max (detached; it cancels since Σ p = 1) to avoid cancellation, and
+    entries with p = 0 (masked -inf ones among them) are left out."""
+    p = p.detach().to(X.dtype)
+    m = X.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    y = torch.where(p > 0, X - m, torch.zeros_like(X))
+    inner = torch.linalg.vecdot(y, p, dim=-1).unsqueeze(-1)
+    y_t = X.gather(-1, target.long().unsqueeze(-1)) - m
+    loss = inner - y_t + omega_gap.to(inner.dtype)
+    return loss.squeeze(-1)
 
 
 def _alpha_rows(alpha, X: torch.Tensor):
@@ -142,8 +140,8 @@ def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) 
 
 def sparsemax_bisect_loss(X: torch.Tensor, target: torch.Tensor, n_iter: int = 50) -> torch.Tensor:
     """sparsemax loss with the `entmax` package's bisection signature (exact;
-    n_iter is validated). Shapes as sparsemax_loss."""
-    _check_n_iter(n_iter)
+    n_iter is validated, None allowed). Shapes as sparsemax_loss."""
+    _check_n_iter(n_iter, allow_none=True)
     return sparsemax_loss(X, target)
 
 
@@ -176,12 +174,17 @@ def normmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=2, n_iter: 
     _check_above_one(alpha, "alpha")
     with torch.no_grad():
         a = alpha.detach() if isinstance(alpha, torch.Tensor) else alpha
-        p = normmax_bisect(X.detach(), a, -1).to(torch.float64)
-    a = _alpha_rows(alpha, X)
-    pos = p > 0
-    log_p = torch.log(torch.where(pos, p, torch.ones_like(p)))
-    s = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p)).sum(-1, keepdim=True)
-    norm = torch.where(s > 0, s, torch.ones_like(s)) ** (1 / a)
+        p = normmax_bisect(X.detach(), a, -1)
+    if not isinstance(alpha, torch.Tensor):
+        norm = torch.linalg.vector_norm(p.detach(), ord=float(alpha), dim=-1, keepdim=True)
+    else:
+        # Danskin: the α-gradient is -∂||p||_α/∂α at the fixed p.
+        p64 = p.to(torch.float64)
+        a = _alpha_rows(alpha, X)
+        pos = p64 > 0
+        log_p = torch.log(torch.where(pos, p64, torch.ones_like(p64)))
+        s = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p64)).sum(-1, keepdim=True)
+        norm = torch.where(s > 0, s, torch.ones_like(s)) ** (1 / a)
     return _fy_loss(X, target, p, 1 - norm)
 
 

@@ -179,6 +179,9 @@ def test_gradcheck_budget_x_and_budget():
 
 def test_gradcheck_sparsemax_bisect():
     assert gradcheck(lambda x: attnkern.sparsemax_bisect(x, 0), (_x((6, 4)),))
+    # The package's SparsemaxBisect passes n_iter=None through.
+    x = make_scores((3, 5), F64, seed=28)
+    assert_close(attnkern.sparsemax_bisect(x, n_iter=None), pkg.sparsemax_bisect(x, n_iter=None))
 
 
 @pytest.mark.parametrize("name,arg", [("normmax_bisect", 2.0), ("normmax_bisect", 1.5), ("budget_bisect", 2.0)])
@@ -320,3 +323,90 @@ def test_invalid_parameters_raise(fn, bad):
         fn(x, bad)
     with pytest.raises(ValueError):
         fn(x, 2.0, n_iter=0)
+
+
+# --- kernels against the pure-torch paths, opcheck ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("budget", [1.0, 2.0, 3.7, 9.5])
+def test_budget_kernel_matches_torch_path(dtype, budget):
+    x = mask_some(make_scores((9, 13), dtype, scale=1.5, seed=19), frac=0.2, full_rows=1)
+    ours = attnkern.budget_bisect(x, budget)
+    ref = attnkern.budget_bisect(x, budget, backend="reference")
+    assert ours.dtype == dtype
+    assert_close(ours, ref, dtype=dtype)
+    finite = (x > -math.inf).sum(-1, keepdim=True).to(F64)
+    assert_close(ours[1:].to(F64).sum(-1, keepdim=True), torch.minimum(finite[1:], torch.tensor(budget, dtype=F64)),
+                 dtype=dtype, scale=10.0)
+    base = make_scores((4, 6, 9), F64, seed=20)
+    for x3 in (base, base.transpose(0, 2)):
+        for dim in range(3):
+            assert_close(attnkern.budget_bisect(x3, budget, dim), attnkern.budget_bisect(x3, budget, dim,
+                                                                                          backend="reference"))
+
+
+def test_budget_kernel_ties_and_large_rows():
+    x = with_ties((20, 50), F64, seed=21)
+    for b in (1.0, 2.0, 4.5):
+        p = attnkern.budget_bisect(x, b)
+        assert_close(p.sum(-1), torch.full((20,), b, dtype=F64))
+        assert_close(p, pkg.budget_bisect(x, b, n_iter=200))
+    x = make_scores((3, 5000), torch.float32, scale=3.0, seed=22)
+    assert_close(attnkern.budget_bisect(x, 10.0), pkg.budget_bisect(x.double(), 10.0, n_iter=100),
+                 dtype=torch.float32, scale=5.0)
+
+
+def test_normmax_reference_backend():
+    x = mask_some(make_scores((6, 11), F64, scale=2.0, seed=23), frac=0.2, full_rows=1)
+    for a in (1.5, 2.0, 3.0):
+        assert_close(attnkern.normmax_bisect(x, a), attnkern.normmax_bisect(x, a, backend="reference"))
+
+
+def _loss_by_definition(x, t, alpha):
+    """<p, x> - x_t + H_α(p) in float64, with p from attnkern.entmax and 0·(-inf) = 0."""
+    x = x.to(F64)
+    p = attnkern.entmax(x, alpha)
+    xs = torch.where(p > 0, x, torch.zeros_like(x))
+    pos = p > 0
+    if alpha == 1.0:
+        h = -(torch.where(pos, p * torch.log(torch.where(pos, p, torch.ones_like(p))), 0 * p)).sum(-1)
+    else:
+        h = (1 - torch.where(pos, p, 0 * p).pow(alpha).sum(-1)) / (alpha * (alpha - 1))
+    return (p * xs).sum(-1) - x.gather(-1, t[:, None])[:, 0] + h
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.3, 1.5, 2.0, 3.0, 0.8])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_fused_loss_kernel_by_definition(alpha, dtype):
+    x = mask_some(make_scores((10, 21), dtype, scale=2.0, seed=24), frac=0.2, full_rows=0)
+    t = torch.tensor([int(torch.nonzero(r > -math.inf)[-1]) for r in x])
+    xr = x.clone().requires_grad_()
+    loss = attnkern.entmax_bisect_loss(xr, t, alpha)
+    assert loss.dtype == dtype and torch.isfinite(loss).all()
+    assert_close(loss, _loss_by_definition(x, t, alpha), dtype=dtype, scale=4.0)
+    (dx,) = torch.autograd.grad(loss.sum(), xr)
+    expected = attnkern.entmax(x.to(F64), alpha) - torch.nn.functional.one_hot(t, 21).to(F64)
+    assert_close(dx, expected, dtype=dtype)
+
+
+def test_losses_leading_dims_and_special_rows():
+    x = make_scores((2, 3, 7), F64, scale=2.0, seed=25)
+    t = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(1))
+    flat = attnkern.sparsemax_loss(x.reshape(6, 7), t.reshape(6))
+    assert_close(attnkern.sparsemax_loss(x, t), flat.reshape(2, 3))
+    x = make_scores((3, 5), F64, seed=26)
+    x[0] = -math.inf
+    x[1, 2] = math.nan
+    loss = attnkern.entmax15_loss(x, torch.tensor([1, 1, 1]))
+    assert loss[0] == math.inf and math.isnan(loss[1]) and torch.isfinite(loss[2])
+
+
+def test_opcheck_new_ops():
+    x = make_scores((5, 9), torch.float32, seed=27)
+    torch.library.opcheck(torch.ops.attnkern.budget_fwd, (x, torch.tensor(2.0, dtype=F64), -1))
+    torch.library.opcheck(torch.ops.attnkern.budget_fwd, (x.t(), torch.tensor(2.0, dtype=F64), 0))
+    t = torch.tensor([0, 3, 8, 1, 2])
+    torch.library.opcheck(torch.ops.attnkern.entmax_loss_fwd, (x, t, torch.full((5,), 1.5)))
+    torch.library.opcheck(torch.ops.attnkern.entmax_loss_fwd, (x.double()[:, ::2], t.clamp_max(4),
+                                                               torch.tensor(2.0, dtype=F64)))

@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "attnkern/entmax_math.h"
 #include "normalize_row.h"
@@ -20,29 +22,47 @@ namespace {
 
 using at::Tensor;
 
-// H_α(p) of a normalized row, b = α - 1.
+// <p, x - m> over the support (masked entries have p = 0 and x = -inf) and
+// H_α(p), b = α - 1, of a normalized row p.
 template <typename acc_t>
-acc_t tsallis_entropy(const acc_t* p, int64_t n, acc_t b) {
+void loss_terms(const acc_t* p, const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* inner, acc_t* entropy) {
+  using V = Vec<acc_t>;
   const Family fam = math::family_of<acc_t>(b);
-  double s = 0;
-  if (fam == Family::kSoftmax) {
-    for (int64_t j = 0; j < n; ++j)
-      if (p[j] > acc_t(0)) s -= double(p[j]) * std::log(double(p[j]));
-    return acc_t(s);
+  const V zero(0), vm(m);
+  V vin(0), vs(0);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    const V pv = V::loadu(p + j);
+    const V pos = pv > zero;
+    vin += V::blendv(zero, pv * (V::loadu(x + j) - vm), pos);
+    if (fam == Family::kSoftmax) {
+      vs += V::blendv(zero, pv * pv.log(), pos);
+    } else if (fam == Family::kSparsemax) {
+      vs += pv * pv;
+    } else if (fam == Family::kEntmax15) {
+      vs += pv * pv.sqrt();
+    }
   }
-  if (fam == Family::kSparsemax) {
-    for (int64_t j = 0; j < n; ++j) s += double(p[j]) * double(p[j]);
-    return acc_t((1.0 - s) / 2.0);
+  acc_t in = hsum(vin), s = hsum(vs);
+  for (; j < n; ++j) {
+    if (!(p[j] > acc_t(0))) continue;
+    in += p[j] * (x[j] - m);
+    if (fam == Family::kSoftmax) s += p[j] * std::log(p[j]);
+    else if (fam == Family::kSparsemax) s += p[j] * p[j];
+    else if (fam == Family::kEntmax15) s += p[j] * std::sqrt(p[j]);
   }
-  if (fam == Family::kEntmax15) {
-    for (int64_t j = 0; j < n; ++j)
-      if (p[j] > acc_t(0)) s += double(p[j]) * std::sqrt(double(p[j]));
-    return acc_t((1.0 - s) / 0.75);
+  if (fam == Family::kGeneric) {
+    const acc_t a = b + acc_t(1);
+    for (int64_t i = 0; i < n; ++i)
+      if (p[i] > acc_t(0)) s += std::pow(p[i], a);
   }
-  const double a = double(b) + 1.0;
-  for (int64_t j = 0; j < n; ++j)
-    if (p[j] > acc_t(0)) s += std::pow(double(p[j]), a);
-  return acc_t((1.0 - s) / (a * double(b)));
+  *inner = in;
+  switch (fam) {
+    case Family::kSoftmax: *entropy = -s; break;
+    case Family::kSparsemax: *entropy = (acc_t(1) - s) / acc_t(2); break;
+    case Family::kEntmax15: *entropy = (acc_t(1) - s) / acc_t(0.75); break;
+    default: *entropy = (acc_t(1) - s) / ((b + acc_t(1)) * b);
+  }
 }
 
 template <typename scalar_t>
@@ -62,29 +82,36 @@ void loss_impl(const Tensor& x, const Tensor& target, const Tensor& alpha, Tenso
     acc_t* y = scratch.y();
     acc_t* work = scratch.work();
     int32_t* idx = scratch.idx.data();
-    std::vector<acc_t> pbuf(n);
-    acc_t* p = pbuf.data();
+    std::vector<acc_t> pbuf(std::is_same_v<scalar_t, acc_t> ? 0 : n);
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = xp + r * n;
-      for (int64_t j = 0; j < n; ++j) row[j] = static_cast<acc_t>(xr[j]);
+      const acc_t* xr;
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        xr = reinterpret_cast<const acc_t*>(xp + r * n);
+      } else {
+        for (int64_t j = 0; j < n; ++j) row[j] = static_cast<acc_t>(xp[r * n + j]);
+        xr = row;
+      }
       const int64_t t = tp[r];
       const acc_t b = ap[r] - acc_t(1);
-      const acc_t m = row_max(row, n);
-      normalize_row_alpha<acc_t, Family::kGeneric>(row, n, b, p, y, work, idx);
+      const acc_t m = row_max(xr, n);
+      acc_t* p = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(gp + r * n) : pbuf.data();
+      normalize_row_alpha<acc_t, Family::kGeneric>(xr, n, b, p, y, work, idx);
       acc_t l;
       if (m != m || m == inf) {
         l = std::numeric_limits<acc_t>::quiet_NaN();
       } else if (m == -inf) {
         l = inf;  // every logit masked, the target's too
       } else {
-        double inner = 0;
-        for (int64_t j = 0; j < n; ++j)
-          if (p[j] > acc_t(0)) inner += double(p[j]) * double(row[j] - m);
-        l = acc_t(inner - double(row[t] - m)) + tsallis_entropy(p, n, b);
+        acc_t inner, entropy;
+        loss_terms(p, xr, n, m, b, &inner, &entropy);
+        l = inner - (xr[t] - m) + entropy;
       }
       lp[r] = l;
-      scalar_t* gr = gp + r * n;
-      for (int64_t j = 0; j < n; ++j) gr[j] = static_cast<scalar_t>(p[j] - (j == t ? acc_t(1) : acc_t(0)));
+      if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+        scalar_t* gr = gp + r * n;
+        for (int64_t j = 0; j < n; ++j) gr[j] = static_cast<scalar_t>(p[j]);
+      }
+      gp[r * n + t] = static_cast<scalar_t>(p[t] - acc_t(1));
     }
   });
 }
