@@ -85,7 +85,12 @@ def _tsallis_gap(p64: torch.Tensor, alpha) -> torch.Tensor:
     near_one = (alpha - 1).abs() < 1e-6
     a = torch.where(near_one, torch.full_like(alpha, 2.0), alpha)
     s = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p64)).sum(-1, keepdim=True)
-    return torch.where(near_one, shannon + (alpha - alpha.detach()) * 0, (1 - s) / (a * (a - 1)))
+    # At α = 1: value Shannon, slope ∂H_α/∂α = Σ p ln p - ½ Σ p (ln p)² (the
+    # first-order term of H_α's expansion in α - 1).
+    plogp = torch.where(pos, p64 * log_p, torch.zeros_like(p64))
+    slope = plogp.sum(-1, keepdim=True) - 0.5 * (plogp * log_p).sum(-1, keepdim=True)
+    at_one = shannon + (alpha - alpha.detach()) * slope
+    return torch.where(near_one, at_one, (1 - s) / (a * (a - 1)))
 
 
 class EntmaxLossFunction(torch.autograd.Function):
@@ -105,7 +110,7 @@ class EntmaxLossFunction(torch.autograd.Function):
         return grad_loss.unsqueeze(-1).to(grad.dtype) * grad, None, None
 
 
-def _entmax_family_loss(X: torch.Tensor, target: torch.Tensor, alpha, k=None) -> torch.Tensor:
+def _entmax_family_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.Tensor:
     """The α-entmax loss along the last dim, any α > 0 (float or per-row tensor)."""
     if X.device.type == "cpu" and ops.use_kernels("auto", X) and X.shape[-1] > 0:
         C = X.shape[-1]

@@ -410,3 +410,13 @@ def test_opcheck_new_ops():
     torch.library.opcheck(torch.ops.attnkern.entmax_loss_fwd, (x, t, torch.full((5,), 1.5)))
     torch.library.opcheck(torch.ops.attnkern.entmax_loss_fwd, (x.double()[:, ::2], t.clamp_max(4),
                                                                torch.tensor(2.0, dtype=F64)))
+
+
+def test_entmax_loss_alpha_gradient_at_one():
+    x = make_scores((4, 9), F64, scale=2.0, seed=29)
+    t = torch.tensor([0, 3, 8, 2])
+    alpha = torch.ones(4, 1, dtype=F64, requires_grad=True)
+    (da,) = torch.autograd.grad(attnkern.entmax_bisect_loss(x, t, alpha).sum(), alpha)
+    h = 1e-4
+    fd = (attnkern.entmax_bisect_loss(x, t, 1 + h) - attnkern.entmax_bisect_loss(x, t, 1 - h)) / (2 * h)
+    torch.testing.assert_close(da[:, 0], fd, atol=1e-6, rtol=1e-5)
