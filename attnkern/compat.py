@@ -59,6 +59,25 @@ def _check_above_one(alpha, name: str) -> None:
         raise ValueError(f"{name} must be > 1, got {alpha}")
 
 
+class NormmaxFunction(torch.autograd.Function):
+    """α-normmax with α fixed (no gradient in α): forward on the entmax kernels,
+    backward by attnkern::normmax_bwd from the saved output."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, alpha, dim: int, backend: str) -> torch.Tensor:
+        p = _normmax_forward(x, alpha, dim, backend)
+        ctx.save_for_backward(p)
+        ctx.alpha, ctx.dim = alpha, dim
+        return p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (p,) = ctx.saved_tensors
+        a = ctx.alpha
+        a = a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.float64)
+        return torch.ops.attnkern.normmax_bwd(p, grad, a, ctx.dim), None, None, None
+
+
 def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
                    backend: str = "auto") -> torch.Tensor:
     """α-normmax along `dim`: argmax_{p in Δ} <p, X> - ||p||_α.
@@ -73,6 +92,15 @@ def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
     if not _compiling():
         alpha = check_alpha(alpha, X, dim)
     _check_above_one(alpha, "alpha")
+    needs_alpha_grad = isinstance(alpha, torch.Tensor) and alpha.requires_grad
+    if (X.requires_grad and torch.is_grad_enabled() and not needs_alpha_grad and X.device.type == "cpu"
+            and ops.use_kernels(backend, X)):
+        return NormmaxFunction.apply(X, alpha.detach() if isinstance(alpha, torch.Tensor) else alpha, dim, backend)
+    return _normmax_forward(X, alpha, dim, backend)
+
+
+def _normmax_forward(X: torch.Tensor, alpha, dim: int, backend: str) -> torch.Tensor:
+    """α-normmax through α'-entmax; differentiable by autograd (in X and α)."""
     if isinstance(alpha, torch.Tensor):
         a = alpha.to(X.dtype if X.dtype == torch.float64 else torch.float32)
         inner = 2.0 - 1.0 / a
@@ -92,6 +120,7 @@ def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
     total = q.sum(dim, keepdim=True)
     total = torch.where(total > 0, total, torch.ones_like(total))
     return q / total if q.requires_grad else q.div_(total)
+
 
 
 # --- budget-sparsemax --------------------------------------------------------------------------
@@ -144,18 +173,11 @@ class BudgetFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         p, budget = ctx.saved_tensors
-        dim = ctx.dim if p.dim() else 0
-        if p.dim() == 0:
-            return torch.zeros_like(p), None, None
-        active = (p > 0) & (p < 1)
-        k = active.sum(dim, keepdim=True)
-        g = torch.where(active, grad, torch.zeros_like(grad))
-        v = g.sum(dim, keepdim=True) / k.clamp_min(1).to(grad.dtype)
-        dx = torch.where(active, grad - v, torch.zeros_like(grad))
-        db = None
-        if ctx.needs_input_grad[1]:
-            db = torch.where(k > 0, v, torch.zeros_like(v)).to(budget.dtype).sum_to_size(budget.shape)
-        return dx, db, None
+        want_budget = ctx.needs_input_grad[1]
+        dx, db = torch.ops.attnkern.budget_bwd(p, grad, ctx.dim, want_budget)
+        if not want_budget:
+            return dx, None, None
+        return dx, db.sum_to_size(budget.shape).to(budget.dtype), None
 
 
 def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50, *,

@@ -4,8 +4,8 @@
 // fixed, its root is τ = (C + Σ_A x - B) / |A|. Iterating that step (Newton on
 // a piecewise-linear function), safeguarded by a bisection bracket, ends
 // exactly once A and C stop changing — typically in a handful of passes.
-// The backward (dx = s ⊙ (g - Σ_A g / |A|), s the active indicator) is a few
-// elementwise ops on the saved p and lives in attnkern/compat.py.
+// budget_bwd: dx = s ⊙ (g - Σ_A g / |A|), s the active indicator, and the
+// budget's gradient Σ_A g / |A|, one pass per row over the saved p.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -116,9 +116,71 @@ Tensor budget_fwd(const Tensor& x_in, const Tensor& budget_in, int64_t dim) {
   return out;
 }
 
+// Backward of one row, s the active indicator (0 < p < 1), k = Σ s:
+// dx = s ⊙ (g - Σ s g / k); returns d budget = Σ s g / k (0 when k = 0).
+template <typename acc_t>
+acc_t budget_bwd_row(const acc_t* p, const acc_t* g, acc_t* dx, int64_t n) {
+  double sg = 0;
+  int64_t k = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] > acc_t(0) && p[j] < acc_t(1)) {
+      ++k;
+      sg += double(g[j]);
+    }
+  }
+  const double v = k > 0 ? sg / double(k) : 0.0;
+  for (int64_t j = 0; j < n; ++j) dx[j] = (p[j] > acc_t(0) && p[j] < acc_t(1)) ? acc_t(double(g[j]) - v) : acc_t(0);
+  return acc_t(v);
+}
+
+template <typename scalar_t>
+void budget_bwd_impl(const Tensor& p, const Tensor& grad, Tensor& dx, Tensor& dbudget, int64_t dim) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const RowLayout lay = RowLayout::of(p, dim);
+  const scalar_t* pp = p.const_data_ptr<scalar_t>();
+  const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+  scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+  double* bp = dbudget.defined() ? dbudget.mutable_data_ptr<double>() : nullptr;
+  const int64_t n = lay.n;
+  at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> buf(3 * n);
+    acc_t *pb = buf.data(), *gb = pb + n, *db = gb + n;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = lay.base(r);
+      lay.load(pp + base, pb);
+      lay.load(gp + base, gb);
+      const acc_t v = budget_bwd_row<acc_t>(pb, gb, db, n);
+      lay.store(db, dp + base);
+      if (bp) bp[r] = double(v);
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> budget_bwd(const Tensor& p_in, const Tensor& grad_in, int64_t dim, bool budget_grad) {
+  TORCH_CHECK(p_in.device().is_cpu() && at::isFloatingType(p_in.scalar_type()),
+              "attnkern: p must be a floating-point CPU tensor");
+  TORCH_CHECK(p_in.sizes() == grad_in.sizes(), "attnkern: grad must have the shape of p");
+  dim = at::maybe_wrap_dim(dim, p_in.dim());
+  Tensor p = p_in.contiguous();
+  Tensor grad = grad_in.to(p.scalar_type()).contiguous();
+  Tensor dx = at::empty_like(p, at::MemoryFormat::Contiguous);
+  auto shape = p.sizes().vec();
+  if (!shape.empty()) shape[dim] = 1;
+  Tensor db = budget_grad ? at::zeros(shape, p.options().dtype(at::kDouble)) : Tensor();
+  if (p.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.scalar_type(), "attnkern_budget_bwd",
+                                    [&] { budget_bwd_impl<scalar_t>(p, grad, dx, db, dim); });
+  }
+  if (!db.defined()) db = at::empty({0}, p.options().dtype(at::kDouble));
+  return {dx, db};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnkern, CPU, m) { m.impl("budget_fwd", &budget_fwd); }
+TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
+  m.impl("budget_fwd", &budget_fwd);
+  m.impl("budget_bwd", &budget_bwd);
+}
 
 }  // namespace cpu
 }  // namespace attnkern
