@@ -9,8 +9,10 @@ steps. Here each is exact (converged to the dtype's resolution whatever
 - α-normmax reduces to α'-entmax with α' = 2 - 1/α: the optimality conditions
   give p ∝ [x - τ]_+^(1/(α-1)) with Σ [x - τ]_+^(α/(α-1)) = 1, so
   r = entmax_{α'}(x·α/(α-1)) = [x - τ]_+^(α/(α-1)) and p = r^(1/α) / Σ r^(1/α).
-  It runs on the entmax kernels (entmax15 for α = 2), and autograd through
-  them gives exact gradients in x and α.
+  It runs on the entmax kernels (entmax15 for α = 2). The gradient in x comes
+  from the closed-form attnkern::normmax_bwd kernel (csrc/cpu/normmax.cpp);
+  when α is a tensor that requires grad, autograd through the entmax kernels
+  gives the exact gradient in x and α.
 - budget-sparsemax, p = clip(x - τ, 0, 1) with Σ p = budget, is solved by a
   bracketed active-set Newton iteration (exact once the active set is right):
   per row in the attnkern::budget_fwd kernel (csrc/cpu/budget.cpp), with the
@@ -194,7 +196,7 @@ def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50, *,
     _check_n_iter(n_iter)
     if not _compiling():
         budget = check_alpha(budget, X, dim, name="budget")
-    if ops.use_kernels(backend, X) and X.dim() > 0:
+    if X.device.type == "cpu" and ops.use_kernels(backend, X) and X.dim() > 0:
         b = budget if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=torch.float64,
                                                                          device=X.device)
         return BudgetFunction.apply(X, b, dim)
