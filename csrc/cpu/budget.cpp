@@ -3,7 +3,8 @@
 // piece where the active set A = {0 < x - τ < 1} and the capped count C are
 // fixed, its root is τ = (C + Σ_A x - B) / |A|. Iterating that step (Newton on
 // a piecewise-linear function), safeguarded by a bisection bracket, ends
-// exactly once A and C stop changing — typically in a handful of passes.
+// exactly once A and C stop changing — typically in a handful of passes, each
+// over the shrinking list of entries not yet known to be 0 or 1.
 // budget_bwd: dx = s ⊙ (g - Σ_A g / |A|), s the active indicator, and the
 // budget's gradient Σ_A g / |A|, one pass per row over the saved p.
 #include <ATen/ATen.h>
@@ -25,18 +26,21 @@ using at::Tensor;
 
 constexpr int kMaxSteps = 200;
 
-// One row (contiguous, acc type) -> out (may alias x).
+// One row (contiguous, acc type) -> out (may alias x). cand: scratch of n.
+// The root stays inside [lo, hi], so an entry at or below lo is 0 and one at
+// or above hi + 1 is 1 for every τ still possible: both leave the candidate
+// list for good, and later passes touch only the entries still undecided.
 template <typename acc_t>
-void budget_row(const acc_t* x, int64_t n, double B, acc_t* out) {
+void budget_row(const acc_t* x, int64_t n, double B, acc_t* out, double* cand) {
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
   double lo = std::numeric_limits<double>::infinity(), hi = -lo;
-  int64_t n_valid = 0;
+  int64_t m = 0;
   bool bad = false;
   for (int64_t j = 0; j < n; ++j) {
     const acc_t v = x[j];
     if (v != v || v == inf) bad = true;
     if (v > -inf) {
-      ++n_valid;
+      cand[m++] = double(v);
       lo = std::min(lo, double(v));
       hi = std::max(hi, double(v));
     }
@@ -45,26 +49,26 @@ void budget_row(const acc_t* x, int64_t n, double B, acc_t* out) {
     std::fill(out, out + n, std::numeric_limits<acc_t>::quiet_NaN());
     return;
   }
-  if (n_valid == 0 || B >= double(n_valid)) {
-    for (int64_t j = 0; j < n; ++j) out[j] = x[j] > -inf ? acc_t(1) : acc_t(0);
-    if (n_valid == 0) std::fill(out, out + n, acc_t(0));
+  if (m == 0 || B >= double(m)) {
+    for (int64_t j = 0; j < n; ++j) out[j] = (m > 0 && x[j] > -inf) ? acc_t(1) : acc_t(0);
     return;
   }
-  lo -= 2;  // f(lo) = n_valid - B > 0, f(hi) = -B < 0
+  lo -= 2;  // f(lo) = m - B > 0, f(hi) = -B < 0
   double tau = hi - 1;
+  int64_t fixed_capped = 0;
   for (int step = 0; step < kMaxSteps; ++step) {
-    double sum_active = 0, f = -B;
-    int64_t k = 0, capped = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const double d = double(x[j]) - tau;
+    double sum_active = 0;
+    int64_t k = 0, capped = fixed_capped;
+    for (int64_t i = 0; i < m; ++i) {
+      const double d = cand[i] - tau;
       if (d >= 1) {
         ++capped;
       } else if (d > 0) {
         ++k;
-        sum_active += double(x[j]);
+        sum_active += cand[i];
       }
     }
-    f += double(capped) + sum_active - double(k) * tau;
+    const double f = double(capped) + sum_active - double(k) * tau - B;
     if (f == 0) break;
     if (f > 0) lo = tau; else hi = tau;
     double next = 0.5 * (lo + hi);
@@ -75,6 +79,17 @@ void budget_row(const acc_t* x, int64_t n, double B, acc_t* out) {
     }
     if (next == tau || !(hi > lo)) break;
     tau = next;
+    int64_t w = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      const double v = cand[i];
+      if (v <= lo) continue;
+      if (v >= hi + 1) {
+        ++fixed_capped;
+        continue;
+      }
+      cand[w++] = v;
+    }
+    m = w;
   }
   for (int64_t j = 0; j < n; ++j) {
     const double d = double(x[j]) - tau;
@@ -92,10 +107,11 @@ void budget_impl(const Tensor& x, Tensor& out, const Tensor& budget, int64_t dim
   const int64_t n = lay.n;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> row(n);
+    std::vector<double> cand(n);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
       lay.load(xp + base, row.data());
-      budget_row<acc_t>(row.data(), n, bp[r], row.data());
+      budget_row<acc_t>(row.data(), n, bp[r], row.data(), cand.data());
       lay.store(row.data(), op + base);
     }
   });
