@@ -10,10 +10,14 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "row_layout.h"
@@ -26,28 +30,53 @@ using at::Tensor;
 
 constexpr int kMaxSteps = 200;
 
-// One row (contiguous, acc type) -> out (may alias x). cand: scratch of n.
+// One row (contiguous, acc type) -> out (may alias x). cand, spare: scratch of n.
 // The root stays inside [lo, hi], so an entry at or below lo is 0 and one at
 // or above hi + 1 is 1 for every τ still possible: both leave the candidate
 // list for good, and later passes touch only the entries still undecided.
 template <typename acc_t>
-void budget_row(const acc_t* x, int64_t n, double B, acc_t* out, double* cand) {
+void budget_row(const acc_t* x, int64_t n, double B, acc_t* out, double* cand, double* spare) {
+  using V = at::vec::Vectorized<acc_t>;
   const acc_t inf = std::numeric_limits<acc_t>::infinity();
-  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
-  int64_t m = 0;
-  bool bad = false;
-  for (int64_t j = 0; j < n; ++j) {
-    const acc_t v = x[j];
-    if (v != v || v == inf) bad = true;
-    if (v > -inf) {
-      cand[m++] = double(v);
-      lo = std::min(lo, double(v));
-      hi = std::max(hi, double(v));
+  // Vectorized min and max (both propagate NaN): a row with no -inf needs no
+  // candidate copy, the first pass below reads x directly.
+  V vmax(-inf), vmin(inf);
+  int64_t j0 = 0;
+  for (; j0 + V::size() <= n; j0 += V::size()) {
+    const V v = V::loadu(x + j0);
+    vmax = at::vec::maximum(vmax, v);
+    vmin = at::vec::minimum(vmin, v);
+  }
+  acc_t mx = -inf, mn = inf;
+  {
+    alignas(64) acc_t a[V::size()], b[V::size()];
+    vmax.store(a);
+    vmin.store(b);
+    for (int k = 0; k < V::size(); ++k) {
+      mx = (a[k] != a[k] || a[k] > mx) ? a[k] : mx;
+      mn = (b[k] != b[k] || b[k] < mn) ? b[k] : mn;
+    }
+    for (; j0 < n; ++j0) {
+      mx = (x[j0] != x[j0] || x[j0] > mx) ? x[j0] : mx;
+      mn = (x[j0] != x[j0] || x[j0] < mn) ? x[j0] : mn;
     }
   }
-  if (bad) {
+  if (mx != mx || mn != mn || mx == inf) {
     std::fill(out, out + n, std::numeric_limits<acc_t>::quiet_NaN());
     return;
+  }
+  double lo = double(mn), hi = double(mx);
+  int64_t m = n;
+  const bool masked = mn == -inf;
+  if (masked) {
+    m = 0;
+    lo = std::numeric_limits<double>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      if (x[j] > -inf) {
+        cand[m++] = double(x[j]);
+        lo = std::min(lo, double(x[j]));
+      }
+    }
   }
   if (m == 0 || B >= double(m)) {
     for (int64_t j = 0; j < n; ++j) out[j] = (m > 0 && x[j] > -inf) ? acc_t(1) : acc_t(0);
@@ -57,15 +86,21 @@ void budget_row(const acc_t* x, int64_t n, double B, acc_t* out, double* cand) {
   double tau = hi - 1;
   int64_t fixed_capped = 0;
   for (int step = 0; step < kMaxSteps; ++step) {
+    // The entries above tau go to spare as they are counted: if tau turns out
+    // left of the root it becomes lo, and they are exactly the new candidates.
     double sum_active = 0;
-    int64_t k = 0, capped = fixed_capped;
+    int64_t k = 0, capped = fixed_capped, w = 0;
+    const bool from_x = step == 0 && !masked;
     for (int64_t i = 0; i < m; ++i) {
-      const double d = cand[i] - tau;
-      if (d >= 1) {
-        ++capped;
-      } else if (d > 0) {
-        ++k;
-        sum_active += cand[i];
+      const double v = from_x ? double(x[i]) : cand[i], d = v - tau;
+      if (d > 0) {
+        spare[w++] = v;
+        if (d >= 1) {
+          ++capped;
+        } else {
+          ++k;
+          sum_active += v;
+        }
       }
     }
     const double f = double(capped) + sum_active - double(k) * tau - B;
@@ -79,22 +114,31 @@ void budget_row(const acc_t* x, int64_t n, double B, acc_t* out, double* cand) {
     }
     if (next == tau || !(hi > lo)) break;
     tau = next;
-    int64_t w = 0;
-    for (int64_t i = 0; i < m; ++i) {
-      const double v = cand[i];
-      if (v <= lo) continue;
-      if (v >= hi + 1) {
-        ++fixed_capped;
-        continue;
+    if (f > 0) {
+      std::swap(cand, spare);
+      m = w;
+    } else {
+      int64_t keep = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        const double v = from_x ? double(x[i]) : cand[i];
+        if (v <= lo) continue;
+        if (v >= hi + 1) {
+          ++fixed_capped;
+          continue;
+        }
+        cand[keep++] = v;
       }
-      cand[w++] = v;
+      m = keep;
     }
-    m = w;
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const double d = double(x[j]) - tau;
-    out[j] = x[j] > -inf ? acc_t(std::min(1.0, std::max(0.0, d))) : acc_t(0);
+  // p = clip(x - τ, 0, 1); -inf entries give 0.
+  const acc_t t = acc_t(tau);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    const V d = V::loadu(x + j) - V(t);
+    at::vec::minimum(at::vec::maximum(d, V(0)), V(1)).store(out + j);
   }
+  for (; j < n; ++j) out[j] = std::min(acc_t(1), std::max(acc_t(0), x[j] - t));
 }
 
 template <typename scalar_t>
@@ -105,14 +149,20 @@ void budget_impl(const Tensor& x, Tensor& out, const Tensor& budget, int64_t dim
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const double* bp = budget.const_data_ptr<double>();
   const int64_t n = lay.n;
+  const bool direct = lay.inner == 1 && std::is_same_v<scalar_t, acc_t>;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> row(n);
-    std::vector<double> cand(n);
+    std::vector<acc_t> row(direct ? 0 : n);
+    std::vector<double> cand(n), spare(n);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      lay.load(xp + base, row.data());
-      budget_row<acc_t>(row.data(), n, bp[r], row.data(), cand.data());
-      lay.store(row.data(), op + base);
+      if (direct) {
+        budget_row<acc_t>(reinterpret_cast<const acc_t*>(xp + base), n, bp[r], reinterpret_cast<acc_t*>(op + base),
+                          cand.data(), spare.data());
+      } else {
+        lay.load(xp + base, row.data());
+        budget_row<acc_t>(row.data(), n, bp[r], row.data(), cand.data(), spare.data());
+        lay.store(row.data(), op + base);
+      }
     }
   });
 }
@@ -136,17 +186,15 @@ Tensor budget_fwd(const Tensor& x_in, const Tensor& budget_in, int64_t dim) {
 // dx = s ⊙ (g - Σ s g / k); returns d budget = Σ s g / k (0 when k = 0).
 template <typename acc_t>
 acc_t budget_bwd_row(const acc_t* p, const acc_t* g, acc_t* dx, int64_t n) {
-  double sg = 0;
-  int64_t k = 0;
+  acc_t sg = 0, k = 0;
   for (int64_t j = 0; j < n; ++j) {
-    if (p[j] > acc_t(0) && p[j] < acc_t(1)) {
-      ++k;
-      sg += double(g[j]);
-    }
+    const bool active = p[j] > acc_t(0) && p[j] < acc_t(1);
+    k += active ? acc_t(1) : acc_t(0);
+    sg += active ? g[j] : acc_t(0);
   }
-  const double v = k > 0 ? sg / double(k) : 0.0;
-  for (int64_t j = 0; j < n; ++j) dx[j] = (p[j] > acc_t(0) && p[j] < acc_t(1)) ? acc_t(double(g[j]) - v) : acc_t(0);
-  return acc_t(v);
+  const acc_t v = k > acc_t(0) ? sg / k : acc_t(0);
+  for (int64_t j = 0; j < n; ++j) dx[j] = (p[j] > acc_t(0) && p[j] < acc_t(1)) ? g[j] - v : acc_t(0);
+  return v;
 }
 
 template <typename scalar_t>
@@ -158,15 +206,23 @@ void budget_bwd_impl(const Tensor& p, const Tensor& grad, Tensor& dx, Tensor& db
   scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
   double* bp = dbudget.defined() ? dbudget.mutable_data_ptr<double>() : nullptr;
   const int64_t n = lay.n;
+  // Rows already contiguous in the accumulation type are used in place.
+  const bool direct = lay.inner == 1 && std::is_same_v<scalar_t, acc_t>;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> buf(3 * n);
+    std::vector<acc_t> buf(direct ? 0 : 3 * n);
     acc_t *pb = buf.data(), *gb = pb + n, *db = gb + n;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      lay.load(pp + base, pb);
-      lay.load(gp + base, gb);
-      const acc_t v = budget_bwd_row<acc_t>(pb, gb, db, n);
-      lay.store(db, dp + base);
+      acc_t v;
+      if (direct) {
+        v = budget_bwd_row<acc_t>(reinterpret_cast<const acc_t*>(pp + base),
+                                  reinterpret_cast<const acc_t*>(gp + base), reinterpret_cast<acc_t*>(dp + base), n);
+      } else {
+        lay.load(pp + base, pb);
+        lay.load(gp + base, gb);
+        v = budget_bwd_row<acc_t>(pb, gb, db, n);
+        lay.store(db, dp + base);
+      }
       if (bp) bp[r] = double(v);
     }
   });
