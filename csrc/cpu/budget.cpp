@@ -186,14 +186,38 @@ Tensor budget_fwd(const Tensor& x_in, const Tensor& budget_in, int64_t dim) {
 // dx = s ⊙ (g - Σ s g / k); returns d budget = Σ s g / k (0 when k = 0).
 template <typename acc_t>
 acc_t budget_bwd_row(const acc_t* p, const acc_t* g, acc_t* dx, int64_t n) {
-  acc_t sg = 0, k = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const bool active = p[j] > acc_t(0) && p[j] < acc_t(1);
-    k += active ? acc_t(1) : acc_t(0);
-    sg += active ? g[j] : acc_t(0);
+  using V = at::vec::Vectorized<acc_t>;
+  const V zero(0), one(1);
+  V vk(0), vs(0);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    const V pv = V::loadu(p + j);
+    const V active = (pv > zero) & (pv < one);
+    vk += V::blendv(zero, one, active);
+    vs += V::blendv(zero, V::loadu(g + j), active);
+  }
+  alignas(64) acc_t a[V::size()], b[V::size()];
+  vk.store(a);
+  vs.store(b);
+  acc_t k = 0, sg = 0;
+  for (int i = 0; i < V::size(); ++i) {
+    k += a[i];
+    sg += b[i];
+  }
+  for (int64_t i = j; i < n; ++i) {
+    if (p[i] > acc_t(0) && p[i] < acc_t(1)) {
+      k += acc_t(1);
+      sg += g[i];
+    }
   }
   const acc_t v = k > acc_t(0) ? sg / k : acc_t(0);
-  for (int64_t j = 0; j < n; ++j) dx[j] = (p[j] > acc_t(0) && p[j] < acc_t(1)) ? g[j] - v : acc_t(0);
+  const V vv(v);
+  for (j = 0; j + V::size() <= n; j += V::size()) {
+    const V pv = V::loadu(p + j);
+    const V active = (pv > zero) & (pv < one);
+    V::blendv(zero, V::loadu(g + j) - vv, active).store(dx + j);
+  }
+  for (; j < n; ++j) dx[j] = (p[j] > acc_t(0) && p[j] < acc_t(1)) ? g[j] - v : acc_t(0);
   return v;
 }
 
