@@ -5,15 +5,46 @@ Row-wise normalizers (drop-in for the `entmax` package):
 Fused attention (SDPA-compatible, softmax / sparsemax / entmax15 / α-entmax):
     attention
 Modules: attnkern.nn
+
+`import attnkern as entmax` also gives every other name the `entmax` package
+exports at its top level (ENTMAX_COMPAT), with the same signatures.
 """
 
 from attnkern import _extension, _library  # noqa: F401  (load ops, register fakes)
 from attnkern.attention import attention
+from attnkern.compat import budget_bisect, normmax_bisect, sparsemax_bisect
+from attnkern.losses import (
+    entmax15_loss,
+    entmax_bisect_loss,
+    normmax_bisect_loss,
+    sparsemax_bisect_loss,
+    sparsemax_loss,
+)
+from attnkern.nn.bisect import BudgetBisect, NormmaxBisect, SparsemaxBisect
+from attnkern.nn.losses import Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss
+from attnkern.nn.normalizers import Entmax15, EntmaxBisect, Sparsemax
 from attnkern.ops import entmax, entmax15, entmax_bisect, softmax, sparsemax
 
 __version__ = "0.1.0"
 
-__all__ = ["softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "attention", "nn", "__version__"]
+# The `entmax` package's (1.3) top-level names.
+ENTMAX_COMPAT = (
+    "sparsemax", "entmax15", "Sparsemax", "Entmax15",
+    "sparsemax_bisect", "entmax_bisect", "normmax_bisect", "budget_bisect",
+    "SparsemaxBisect", "EntmaxBisect", "NormmaxBisect", "BudgetBisect",
+    "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss",
+    "SparsemaxLoss", "SparsemaxBisectLoss", "Entmax15Loss", "EntmaxBisectLoss", "NormmaxBisectLoss",
+)
+
+__all__ = [
+    "softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "attention", "nn", "__version__",
+    # entmax-package compatibility
+    "sparsemax_bisect", "normmax_bisect", "budget_bisect",
+    "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss",
+    "Sparsemax", "Entmax15", "SparsemaxBisect", "EntmaxBisect", "NormmaxBisect", "BudgetBisect",
+    "SparsemaxLoss", "SparsemaxBisectLoss", "Entmax15Loss", "EntmaxBisectLoss", "NormmaxBisectLoss",
+    "ENTMAX_COMPAT",
+]
 
 
 def __getattr__(name):

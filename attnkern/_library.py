@@ -40,6 +40,31 @@ def _register() -> None:
             return _like(p), _alpha_rows_like(p, dim)
         return _like(p), p.new_empty((0,))
 
+    _register_compat()
+
+
+def _register_compat() -> None:
+    """The entmax-package compatibility ops (attnkern/compat.py, attnkern/losses.py)."""
+
+    @torch.library.register_fake("attnkern::budget_fwd")
+    def _budget_fwd(x, budget, dim):
+        return _like(x)
+
+    @torch.library.register_fake("attnkern::budget_bwd")
+    def _budget_bwd(p, grad, dim, budget_grad):
+        if budget_grad:
+            return _like(p), _alpha_rows_like(p, dim).to(torch.float64)
+        return _like(p), p.new_empty((0,), dtype=torch.float64)
+
+    @torch.library.register_fake("attnkern::normmax_bwd")
+    def _normmax_bwd(p, grad, alpha, dim):
+        return _like(p)
+
+    @torch.library.register_fake("attnkern::entmax_loss_fwd")
+    def _entmax_loss_fwd(x, target, alpha):
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return x.new_empty((x.shape[0],), dtype=acc), _like(x)
+
 
 def _register_attention() -> None:
     @torch.library.register_fake("attnkern::attention_fwd")

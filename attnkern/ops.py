@@ -149,6 +149,14 @@ def _check_k(k) -> None:
         raise ValueError(f"k must be None or a positive int, got {k!r}")
 
 
+def support_size(p: torch.Tensor, dim: int) -> torch.Tensor:
+    """Nonzeros of p along dim (int64, keepdim), as the `entmax` package's
+    return_support_size gives it. A NaN row counts 0."""
+    if p.dim() == 0:
+        return (p > 0).long()
+    return (p.detach() > 0).sum(dim, keepdim=True)
+
+
 def softmax(X: torch.Tensor, dim: int = -1, *, backend: str = "auto") -> torch.Tensor:
     """softmax along `dim`: argmax_{p in Δ} <p, X> + H(p) (Shannon entropy).
 
@@ -163,12 +171,15 @@ def softmax(X: torch.Tensor, dim: int = -1, *, backend: str = "auto") -> torch.T
     return reference.softmax(X, dim)
 
 
-def sparsemax(X: torch.Tensor, dim: int = -1, k: int | None = None, *, backend: str = "auto") -> torch.Tensor:
+def sparsemax(X: torch.Tensor, dim: int = -1, k: int | None = None, return_support_size: bool = False, *,
+              backend: str = "auto"):
     """sparsemax along `dim`: argmin_{p in Δ} ||p - X||², the Euclidean projection
     onto the simplex (Martins & Astudillo, 2016).
 
     X: any shape, floating point. k: accepted for compatibility with the `entmax`
     package (a partial-sort hint there); results are exact whatever its value.
+    return_support_size: also return the number of nonzeros per row, an int64
+    tensor of X's shape with size 1 along `dim`.
     """
     dim = _prologue(X, dim)
     if not _compiling():
@@ -176,21 +187,26 @@ def sparsemax(X: torch.Tensor, dim: int = -1, k: int | None = None, *, backend: 
     if use_kernels(backend, X):
         from attnkern.autograd import SparsemaxFunction
 
-        return SparsemaxFunction.apply(X, dim)
-    return reference.sparsemax(X, dim)
+        p = SparsemaxFunction.apply(X, dim)
+    else:
+        p = reference.sparsemax(X, dim)
+    return (p, support_size(p, dim)) if return_support_size else p
 
 
-def entmax15(X: torch.Tensor, dim: int = -1, k: int | None = None, *, backend: str = "auto") -> torch.Tensor:
+def entmax15(X: torch.Tensor, dim: int = -1, k: int | None = None, return_support_size: bool = False, *,
+             backend: str = "auto"):
     """1.5-entmax along `dim`: argmax_{p in Δ} <p, X> + H^T_1.5(p) (Tsallis entropy,
-    Peters et al., 2019). k: compatibility argument, as in sparsemax."""
+    Peters et al., 2019). k, return_support_size: as in sparsemax."""
     dim = _prologue(X, dim)
     if not _compiling():
         _check_k(k)
     if use_kernels(backend, X):
         from attnkern.autograd import Entmax15Function
 
-        return Entmax15Function.apply(X, dim)
-    return reference.entmax15(X, dim)
+        p = Entmax15Function.apply(X, dim)
+    else:
+        p = reference.entmax15(X, dim)
+    return (p, support_size(p, dim)) if return_support_size else p
 
 
 def entmax(X: torch.Tensor, alpha=1.5, dim: int = -1, *, backend: str = "auto") -> torch.Tensor:

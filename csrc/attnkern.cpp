@@ -32,6 +32,23 @@ TORCH_LIBRARY(attnkern, m) {
   m.def("entmax15_bwd(Tensor p, Tensor grad, int dim) -> Tensor");
   m.def("entmax_fwd(Tensor x, Tensor alpha, int dim) -> Tensor");
   m.def("entmax_bwd(Tensor p, Tensor grad, Tensor alpha, int dim, bool alpha_grad) -> (Tensor, Tensor)");
+
+  // --- entmax-package compatibility (attnkern/compat.py, attnkern/losses.py) ---
+  // budget_fwd(x, budget, dim) -> p = clip(x - τ, 0, 1), Σ p = budget per row
+  //     (budget: one value per row, broadcastable as entmax_fwd's alpha).
+  m.def("budget_fwd(Tensor x, Tensor budget, int dim) -> Tensor");
+  // budget_bwd(p, grad_p, dim, budget_grad) -> (grad_x, grad_budget per row
+  //     (float64, size 1 along dim) or empty)
+  m.def("budget_bwd(Tensor p, Tensor grad, int dim, bool budget_grad) -> (Tensor, Tensor)");
+  // normmax_bwd(p, grad_p, alpha, dim) -> grad_x (α-normmax; its forward runs on
+  //     entmax_fwd with α' = 2 - 1/α)
+  m.def("normmax_bwd(Tensor p, Tensor grad, Tensor alpha, int dim) -> Tensor");
+  // entmax_loss_fwd(x (rows, n), target (rows,) int, alpha (rows,) or scalar)
+  //     -> (loss (rows,) float32/float64, grad = p - onehot (rows, n) in x's dtype)
+  //     α-entmax Fenchel-Young loss with its gradient in one pass per row.
+  m.def("entmax_loss_fwd(Tensor x, Tensor target, Tensor alpha) -> (Tensor loss, Tensor grad)");
+  // --- end entmax-package compatibility ---
+
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, str normalizer, "
         "Tensor? alpha) -> (Tensor out, Tensor shift)");
   m.def("attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, "

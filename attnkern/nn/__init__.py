@@ -1,6 +1,11 @@
 """torch.nn modules around the attnkern normalizers."""
 
 from attnkern.nn.attention import MultiheadAttention
+from attnkern.nn.bisect import BudgetBisect, NormmaxBisect, SparsemaxBisect
+from attnkern.nn.losses import Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss
 from attnkern.nn.normalizers import Entmax15, EntmaxAlpha, EntmaxBisect, Softmax, Sparsemax
 
-__all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "MultiheadAttention"]
+__all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "MultiheadAttention",
+           # entmax-package compatibility
+           "SparsemaxBisect", "NormmaxBisect", "BudgetBisect",
+           "SparsemaxLoss", "SparsemaxBisectLoss", "Entmax15Loss", "EntmaxBisectLoss", "NormmaxBisectLoss"]

@@ -21,24 +21,24 @@ class Softmax(nn.Module):
 
 
 class Sparsemax(nn.Module):
-    def __init__(self, dim: int = -1, k: int | None = None):
+    def __init__(self, dim: int = -1, k: int | None = None, return_support_size: bool = False):
         super().__init__()
-        self.dim, self.k = dim, k
+        self.dim, self.k, self.return_support_size = dim, k, return_support_size
 
-    def forward(self, X: torch.Tensor) -> torch.Tensor:
-        return ops.sparsemax(X, dim=self.dim, k=self.k)
+    def forward(self, X: torch.Tensor):
+        return ops.sparsemax(X, dim=self.dim, k=self.k, return_support_size=self.return_support_size)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
 
 
 class Entmax15(nn.Module):
-    def __init__(self, dim: int = -1, k: int | None = None):
+    def __init__(self, dim: int = -1, k: int | None = None, return_support_size: bool = False):
         super().__init__()
-        self.dim, self.k = dim, k
+        self.dim, self.k, self.return_support_size = dim, k, return_support_size
 
-    def forward(self, X: torch.Tensor) -> torch.Tensor:
-        return ops.entmax15(X, dim=self.dim, k=self.k)
+    def forward(self, X: torch.Tensor):
+        return ops.entmax15(X, dim=self.dim, k=self.k, return_support_size=self.return_support_size)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"

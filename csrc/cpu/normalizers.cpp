@@ -14,6 +14,7 @@
 
 #include "attnkern/entmax_math.h"
 #include "entmax_row.h"
+#include "normalize_row.h"
 #include "row_layout.h"
 
 namespace attnkern {
@@ -21,73 +22,6 @@ namespace cpu {
 namespace {
 
 using at::Tensor;
-
-// Fills a row whose max m is NaN or infinite and returns true; false for an
-// ordinary row.
-template <typename acc_t>
-inline bool special_row(acc_t m, acc_t* out, int64_t n) {
-  if (m != m || m == std::numeric_limits<acc_t>::infinity()) {
-    // NaN stays in its row; +inf scores make the row undefined (as torch.softmax).
-    std::fill(out, out + n, std::numeric_limits<acc_t>::quiet_NaN());
-    return true;
-  }
-  if (m == -std::numeric_limits<acc_t>::infinity()) {
-    // Every entry masked: no support, zeros (never NaN).
-    std::fill(out, out + n, acc_t(0));
-    return true;
-  }
-  return false;
-}
-
-// Scratch of one thread: three rows in the accumulation type and one of indices.
-template <typename acc_t>
-struct RowScratch {
-  std::vector<acc_t> buf;
-  std::vector<int32_t> idx;
-  explicit RowScratch(int64_t n) : buf(3 * n), idx(n) {}
-  acc_t* row() { return buf.data(); }
-  acc_t* y() { return buf.data() + buf.size() / 3; }
-  acc_t* work() { return buf.data() + 2 * (buf.size() / 3); }
-};
-
-// One row: x (contiguous, acc type, may alias out) -> out. y, work, idx: scratch.
-template <typename acc_t, Family FAM>
-void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work, int32_t* idx) {
-  const acc_t m = row_max(x, n);
-  if (special_row(m, out, n)) return;
-  if constexpr (FAM == Family::kSoftmax) {
-    acc_t inv = acc_t(1) / exp_shifted(x, n, m, out);
-    at::vec::map([inv](Vec<acc_t> v) { return v * Vec<acc_t>(inv); }, out, out, n);
-  } else {
-    subtract_into(x, n, m, y);
-    acc_t norm;
-    acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
-    if constexpr (FAM == Family::kGeneric) {
-      write_probs_sparse<acc_t>(y, n, c, b, norm, out, work, idx);
-    } else {
-      write_probs<acc_t, FAM>(y, n, c, b, norm, out);
-    }
-  }
-}
-
-template <typename acc_t, Family FAM>
-inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work,
-                                int32_t* idx) {
-  if constexpr (FAM == Family::kGeneric) {
-    switch (math::family_of<acc_t>(b)) {
-      case Family::kSoftmax:
-        return normalize_row<acc_t, Family::kSoftmax>(x, n, acc_t(0), out, y, work, idx);
-      case Family::kSparsemax:
-        return normalize_row<acc_t, Family::kSparsemax>(x, n, acc_t(1), out, y, work, idx);
-      case Family::kEntmax15:
-        return normalize_row<acc_t, Family::kEntmax15>(x, n, acc_t(0.5), out, y, work, idx);
-      default:
-        return normalize_row<acc_t, Family::kGeneric>(x, n, b, out, y, work, idx);
-    }
-  } else {
-    normalize_row<acc_t, FAM>(x, n, b, out, y, work, idx);
-  }
-}
 
 template <Family FAM, typename acc_t>
 constexpr acc_t fixed_b() {

@@ -1,0 +1,239 @@
+"""The rest of the `entmax` package's root-finding API: sparsemax_bisect,
+normmax_bisect and budget_bisect.
+
+The `entmax` package solves each of these by a fixed number of bisection
+steps. Here each is exact (converged to the dtype's resolution whatever
+`n_iter` is) and differentiable in every tensor argument:
+
+- sparsemax_bisect is sparsemax (the same problem, solved exactly).
+- α-normmax reduces to α'-entmax with α' = 2 - 1/α: the optimality conditions
+  give p ∝ [x - τ]_+^(1/(α-1)) with Σ [x - τ]_+^(α/(α-1)) = 1, so
+  r = entmax_{α'}(x·α/(α-1)) = [x - τ]_+^(α/(α-1)) and p = r^(1/α) / Σ r^(1/α).
+  It runs on the entmax kernels (entmax15 for α = 2). The gradient in x comes
+  from the closed-form attnkern::normmax_bwd kernel (csrc/cpu/normmax.cpp);
+  when α is a tensor that requires grad, autograd through the entmax kernels
+  gives the exact gradient in x and α.
+- budget-sparsemax, p = clip(x - τ, 0, 1) with Σ p = budget, is solved by a
+  bracketed active-set Newton iteration (exact once the active set is right):
+  per row in the attnkern::budget_fwd kernel (csrc/cpu/budget.cpp), with the
+  exact backward in BudgetFunction; on other devices (or backend="reference")
+  the same iteration in vectorized torch ops, then τ rebuilt from the active
+  set so that autograd gives the exact gradient in x and the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from attnkern import ops
+from attnkern.ops import _compiling, _prologue, check_alpha
+
+
+def _check_n_iter(n_iter, allow_none: bool = False) -> None:
+    if _compiling() or (allow_none and n_iter is None):
+        return
+    if isinstance(n_iter, bool) or not isinstance(n_iter, numbers.Integral) or n_iter < 1:
+        raise ValueError(f"n_iter must be a positive int, got {n_iter!r}")
+
+
+def sparsemax_bisect(X: torch.Tensor, dim: int = -1, n_iter: int = 50, ensure_sum_one: bool = True, *,
+                     backend: str = "auto") -> torch.Tensor:
+    """sparsemax along `dim` with the `entmax` package's `sparsemax_bisect`
+    signature: argmin_{p in Δ} ||p - X||². Exact (n_iter and ensure_sum_one are
+    validated and otherwise change nothing; n_iter may be None, as the package's
+    SparsemaxBisect passes it). X: any shape, floating point."""
+    _check_n_iter(n_iter, allow_none=True)
+    if not _compiling() and not isinstance(ensure_sum_one, bool):
+        raise TypeError(f"ensure_sum_one must be a bool, got {type(ensure_sum_one).__name__}")
+    return ops.sparsemax(X, dim, backend=backend)
+
+
+def _check_above_one(alpha, name: str) -> None:
+    if _compiling():
+        return
+    if isinstance(alpha, torch.Tensor):
+        if alpha.numel() and alpha.device.type != "meta" and bool((alpha <= 1).any()):
+            raise ValueError(f"{name} must be > 1 everywhere, got min {alpha.min().item()}")
+    elif alpha <= 1:
+        raise ValueError(f"{name} must be > 1, got {alpha}")
+
+
+class NormmaxFunction(torch.autograd.Function):
+    """α-normmax with α fixed (no gradient in α): forward on the entmax kernels,
+    backward by attnkern::normmax_bwd from the saved output."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, alpha, dim: int, backend: str) -> torch.Tensor:
+        p = _normmax_forward(x, alpha, dim, backend)
+        ctx.save_for_backward(p)
+        ctx.alpha, ctx.dim = alpha, dim
+        return p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (p,) = ctx.saved_tensors
+        a = ctx.alpha
+        a = a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.float64)
+        return torch.ops.attnkern.normmax_bwd(p, grad, a, ctx.dim), None, None, None
+
+
+def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
+                   backend: str = "auto") -> torch.Tensor:
+    """α-normmax along `dim`: argmax_{p in Δ} <p, X> - ||p||_α.
+
+    X: any shape, floating point. alpha: a float > 1 or a tensor broadcastable to
+    X with size 1 along `dim` (one α per row), which may require grad (the
+    `entmax` package has no gradient in α). n_iter: validated, results are exact.
+    Rows of only -inf give zeros; NaN stays in its row.
+    """
+    dim = _prologue(X, dim)
+    _check_n_iter(n_iter)
+    if not _compiling():
+        alpha = check_alpha(alpha, X, dim)
+    _check_above_one(alpha, "alpha")
+    needs_alpha_grad = isinstance(alpha, torch.Tensor) and alpha.requires_grad
+    if (X.requires_grad and torch.is_grad_enabled() and not needs_alpha_grad and X.device.type == "cpu"
+            and ops.use_kernels(backend, X)):
+        return NormmaxFunction.apply(X, alpha.detach() if isinstance(alpha, torch.Tensor) else alpha, dim, backend)
+    return _normmax_forward(X, alpha, dim, backend)
+
+
+def _normmax_forward(X: torch.Tensor, alpha, dim: int, backend: str) -> torch.Tensor:
+    """α-normmax through α'-entmax; differentiable by autograd (in X and α)."""
+    if isinstance(alpha, torch.Tensor):
+        a = alpha.to(X.dtype if X.dtype == torch.float64 else torch.float32)
+        inner = 2.0 - 1.0 / a
+        scale = a / (a - 1.0)
+    else:
+        a = float(alpha)
+        inner = 2.0 - 1.0 / a
+        scale = a / (a - 1.0)
+    r = ops.entmax(X * scale, inner, dim, backend=backend)
+    if r.requires_grad:
+        # r^(1/α) has an infinite slope at 0: keep r = 0 (outside the support,
+        # where the entmax backward gives no gradient) off that branch.
+        pos = r > 0
+        q = torch.where(pos, torch.where(pos, r, torch.ones_like(r)) ** (1.0 / a), r)
+    else:
+        q = r.pow_(1.0 / a) if not isinstance(a, torch.Tensor) else r.pow_((1.0 / a).to(r.dtype))
+    total = q.sum(dim, keepdim=True)
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    return q / total if q.requires_grad else q.div_(total)
+
+
+
+# --- budget-sparsemax --------------------------------------------------------------------------
+
+_BUDGET_MAX_STEPS = 100
+
+
+def _budget_threshold(y: torch.Tensor, budget: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """τ with Σ clip(y - τ, 0, 1) = budget along the last dim, by Newton on the
+    piecewise-linear sum, safeguarded by a bisection bracket. y: float64 rows
+    (masked entries -inf); budget: (..., 1). No gradient."""
+    n_valid = valid.sum(-1, keepdim=True).to(y.dtype)
+    y_fin = torch.where(valid, y, torch.zeros_like(y))
+    big = torch.finfo(y.dtype).max
+    hi = torch.where(valid, y, torch.full_like(y, -big)).amax(-1, keepdim=True)
+    # f(lo) = n_valid: every entry at least 1 above lo (with room for rounding).
+    lo = torch.where(valid, y, torch.full_like(y, big)).amin(-1, keepdim=True) - 2
+    hi = torch.where(n_valid > 0, hi, torch.zeros_like(hi))
+    lo = torch.where(n_valid > 0, lo, torch.zeros_like(lo))
+    tau = lo.clone()
+    for _ in range(_BUDGET_MAX_STEPS):
+        d = y_fin - tau
+        inside = valid & (d > 0) & (d < 1)
+        f = torch.where(valid, d.clamp(0, 1), torch.zeros_like(d)).sum(-1, keepdim=True) - budget
+        k = inside.sum(-1, keepdim=True).to(y.dtype)
+        lo = torch.where(f >= 0, tau, lo)
+        hi = torch.where(f <= 0, tau, hi)
+        newton = tau + f / k.clamp_min(1)
+        ok = (k > 0) & (newton > lo) & (newton < hi)
+        nxt = torch.where(ok, newton, 0.5 * (lo + hi))
+        nxt = torch.where(f == 0, tau, nxt)
+        if bool((nxt == tau).all()):
+            break
+        tau = nxt
+    return tau
+
+
+class BudgetFunction(torch.autograd.Function):
+    """budget-sparsemax through attnkern::budget_fwd. Backward, with s the
+    active indicator (0 < p < 1) and k = Σ s: dx = s ⊙ (g - Σ s g / k), and
+    d budget = Σ s g / k (0 for a row with no active entry)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, budget: torch.Tensor, dim: int) -> torch.Tensor:
+        p = torch.ops.attnkern.budget_fwd(x, budget, dim)
+        ctx.save_for_backward(p, budget)
+        ctx.dim = dim
+        return p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, budget = ctx.saved_tensors
+        want_budget = ctx.needs_input_grad[1]
+        dx, db = torch.ops.attnkern.budget_bwd(p, grad, ctx.dim, want_budget)
+        if not want_budget:
+            return dx, None, None
+        return dx, db.sum_to_size(budget.shape).to(budget.dtype), None
+
+
+def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50, *,
+                  backend: str = "auto") -> torch.Tensor:
+    """budget-sparsemax along `dim`: argmax_{p} <p, X> - ½||p||² subject to
+    0 ≤ p ≤ 1 and Σ p = budget (a k-subset relaxation).
+
+    X: any shape, floating point. budget: a float > 0 or a tensor broadcastable
+    to X with size 1 along `dim`, which may require grad. A budget at or above
+    the number of finite entries gives 1 on each of them. Rows of only -inf give
+    zeros; NaN stays in its row. n_iter: validated, results are exact.
+    """
+    dim = _prologue(X, dim)
+    _check_n_iter(n_iter)
+    if not _compiling():
+        budget = check_alpha(budget, X, dim, name="budget")
+    if X.device.type == "cpu" and ops.use_kernels(backend, X) and X.dim() > 0:
+        b = budget if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=torch.float64,
+                                                                         device=X.device)
+        return BudgetFunction.apply(X, b, dim)
+    return _budget_torch(X, budget, dim)
+
+
+def _budget_torch(X: torch.Tensor, budget, dim: int) -> torch.Tensor:
+    """budget-sparsemax in vectorized torch ops (float64), for the reference
+    backend and devices without a kernel."""
+    z = X.movedim(dim, -1).to(torch.float64) if X.dim() else X.reshape(1).to(torch.float64)
+    if isinstance(budget, torch.Tensor):
+        b = budget.to(torch.float64)
+        shape = list(X.shape)
+        if shape:
+            shape[dim] = 1
+        b = b.expand(shape).movedim(dim, -1) if X.dim() else b.reshape(1)
+    else:
+        b = torch.full(z.shape[:-1] + (1,), float(budget), dtype=torch.float64, device=X.device)
+    nan_rows = torch.isnan(z).any(-1, keepdim=True)
+    valid = (z > -math.inf) & ~nan_rows
+    zd = z.detach()
+    with torch.no_grad():
+        n_valid = valid.sum(-1, keepdim=True).to(z.dtype)
+        tau0 = _budget_threshold(zd, b.detach().minimum(n_valid), valid)
+        d = zd - tau0
+        inside = valid & (d > 0) & (d < 1)
+        capped = valid & (d >= 1)
+        k = inside.sum(-1, keepdim=True)
+    # τ from its active set: differentiable in z (1/k on the active entries) and
+    # in the budget (-1/k); rows with no active entry are locally constant.
+    z_in = torch.where(inside, z, torch.zeros_like(z))
+    tau = (capped.sum(-1, keepdim=True).to(z.dtype) + z_in.sum(-1, keepdim=True) - b) / k.clamp_min(1)
+    tau = torch.where(k > 0, tau, tau0)
+    z_safe = torch.where(valid, z, torch.zeros_like(z))
+    p = torch.where(valid, (z_safe - tau).clamp(0, 1), torch.zeros_like(z))
+    # A budget at or above the number of finite entries: all of them get 1.
+    p = torch.where(valid & (b.detach() >= n_valid), torch.ones_like(p), p)
+    p = torch.where(nan_rows, torch.full_like(p, math.nan), p)
+    p = p.to(X.dtype)
+    return p.movedim(-1, dim) if X.dim() else p.reshape(())

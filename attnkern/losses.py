@@ -1,0 +1,219 @@
+"""Fenchel-Young losses of the sparse normalizers, with the `entmax` package's
+signatures: sparsemax_loss, entmax15_loss, sparsemax_bisect_loss,
+entmax_bisect_loss, normmax_bisect_loss.
+
+For a regularizer Ω with prediction map p*(x) = argmax_{p in Δ} <p, x> - Ω(p),
+the loss of scores x (one row) and target class t is
+
+    L(x, t) = <p*, x> - Ω(p*) - x_t + Ω(e_t) ≥ 0,
+
+with gradient p* - e_t in x. The α-entmax losses (sparsemax, entmax15, α)
+run in one fused kernel per row (attnkern::entmax_loss_fwd: p, the loss and
+p - e_t); the normmax loss is assembled in torch ops from normmax_bisect's p.
+By Danskin's theorem its gradient in a parameter
+of Ω (α, where it is a tensor) is -∂Ω/∂α at the fixed p*, so no
+differentiation through the normalizer is needed: p* is computed once by the
+kernels, without a graph, and the loss is assembled from it.
+
+Masked (-inf) logits are accepted: they get p* = 0 and contribute nothing (the
+`entmax` package gives NaN). A -inf target logit gives an infinite loss.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from attnkern import ops
+from attnkern.compat import _check_above_one, _check_n_iter, normmax_bisect
+from attnkern.ops import _compiling, check_alpha, check_tensor
+
+REDUCTIONS = ("elementwise_mean", "mean", "sum", "none")
+
+
+def _check_inputs(X, target) -> None:
+    if _compiling():
+        return
+    check_tensor(X, "X")
+    if X.dim() < 1:
+        raise ValueError("X must have a class dimension (shape (n_samples, n_classes))")
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32, torch.int16,
+                                                                     torch.int8, torch.uint8):
+        raise TypeError("target must be an integer tensor of class indices")
+    if tuple(target.shape) != tuple(X.shape[:-1]):
+        raise ValueError(f"target of shape {tuple(target.shape)} does not match X of shape {tuple(X.shape)} "
+                         "(expected X's shape without its last dim)")
+
+
+def _fy_loss(X: torch.Tensor, target: torch.Tensor, p: torch.Tensor, omega_gap: torch.Tensor) -> torch.Tensor:
+    """<p, x> - x_t + omega_gap, with omega_gap = Ω(e_t) - Ω(p) of shape (..., 1).
+
+    p is detached: the gradient in X is p - e_t. Scores are shifted by their
+    row max (detached; it cancels since Σ p = 1) to avoid cancellation, and
+    entries with p = 0 (masked -inf ones among them) are left out."""
+    p = p.detach().to(X.dtype)
+    m = X.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    y = torch.where(p > 0, X - m, torch.zeros_like(X))
+    inner = torch.linalg.vecdot(y, p, dim=-1).unsqueeze(-1)
+    y_t = X.gather(-1, target.long().unsqueeze(-1)) - m
+    loss = inner - y_t + omega_gap.to(inner.dtype)
+    return loss.squeeze(-1)
+
+
+def _alpha_rows(alpha, X: torch.Tensor):
+    """α as a float or a tensor of shape (..., 1) in float64."""
+    if not isinstance(alpha, torch.Tensor):
+        return float(alpha)
+    shape = list(X.shape[:-1]) + [1]
+    return alpha.to(torch.float64).expand(shape)
+
+
+def _tsallis_gap(p64: torch.Tensor, alpha) -> torch.Tensor:
+    """Ω(e_t) - Ω(p) for the Tsallis regularizer Ω(p) = (Σ p^α - 1)/(α(α-1)),
+    i.e. the Tsallis α-entropy of p (the Shannon entropy at α = 1)."""
+    pos = p64 > 0
+    p_safe = torch.where(pos, p64, torch.ones_like(p64))
+    log_p = torch.log(p_safe)
+    shannon = -(torch.where(pos, p64 * log_p, torch.zeros_like(p64))).sum(-1, keepdim=True)
+    if not isinstance(alpha, torch.Tensor):
+        if abs(alpha - 1.0) < 1e-6:
+            return shannon
+        s = torch.where(pos, p_safe ** alpha, torch.zeros_like(p64)).sum(-1, keepdim=True)
+        return (1 - s) / (alpha * (alpha - 1))
+    near_one = (alpha - 1).abs() < 1e-6
+    a = torch.where(near_one, torch.full_like(alpha, 2.0), alpha)
+    s = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p64)).sum(-1, keepdim=True)
+    # At α = 1: value Shannon, slope ∂H_α/∂α = Σ p ln p - ½ Σ p (ln p)² (the
+    # first-order term of H_α's expansion in α - 1).
+    plogp = torch.where(pos, p64 * log_p, torch.zeros_like(p64))
+    slope = plogp.sum(-1, keepdim=True) - 0.5 * (plogp * log_p).sum(-1, keepdim=True)
+    at_one = shannon + (alpha - alpha.detach()) * slope
+    return torch.where(near_one, at_one, (1 - s) / (a * (a - 1)))
+
+
+class EntmaxLossFunction(torch.autograd.Function):
+    """The α-entmax loss of x (rows, n) against target (rows,) through the fused
+    attnkern::entmax_loss_fwd kernel, which returns the loss and its gradient
+    p - e_t in one pass per row; backward scales the saved gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        loss, grad = torch.ops.attnkern.entmax_loss_fwd(x, target, alpha)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad_loss.unsqueeze(-1).to(grad.dtype) * grad, None, None
+
+
+def _entmax_family_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.Tensor:
+    """The α-entmax loss along the last dim, any α > 0 (float or per-row tensor)."""
+    if X.device.type == "cpu" and ops.use_kernels("auto", X) and X.shape[-1] > 0:
+        C = X.shape[-1]
+        a = alpha.detach() if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64)
+        a_rows = a.to(torch.float64 if X.dtype == torch.float64 else torch.float32).expand(
+            tuple(X.shape[:-1]) + (1,)).reshape(-1)
+        loss = EntmaxLossFunction.apply(X.reshape(-1, C), target.reshape(-1).long(), a_rows)
+        loss = loss.reshape(X.shape[:-1])
+        if isinstance(alpha, torch.Tensor) and alpha.requires_grad:
+            # Danskin: the α-gradient is ∂H_α/∂α at the fixed p; this term is 0 in value.
+            with torch.no_grad():
+                p = ops.entmax(X.detach(), a, -1).to(torch.float64)
+            a64 = _alpha_rows(alpha, X)
+            loss = loss + (_tsallis_gap(p, a64) - _tsallis_gap(p, a64.detach())).squeeze(-1).to(loss.dtype)
+        return loss.to(X.dtype)
+    with torch.no_grad():
+        a = alpha.detach() if isinstance(alpha, torch.Tensor) else alpha
+        p = ops.entmax(X.detach(), a, -1).to(torch.float64)
+    return _fy_loss(X, target, p, _tsallis_gap(p, _alpha_rows(alpha, X)))
+
+
+def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """sparsemax loss, a sparse alternative to cross-entropy.
+
+    X: (n_samples, n_classes) scores (any leading dims, classes last);
+    target: (n_samples,) int class indices. k: compatibility argument (exact for
+    any value). Returns the per-sample losses, shape (n_samples,)."""
+    _check_inputs(X, target)
+    ops._check_k(k)
+    return _entmax_family_loss(X, target, 2.0)
+
+
+def sparsemax_bisect_loss(X: torch.Tensor, target: torch.Tensor, n_iter: int = 50) -> torch.Tensor:
+    """sparsemax loss with the `entmax` package's bisection signature (exact;
+    n_iter is validated, None allowed). Shapes as sparsemax_loss."""
+    _check_n_iter(n_iter, allow_none=True)
+    return sparsemax_loss(X, target)
+
+
+def entmax15_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """1.5-entmax loss. Shapes as sparsemax_loss; k: compatibility argument."""
+    _check_inputs(X, target)
+    ops._check_k(k)
+    return _entmax_family_loss(X, target, 1.5)
+
+
+def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter: int = 50) -> torch.Tensor:
+    """α-entmax loss, any α > 0 (α = 1: cross-entropy). Shapes as sparsemax_loss.
+
+    alpha: a float or a tensor broadcastable to (n_samples, 1), which may
+    require grad (exact gradient). n_iter: validated, results are exact."""
+    _check_inputs(X, target)
+    _check_n_iter(n_iter)
+    if not _compiling():
+        alpha = check_alpha(alpha, X, X.dim() - 1)
+    return _entmax_family_loss(X, target, alpha)
+
+
+def normmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=2, n_iter: int = 50) -> torch.Tensor:
+    """α-normmax loss, Ω(p) = ||p||_α, α > 1. Shapes and alpha as
+    entmax_bisect_loss."""
+    _check_inputs(X, target)
+    _check_n_iter(n_iter)
+    if not _compiling():
+        alpha = check_alpha(alpha, X, X.dim() - 1)
+    _check_above_one(alpha, "alpha")
+    with torch.no_grad():
+        a = alpha.detach() if isinstance(alpha, torch.Tensor) else alpha
+        p = normmax_bisect(X.detach(), a, -1)
+    if not isinstance(alpha, torch.Tensor):
+        norm = torch.linalg.vector_norm(p.detach(), ord=float(alpha), dim=-1, keepdim=True)
+    else:
+        # Danskin: the α-gradient is -∂||p||_α/∂α at the fixed p.
+        p64 = p.to(torch.float64)
+        a = _alpha_rows(alpha, X)
+        pos = p64 > 0
+        log_p = torch.log(torch.where(pos, p64, torch.ones_like(p64)))
+        s = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p64)).sum(-1, keepdim=True)
+        norm = torch.where(s > 0, s, torch.ones_like(s)) ** (1 / a)
+    return _fy_loss(X, target, p, 1 - norm)
+
+
+# --- reduction and ignore_index, shared by the loss modules ---------------------------------------
+
+
+def check_reduction(reduction: str, ignore_index) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def reduce_loss(loss_fn, X: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
+    """Per-sample losses of the samples whose target is not ignore_index (0 and no
+    gradient for the others), reduced as the `entmax` package's modules do:
+    "elementwise_mean" (or "mean") divides the sum by the number of samples
+    that are not ignored."""
+    ignored = target == ignore_index
+    safe_target = torch.where(ignored, torch.zeros_like(target), target)
+    loss = loss_fn(X, safe_target)
+    loss = torch.where(ignored, torch.zeros_like(loss), loss)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction in ("elementwise_mean", "mean"):
+        return loss.sum() / float(target.numel() - int(ignored.sum()))
+    return loss
