@@ -91,8 +91,10 @@ def test_attention(benchmark, provider, n, mode, kind):
     rounds = 3 if n >= 8192 else 5
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
     flops = 4 * B * H * n * n * E * (2.5 if mode == "fwd+bwd" else 1.0)
-    benchmark.extra_info.update(provider=provider, n=n, mode=mode, kind=kind, B=B, H=H, E=E,
-                                gflops=flops / benchmark.stats.stats.median / 1e9)
+    source, op = provider.split("-", 1)
+    benchmark.extra_info.update(provider=source, op=op, n=n, mode=mode, kind=kind, B=B, H=H, E=E,
+                                gflops=flops / benchmark.stats.stats.median / 1e9,
+                                group="attention", shape=f"N={n} {kind}", baseline=provider == "sdpa-softmax")
     if kind == "local" or n == 2048:
         benchmark.extra_info["sparsemax_kept_fraction"] = kept_fraction(q, k)
 
