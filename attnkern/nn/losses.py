@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import nn
 
 from attnkern import losses
 
 
-class _FenchelYoungLoss(nn.Module):
+class _FenchelYoungLoss(nn.Module, metaclass=abc.ABCMeta):
     """Per-sample loss of X (n_samples, n_classes) against target (n_samples,),
     reduced by `reduction` ("elementwise_mean" (or "mean"), "sum", "none");
     samples whose target equals ignore_index get loss 0 and no gradient and are
@@ -19,8 +21,9 @@ class _FenchelYoungLoss(nn.Module):
         losses.check_reduction(reduction, ignore_index)
         self.ignore_index, self.reduction = ignore_index, reduction
 
+    @abc.abstractmethod
     def loss(self, X: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Per-sample losses (n_samples,) of X against target, unreduced."""
 
     def forward(self, X: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return losses.reduce_loss(self.loss, X, target, self.ignore_index, self.reduction)
