@@ -168,15 +168,12 @@ void budget_impl(const Tensor& x, Tensor& out, const Tensor& budget, int64_t dim
 }
 
 Tensor budget_fwd(const Tensor& x_in, const Tensor& budget_in, int64_t dim) {
-  TORCH_CHECK(x_in.device().is_cpu() && at::isFloatingType(x_in.scalar_type()),
-              "attnkern: x must be a floating-point CPU tensor");
+  check_cpu_float(x_in, "x");
   dim = at::maybe_wrap_dim(dim, x_in.dim());
   Tensor x = x_in.contiguous();
   Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (x.numel() == 0) return out;
-  auto shape = x.sizes().vec();
-  if (!shape.empty()) shape[dim] = 1;
-  Tensor budget = budget_in.to(at::kDouble).expand(shape).contiguous();
+  Tensor budget = per_row(budget_in, x, dim, at::kDouble);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_budget_fwd",
                                   [&] { budget_impl<scalar_t>(x, out, budget, dim); });
   return out;
@@ -253,16 +250,12 @@ void budget_bwd_impl(const Tensor& p, const Tensor& grad, Tensor& dx, Tensor& db
 }
 
 std::tuple<Tensor, Tensor> budget_bwd(const Tensor& p_in, const Tensor& grad_in, int64_t dim, bool budget_grad) {
-  TORCH_CHECK(p_in.device().is_cpu() && at::isFloatingType(p_in.scalar_type()),
-              "attnkern: p must be a floating-point CPU tensor");
-  TORCH_CHECK(p_in.sizes() == grad_in.sizes(), "attnkern: grad must have the shape of p");
-  dim = at::maybe_wrap_dim(dim, p_in.dim());
-  Tensor p = p_in.contiguous();
-  Tensor grad = grad_in.to(p.scalar_type()).contiguous();
+  const RowBackwardInputs in = row_backward_inputs(p_in, grad_in, dim);
+  const Tensor& p = in.p;
+  const Tensor& grad = in.grad;
+  dim = in.dim;
   Tensor dx = at::empty_like(p, at::MemoryFormat::Contiguous);
-  auto shape = p.sizes().vec();
-  if (!shape.empty()) shape[dim] = 1;
-  Tensor db = budget_grad ? at::zeros(shape, p.options().dtype(at::kDouble)) : Tensor();
+  Tensor db = budget_grad ? per_row(at::zeros({}, p.options().dtype(at::kDouble)), p, dim, at::kDouble) : Tensor();
   if (p.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.scalar_type(), "attnkern_budget_bwd",
                                     [&] { budget_bwd_impl<scalar_t>(p, grad, dx, db, dim); });

@@ -15,6 +15,7 @@
 
 #include "attnkern/entmax_math.h"
 #include "normalize_row.h"
+#include "row_layout.h"
 
 namespace attnkern {
 namespace cpu {
@@ -119,8 +120,7 @@ void loss_impl(const Tensor& x, const Tensor& target, const Tensor& alpha, Tenso
 // x (rows, n), target (rows,) int64 in [0, n), alpha (rows,) -> (loss (rows,)
 // in the accumulation type, grad = p - onehot (rows, n) in x's dtype).
 std::tuple<Tensor, Tensor> entmax_loss_fwd(const Tensor& x_in, const Tensor& target_in, const Tensor& alpha_in) {
-  TORCH_CHECK(x_in.device().is_cpu() && at::isFloatingType(x_in.scalar_type()),
-              "attnkern: x must be a floating-point CPU tensor");
+  check_cpu_float(x_in, "x");
   TORCH_CHECK(x_in.dim() == 2, "attnkern: entmax_loss_fwd expects x of shape (rows, classes)");
   TORCH_CHECK(target_in.dim() == 1 && target_in.size(0) == x_in.size(0), "attnkern: target must be (rows,)");
   const int64_t n = x_in.size(1);

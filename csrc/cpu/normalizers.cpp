@@ -251,22 +251,13 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
   });
 }
 
-void check_input(const Tensor& x, const char* name) {
-  TORCH_CHECK(x.device().is_cpu(), "attnkern: ", name, " must be a CPU tensor here");
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "attnkern: ", name, " must be a floating-point tensor, got ",
-              x.scalar_type());
-}
-
 Tensor alpha_rows(const Tensor& x, const Tensor& alpha, int64_t dim) {
-  auto shape = x.sizes().vec();
-  if (!shape.empty()) shape[dim] = 1;
-  auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return alpha.to(acc).expand(shape).contiguous();
+  return per_row(alpha, x, dim, x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
 }
 
 template <Family FAM>
 Tensor forward_op(const Tensor& x_in, const Tensor& alpha_in, int64_t dim) {
-  check_input(x_in, "x");
+  check_cpu_float(x_in, "x");
   dim = at::maybe_wrap_dim(dim, x_in.dim());
   TORCH_CHECK(x_in.dim() == 0 || x_in.size(dim) < (int64_t(1) << 31), "attnkern: rows longer than 2^31 - 1");
   Tensor x = x_in.contiguous();
@@ -281,12 +272,10 @@ Tensor forward_op(const Tensor& x_in, const Tensor& alpha_in, int64_t dim) {
 template <Family FAM>
 std::tuple<Tensor, Tensor> backward_op(const Tensor& p_in, const Tensor& grad_in, const Tensor& alpha_in,
                                        int64_t dim, bool alpha_grad) {
-  check_input(p_in, "p");
-  check_input(grad_in, "grad");
-  TORCH_CHECK(p_in.sizes() == grad_in.sizes(), "attnkern: grad must have the shape of the output");
-  dim = at::maybe_wrap_dim(dim, p_in.dim());
-  Tensor p = p_in.contiguous();
-  Tensor grad = grad_in.to(p.scalar_type()).contiguous();
+  const RowBackwardInputs in = row_backward_inputs(p_in, grad_in, dim);
+  const Tensor& p = in.p;
+  const Tensor& grad = in.grad;
+  dim = in.dim;
   Tensor dx = at::empty_like(p, at::MemoryFormat::Contiguous);
   Tensor alpha = FAM == Family::kGeneric ? alpha_rows(p, alpha_in, dim) : Tensor();
   Tensor dalpha;

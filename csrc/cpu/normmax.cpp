@@ -75,17 +75,13 @@ void normmax_bwd_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Ten
 
 // p: the normmax output; alpha: one value per row (broadcastable, size 1 along dim).
 Tensor normmax_bwd(const Tensor& p_in, const Tensor& grad_in, const Tensor& alpha_in, int64_t dim) {
-  TORCH_CHECK(p_in.device().is_cpu() && at::isFloatingType(p_in.scalar_type()),
-              "attnkern: p must be a floating-point CPU tensor");
-  TORCH_CHECK(p_in.sizes() == grad_in.sizes(), "attnkern: grad must have the shape of p");
-  dim = at::maybe_wrap_dim(dim, p_in.dim());
-  Tensor p = p_in.contiguous();
-  Tensor grad = grad_in.to(p.scalar_type()).contiguous();
+  const RowBackwardInputs in = row_backward_inputs(p_in, grad_in, dim);
+  const Tensor& p = in.p;
+  const Tensor& grad = in.grad;
+  dim = in.dim;
   Tensor dx = at::empty_like(p, at::MemoryFormat::Contiguous);
   if (p.numel() == 0) return dx;
-  auto shape = p.sizes().vec();
-  if (!shape.empty()) shape[dim] = 1;
-  Tensor alpha = alpha_in.to(at::kDouble).expand(shape).contiguous();
+  Tensor alpha = per_row(alpha_in, p, dim, at::kDouble);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.scalar_type(), "attnkern_normmax_bwd",
                                   [&] { normmax_bwd_impl<scalar_t>(p, grad, dx, alpha, dim); });
   return dx;

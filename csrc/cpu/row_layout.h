@@ -57,5 +57,38 @@ struct RowLayout {
   }
 };
 
+// Checks that a row-wise op's tensor argument is a floating-point CPU tensor.
+inline void check_cpu_float(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), "attnkern: ", name, " must be a CPU tensor here");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "attnkern: ", name, " must be a floating-point tensor, got ",
+              x.scalar_type());
+}
+
+// A per-row parameter (α, budget) broadcast to one contiguous value per row of
+// x along dim (x's shape with size 1 there), in the given dtype.
+inline at::Tensor per_row(const at::Tensor& param, const at::Tensor& x, int64_t dim, at::ScalarType dtype) {
+  auto shape = x.sizes().vec();
+  if (!shape.empty()) shape[dim] = 1;
+  return param.to(dtype).expand(shape).contiguous();
+}
+
+// The inputs of a row-wise backward, checked and made contiguous: p and the
+// gradient on it (same shape; the gradient in p's dtype), dim wrapped.
+struct RowBackwardInputs {
+  at::Tensor p, grad;
+  int64_t dim;
+};
+
+inline RowBackwardInputs row_backward_inputs(const at::Tensor& p, const at::Tensor& grad, int64_t dim) {
+  check_cpu_float(p, "p");
+  check_cpu_float(grad, "grad");
+  TORCH_CHECK(p.sizes() == grad.sizes(), "attnkern: grad must have the shape of p");
+  RowBackwardInputs in;
+  in.dim = at::maybe_wrap_dim(dim, p.dim());
+  in.p = p.contiguous();
+  in.grad = grad.to(in.p.scalar_type()).contiguous();
+  return in;
+}
+
 }  // namespace cpu
 }  // namespace attnkern
