@@ -125,11 +125,7 @@ def _check_alpha(alpha, normalizer: str, target: tuple, heads: int):
     if not alpha.is_floating_point():
         raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
     a = _alpha_view(alpha, heads)
-    try:
-        ok = torch.broadcast_shapes(a.shape, target) == torch.Size(target)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not ops.broadcasts_to(a.shape, target):
         raise ValueError(f"alpha of shape {tuple(alpha.shape)} must be a float, a tensor of {heads} values "
                          f"(one per head), or broadcastable to {tuple(target)}")
     if a.numel() and a.device.type != "meta":
@@ -200,11 +196,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                          f"{tuple(value.shape)} do not broadcast") from exc
     target = batch + (H, L, S)
     if attn_mask is not None and not compiling:
-        try:
-            ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
-        except RuntimeError:
-            ok = False
-        if not ok:
+        if not ops.broadcasts_to(attn_mask.shape, target):
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target} "
                              f"(..., heads, L, S)")
     if not compiling:

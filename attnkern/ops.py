@@ -44,6 +44,14 @@ def check_dim(x: torch.Tensor, dim, name: str = "dim") -> int:
     return dim % nd
 
 
+def broadcasts_to(shape, target) -> bool:
+    """True when a tensor of `shape` expands to exactly `target`."""
+    try:
+        return torch.broadcast_shapes(tuple(shape), tuple(target)) == torch.Size(target)
+    except RuntimeError:
+        return False
+
+
 def check_alpha(alpha, x: torch.Tensor, dim: int, name: str = "alpha") -> torch.Tensor | float:
     """Validates α (> 0, not NaN; a float or a tensor broadcastable to x with size 1
     along dim). Returns a float or a tensor on x's device."""
@@ -63,11 +71,7 @@ def check_alpha(alpha, x: torch.Tensor, dim: int, name: str = "alpha") -> torch.
     row_shape = list(x.shape)
     if row_shape:
         row_shape[dim] = 1
-    try:
-        expanded = torch.broadcast_shapes(alpha.shape, tuple(row_shape))
-    except RuntimeError:
-        expanded = None
-    if expanded is None or list(expanded) != row_shape:
+    if not broadcasts_to(alpha.shape, row_shape):
         raise ValueError(f"{name} of shape {tuple(alpha.shape)} does not broadcast to the row shape "
                          f"{tuple(row_shape)} (the input's shape with size 1 along dim={dim})")
     if alpha.numel() and not alpha.device.type == "meta":
