@@ -19,7 +19,8 @@
 //       a row with no allowed key has shift +inf and output 0.
 //       normalizer: softmax | sparsemax | entmax15 | entmax (alpha: float32 (H,))
 //   attention_bwd(...) -> (dq, dk, dv, dalpha (H,) float32 or empty)
-//       recomputes the scores from q, k and the saved shift.
+//       recomputes the scores from q, k and the saved shift; `out` must be
+//       the forward's output (softmax takes Σ_j p_j dp_j as grad_out·out).
 #include <Python.h>
 #include <torch/library.h>
 

@@ -287,6 +287,85 @@ def test_gradients_match_reference(normalizer, case, dtype):
         assert_close(g, w, tol, f"{normalizer} {name}")
 
 
+# Shapes that span several query blocks (128 rows) and key tiles (256 keys) of
+# the tiled softmax kernels, with partial last ones.
+TILE_CASES = {
+    "float": ((1, 2, 2, 300, 600, 64, 64), "float"),
+    "gqa_odd_dims_fully_masked": ((2, 4, 2, 257, 513, 59, 33), "fully_masked"),
+    "causal_float": ((1, 2, 2, 400, 400, 32, 48), "causal_float"),
+    "key_padding": ((2, 2, 2, 129, 257, 16, 16), "key_padding"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(TILE_CASES))
+def test_softmax_tiles_match_reference(case, dtype):
+    (B, H, Hk, L, S, E, Ev), mask_kind = TILE_CASES[case]
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, noncontig=True))
+    mask, causal = make_mask(mask_kind, B, H, L, S)
+    go = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    out = attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, backend="cpu")
+    ref = ref_attention(q, k, v, mask, causal, "softmax", None)
+    assert_close(out, ref, TOL[dtype], "out")
+    for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), go),
+                          torch.autograd.grad(ref, (q, k, v), go), strict=True):
+        assert_close(g, w, GRAD_TOL[dtype], name)
+
+
+@pytest.mark.parametrize("alpha_grad", [False, True])
+def test_entmax_heads_in_the_softmax_limit(alpha_grad):
+    """α = 1 heads beside sparse ones: without dα they take the tiled softmax
+    backward, with dα the row path that reduces it; both match the reference."""
+    B, H, L, S, E = 1, 2, 150, 300, 32
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, H, L, S, E, E, dtype=torch.float64))
+    alpha = torch.tensor([1.0, 1.5], requires_grad=alpha_grad)
+    go = torch.randn(B, H, L, E, dtype=torch.float64)
+    inputs = (q, k, v, alpha) if alpha_grad else (q, k, v)
+    out = attnkern.attention(q, k, v, is_causal=True, normalizer="entmax", alpha=alpha, backend="cpu")
+    ref = ref_attention(q, k, v, None, True, "entmax", alpha)
+    assert_close(out, ref, TOL[torch.float64], "out")
+    for name, g, w in zip(("dq", "dk", "dv", "dalpha"), torch.autograd.grad(out, inputs, go),
+                          torch.autograd.grad(ref, inputs, go), strict=False):
+        tol = GRAD_TOL[torch.float64] if name != "dalpha" else (1e-8 * L, 1e-4)
+        assert_close(g, w, tol, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_gradients_half_types(normalizer, dtype):
+    """Gradients in half types (computed in float32; softmax's row term uses the
+    rounded output) by FlashAttention's rule against plain PyTorch in dtype."""
+    B, H, L, S, E = 1, 2, 150, 300, 64
+    q, k, v = make_qkv(B, H, H, L, S, E, E, dtype=dtype)
+    alpha = alpha_for(normalizer, H)
+    go = torch.randn(B, H, L, E, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def grads(fn, dt):
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*xs), xs, go.to(dt))
+
+    def kern(q, k, v):
+        return attnkern.attention(q, k, v, is_causal=True, normalizer=normalizer, alpha=alpha, backend="cpu")
+
+    def plain(q, k, v):  # scores, weights and p·v in dtype
+        s = (q @ k.transpose(-2, -1)) * E**-0.5
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
+        if normalizer == "softmax":
+            p = torch.softmax(s, -1)
+        elif normalizer == "entmax":
+            p = reference.entmax(s, alpha.view(-1, 1, 1), -1)
+        else:
+            p = getattr(reference, normalizer)(s, -1)
+        return p.to(dtype) @ v
+
+    exact = grads(lambda q, k, v: ref_attention(q, k, v, None, True, normalizer, alpha), torch.float64)
+    for name, g, gp, w in zip(("dq", "dk", "dv"), grads(kern, dtype), grads(plain, dtype), exact, strict=True):
+        assert g.dtype == dtype
+        err = (g.double() - w).abs().max().item()
+        err_plain = (gp.double() - w).abs().max().item()
+        assert half_rule_bound(err, err_plain, dtype), (name, err, err_plain)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("spread", [0.2, 2.0])
 @pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])

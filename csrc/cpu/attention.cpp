@@ -1,16 +1,21 @@
 // Fused softmax / sparsemax / entmax15 / α-entmax attention on the CPU,
 // forward and backward (the op contract is in csrc/attnkern.cpp).
 //
-// Layout of the work: for one (batch, head) and a block of BM query rows, the
-// scores against every allowed key are computed with one GEMM into a buffer of
-// BM x S floats that stays in L2. The sparse normalizers need the whole row to
-// find their shift (find_shift in entmax_row.h); softmax uses the same buffer
-// (an exact two-pass softmax over a cached row costs the same as online
-// softmax and needs no rescaling). Probabilities are written in place, and
-// P·V runs only over the key blocks (kBlockN keys) where some probability of
-// the block is non-zero: sparsity turns into skipped GEMM work. The backward
-// recomputes the scores from q and k and the saved shift, and skips the same
-// key blocks in all of its GEMMs.
+// Softmax (tiled, as FlashAttention): a block of query rows meets the keys
+// tile by tile; the forward keeps a running max and sum and rescales the
+// output, the backward recomputes P from the saved log-sum-exp and uses
+// δ = dO·O per row, so no row is ever held whole. Every product runs on the
+// register-blocked kernel of tile_gemm.h over K and V packed once per head,
+// not on BLAS calls that would repack their operands at every tile.
+//
+// Sparse normalizers: the scores of a block of BM query rows against every
+// allowed key are computed with one GEMM into a buffer of BM x S floats that
+// stays in L2, since the shift needs the whole row (find_shift in
+// entmax_row.h). Probabilities are written in place, and P·V runs only over
+// the key blocks (kBlockN keys) where some probability of the block is
+// non-zero, or entry by entry over the support when it is small: sparsity
+// turns into skipped work. The backward recomputes the scores from q and k
+// and the saved shift, and skips the same key blocks in all of its GEMMs.
 //
 // Parallelism: the forward over batch x heads x query blocks. The backward
 // over batch x kv-heads x chunks of query blocks; when batch x kv-heads is
@@ -37,6 +42,7 @@
 #include "attnkern/entmax_math.h"
 #include "blas.h"
 #include "entmax_row.h"
+#include "tile_gemm.h"
 
 namespace attnkern {
 namespace cpu {
@@ -82,7 +88,12 @@ struct Problem {
   const acc_t* v;  // (B, Hk, S, Ev) contiguous
   const acc_t* mask = nullptr;  // (B, H, L, S) view with the strides below
   int64_t msb = 0, msh = 0, msl = 0, mss = 0;
+  // E and Ev are multiples of kPanel<acc_t> (the op pads q, k, v with zeros).
   int64_t B, H, Hk, L, S, E, Ev;
+  // K (and for the softmax backward V) of every (batch, kv-head) in key
+  // panels (pack_panels), round_up_panel(S) keys per head; null when unused.
+  const acc_t* kp = nullptr;
+  const acc_t* vp = nullptr;
   acc_t scale;
   bool causal;
   // Per head: b = α - 1 and its family.
@@ -95,6 +106,8 @@ struct Problem {
   const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0) * E; }
   const acc_t* k_head(int64_t bi, int64_t hk) const { return k + (bi * Hk + hk) * S * E; }
   const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk) * S * Ev; }
+  const acc_t* kp_head(int64_t bi, int64_t hk) const { return kp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * E; }
+  const acc_t* vp_head(int64_t bi, int64_t hk) const { return vp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * Ev; }
 };
 
 template <typename acc_t>
@@ -236,34 +249,58 @@ inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
 
 // ---------------------------------------------------------------- forward
 
-// Keys per block of the online softmax forward.
-constexpr int64_t kSoftmaxBlockN = 512;
+// Keys per tile of the softmax forward and backward (a multiple of
+// kPanel). ATTNKERN_ATTN_SOFTMAX_BLOCK_N overrides it (for tuning).
+// Query rows per softmax block, forward and backward.
+// ATTNKERN_ATTN_SOFTMAX_BLOCK_M overrides it (for tuning).
+int64_t softmax_block_rows(int64_t L) {
+  static const int64_t bm = env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_M", 128);
+  return std::max<int64_t>(1, std::min(bm, L));
+}
 
-// Softmax forward of one block of query rows, online over key blocks of
-// kSoftmaxBlockN (as FlashAttention): the scores of a key block stay in L1/L2
-// and the output is rescaled when the running max grows. Softmax needs no
-// whole row, and on long rows this beats the row buffer of the sparse
-// normalizers. y: m x kSoftmaxBlockN scratch; mrow, lrow: m entries.
+int64_t softmax_block_keys() {
+  // A float panel is a whole number of double panels.
+  static const int64_t bn = round_up_panel<float>(env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_N", 256));
+  return bn;
+}
+
+// Scores of a tile: y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys
+// [j0, j0 + w) through the packed key panels, plus the mask, -inf above the
+// causal diagonal. Columns [w, ldy) hold scores against zero padding keys.
+template <typename acc_t>
+void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
+                acc_t* y, int64_t ldy) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
+                   kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
+  if (!P.mask && !P.causal) return;
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * ldy;
+    if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
+    if (P.causal) {
+      for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j) row[j] = -inf;
+    }
+  }
+}
+
+// Softmax forward of one block of query rows, online over key tiles (as
+// FlashAttention): the scores of a tile stay in L2 and the output is
+// rescaled when the running max grows; o (m x Ev) accumulates P·V in place.
+// y: m x softmax_block_keys() scratch; mrow, lrow: m entries.
 template <typename acc_t>
 void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                            acc_t* y, acc_t* o, float* c, acc_t* mrow, acc_t* lrow) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
-  const acc_t* qb = P.q_rows(bi, h, i0);
-  const acc_t* kh = P.k_head(bi, h / P.group());
   const acc_t* vh = P.v_head(bi, h / P.group());
-  std::fill(o, o + m * P.Ev, acc_t(0));
+  const int64_t BN = softmax_block_keys();
   std::fill(mrow, mrow + m, -inf);
   std::fill(lrow, lrow + m, acc_t(0));
-  for (int64_t j0 = 0; j0 < n; j0 += kSoftmaxBlockN) {
-    const int64_t w = std::min(kSoftmaxBlockN, n - j0);
-    gemm<acc_t>(false, true, m, w, P.E, P.scale, qb, P.E, kh + j0 * P.E, P.E, acc_t(0), y, w);
+  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+    const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+    score_tile(P, bi, h, i0, m, j0, w, y, ldy);
     for (int64_t r = 0; r < m; ++r) {
-      acc_t* row = y + r * w;
-      if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
-      if (P.causal) {
-        for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j) row[j] = -inf;
-      }
+      acc_t* row = y + r * ldy;
       const acc_t bm = row_max(row, w);
       const acc_t old = mrow[r];
       if (bm != bm || old != old) {
@@ -288,7 +325,8 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
       }
       lrow[r] += sum;
     }
-    gemm<acc_t>(false, false, m, P.Ev, w, acc_t(1), y, w, vh + j0 * P.Ev, P.Ev, acc_t(1), o, P.Ev);
+    // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
+    tile_gemm<acc_t>(m, P.Ev, w, acc_t(1), y, ldy, 1, vh + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev, j0 > 0);
   }
   for (int64_t r = 0; r < m; ++r) {
     acc_t* orow = o + r * P.Ev;
@@ -308,17 +346,15 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
 
 template <typename acc_t>
 void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
-  // Softmax heads run online over key blocks and need only BM x
-  // kSoftmaxBlockN of scores; 256 query rows (as SDPA) amortize the GEMM
-  // packing of each key block (measured: 256 beats 64 and 128 at N = 8192).
+  // Softmax heads run online over key tiles and need only BM x
+  // softmax_block_keys() of scores; the sparse normalizers need whole rows.
   const bool all_softmax = std::all_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
-  const int64_t BM = all_softmax ? std::min<int64_t>(env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_M", 256), std::max<int64_t>(P.L, 1))
-                                 : block_rows(P.S, P.L, sizeof(acc_t));
-  const int64_t row_len = all_softmax ? std::min(P.S, kSoftmaxBlockN) : P.S;
+  const int64_t BM = all_softmax ? softmax_block_rows(P.L) : block_rows(P.S, P.L, sizeof(acc_t));
+  const int64_t tile = std::min(softmax_block_keys(), round_up_panel<acc_t>(P.S));
   const int64_t nb = (P.L + BM - 1) / BM;
   const int64_t tasks = P.B * P.H * nb;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> ybuf(BM * std::max<int64_t>({row_len, std::min(P.S, kSoftmaxBlockN), 1})),
+    std::vector<acc_t> ybuf(BM * std::max<int64_t>({all_softmax ? 0 : P.S, tile, 1})),
         work(std::max<int64_t>(P.S, 1)), mrow(BM), lsum(BM);
     std::vector<int32_t> pidx(std::max<int64_t>(P.S, 1));
     FlushDenormals ftz;
@@ -555,17 +591,90 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
   }
 }
 
+// Softmax backward of one block of query rows over its key tiles, as
+// FlashAttention: P is recomputed from the saved log-sum-exp c, δ = dO·O per
+// row (delta) replaces Σ_j p_j dp_j, and dS = scale · P ⊙ (dO·Vᵀ − δ).
+// dQ (dqb, m x E) = Σ over tiles of dS·K; dK += dSᵀ·Q and dV += Pᵀ·dO go
+// into the chunk's accumulators dk, dv (S x E, S x Ev of this kv-head).
+// y, d: m x softmax_block_keys() scratch; lse: m entries.
 template <typename acc_t>
-void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* shift, acc_t* dq, acc_t* dk_acc,
-                     acc_t* dv_acc, int64_t nchunks, double* dalpha_acc) {
+void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                            const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
+                            acc_t* dv, acc_t* y, acc_t* d, acc_t* lse) {
+  using V = Vec<acc_t>;
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const int64_t hk = h / P.group();
+  const acc_t* qb = P.q_rows(bi, h, i0);
+  const acc_t* kh = P.k_head(bi, hk);
+  const acc_t* vp = P.vp_head(bi, hk);
+  const int64_t BN = softmax_block_keys();
+  for (int64_t r = 0; r < m; ++r) lse[r] = static_cast<acc_t>(c[r]);
+  if constexpr (std::is_same_v<acc_t, double>) {
+    // The shift is stored in float32: one pass over the row's tiles sums
+    // exp(s - c) and corrects c to double precision.
+    std::vector<acc_t> sums(m, acc_t(0));
+    for (int64_t j0 = 0; j0 < n; j0 += BN) {
+      const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+      score_tile(P, bi, h, i0, m, j0, w, y, ldy);
+      for (int64_t r = 0; r < m; ++r)
+        if (std::isfinite(lse[r])) sums[r] += exp_shifted(y + r * ldy, w, lse[r], y + r * ldy);
+    }
+    for (int64_t r = 0; r < m; ++r)
+      if (std::isfinite(lse[r]) && sums[r] > 0) lse[r] += std::log(sums[r]);
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+    const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+    score_tile(P, bi, h, i0, m, j0, w, y, ldy);
+    for (int64_t r = 0; r < m; ++r) {
+      acc_t* row = y + r * ldy;
+      if (lse[r] != lse[r]) {
+        std::fill(row, row + w, std::numeric_limits<acc_t>::quiet_NaN());
+      } else if (lse[r] == inf) {  // no allowed key
+        std::fill(row, row + w, acc_t(0));
+      } else {
+        exp_shifted(row, w, lse[r], row);
+      }
+    }
+    // dP = dO·Vᵀ, then dS in place.
+    tile_gemm<acc_t>(m, ldy, P.Ev, acc_t(1), dob, P.Ev, 1, vp + j0 * P.Ev, kPanel<acc_t>, P.Ev * kPanel<acc_t>, d,
+                     ldy, false);
+    const V vscale(P.scale);
+    for (int64_t r = 0; r < m; ++r) {
+      const acc_t* prow = y + r * ldy;
+      acc_t* drow = d + r * ldy;
+      const V vdelta(delta[r]);
+      int64_t j = 0;
+      for (; j + V::size() <= w; j += V::size())
+        (vscale * V::loadu(prow + j) * (V::loadu(drow + j) - vdelta)).store(drow + j);
+      for (; j < w; ++j) drow[j] = P.scale * prow[j] * (drow[j] - delta[r]);
+    }
+    // dV += Pᵀ·dO, dK += dSᵀ·Q (A read transposed), dQ (+)= dS·K.
+    tile_gemm<acc_t>(w, P.Ev, m, acc_t(1), y, 1, ldy, dob, P.Ev, kPanel<acc_t>, dv + j0 * P.Ev, P.Ev, true);
+    tile_gemm<acc_t>(w, P.E, m, acc_t(1), d, 1, ldy, qb, P.E, kPanel<acc_t>, dk + j0 * P.E, P.E, true);
+    tile_gemm<acc_t>(m, P.E, w, acc_t(1), d, ldy, 1, kh + j0 * P.E, P.E, kPanel<acc_t>, dqb, P.E, j0 > 0);
+  }
+}
+
+template <typename acc_t>
+void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* shift, const acc_t* delta, acc_t* dq,
+                     acc_t* dk_acc, acc_t* dv_acc, int64_t nchunks, double* dalpha_acc) {
   const int64_t BM = block_rows(P.S, P.L, sizeof(acc_t));
   const int64_t nb = (P.L + BM - 1) / BM;
+  const int64_t BMs = softmax_block_rows(P.L);
+  const int64_t nbs = (P.L + BMs - 1) / BMs;
   const int64_t G = P.group();
   const int64_t tasks = P.B * P.Hk * nchunks;
   const int64_t kv_head_k = P.S * P.E, kv_head_v = P.S * P.Ev;
+  // Softmax heads take the tiled path unless dα is wanted (α-entmax heads in
+  // the softmax limit): the row-buffer path below reduces it.
+  auto tiled = [&](int64_t h) { return P.fam[h] == Family::kSoftmax && dalpha_acc == nullptr; };
+  bool any_tiled = false, any_rows = false;
+  for (int64_t h = 0; h < P.H; ++h) (tiled(h) ? any_tiled : any_rows) = true;
+  const int64_t buf = std::max<int64_t>(
+      {any_rows ? BM * P.S : 0, any_tiled ? BMs * std::min(softmax_block_keys(), round_up_panel<acc_t>(P.S)) : 0, 1});
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t Sb = std::max<int64_t>(P.S, 1);
-    std::vector<acc_t> ybuf(BM * Sb), dbuf(BM * Sb), dps, pvals(std::max<int64_t>(Sb, 1));
+    std::vector<acc_t> ybuf(buf), dbuf(buf), dps, pvals(std::max<int64_t>(Sb, 1)), lse(BMs);
     std::vector<int32_t> pidx(std::max<int64_t>(Sb, 1));
     FlushDenormals ftz;
     std::vector<std::pair<int64_t, int64_t>> runs;
@@ -580,6 +689,20 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
         const int64_t bh = bi * P.H + h;
         double* da = dalpha_acc ? dalpha_acc + (chunk * P.B + bi) * P.H + h : nullptr;
+        if (tiled(h)) {
+          for (int64_t u = chunk; u < nbs; u += nchunks) {
+            const int64_t i0 = zigzag(u, nbs) * BMs, m = std::min(BMs, P.L - i0);
+            const int64_t n = P.keys_for(i0, m);
+            acc_t* dqb = dq + (bh * P.L + i0) * P.E;
+            if (n == 0) {
+              std::fill(dqb, dqb + m * P.E, acc_t(0));
+              continue;
+            }
+            softmax_backward_block(P, bi, h, i0, m, n, shift + bh * P.L + i0, delta + bh * P.L + i0,
+                                   dout + (bh * P.L + i0) * P.Ev, dqb, dk, dv, ybuf.data(), dbuf.data(), lse.data());
+          }
+          continue;
+        }
         for (int64_t u = chunk; u < nb; u += nchunks) {
           const int64_t i0 = zigzag(u, nb) * BM, m = std::min(BM, P.L - i0);
           const int64_t n = P.keys_for(i0, m);
@@ -714,7 +837,7 @@ Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, 
   P.q = q.const_data_ptr<acc_t>();
   P.k = k.const_data_ptr<acc_t>();
   P.v = v.const_data_ptr<acc_t>();
-  P.B = c.B, P.H = c.H, P.Hk = c.Hk, P.L = c.L, P.S = c.S, P.E = c.E, P.Ev = c.Ev;
+  P.B = c.B, P.H = c.H, P.Hk = c.Hk, P.L = c.L, P.S = c.S, P.E = q.size(3), P.Ev = v.size(3);
   P.scale = static_cast<acc_t>(scale);
   P.causal = is_causal;
   if (mask.defined()) {
@@ -759,22 +882,53 @@ Tensor prepare_alpha(const c10::optional<Tensor>& alpha, Family fam, const Check
   return a;
 }
 
+// t (..., d) contiguous in the accumulation type, zero-padded to `width`
+// columns (no copy when it already has them).
+Tensor padded(const Tensor& t, at::ScalarType acc, int64_t width) {
+  Tensor x = t.to(acc).contiguous();
+  if (x.size(-1) == width) return x;
+  return at::constant_pad_nd(x, {0, width - x.size(-1)}, 0).contiguous();
+}
+
+// One packed copy (pack_panels) of each (batch, kv-head) of x (B, Hk, S, d).
+template <typename acc_t>
+Tensor pack_heads(const Tensor& x) {
+  const int64_t heads = x.size(0) * x.size(1), S = x.size(2), d = x.size(3), Sp = round_up_panel<acc_t>(S);
+  Tensor packed = at::empty({heads * Sp * d}, x.options());
+  const acc_t* src = x.const_data_ptr<acc_t>();
+  acc_t* dst = packed.mutable_data_ptr<acc_t>();
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pack_panels(src + i * S * d, S, d, d, dst + i * Sp * d);
+  });
+  return packed;
+}
+
+template <typename acc_t>
+bool has_softmax_head(const Problem<acc_t>& P) {
+  return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
+}
+
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const c10::optional<Tensor>& mask_in, bool is_causal, double scale,
                                          c10::string_view normalizer, const c10::optional<Tensor>& alpha_in) {
   const Checked c = check_inputs(q_in, k_in, v_in);
   const Family fam = normalizer_family(normalizer);
-  Tensor q = q_in.to(c.acc).contiguous(), k = k_in.to(c.acc).contiguous(), v = v_in.to(c.acc).contiguous();
   Tensor mask = prepare_mask(mask_in, c);
   Tensor alpha = prepare_alpha(alpha_in, fam, c);
-  Tensor out = at::empty({c.B, c.H, c.L, c.Ev}, q.options());
-  Tensor shift = at::empty({c.B, c.H, c.L}, q.options().dtype(at::kFloat));
-  if (out.numel() > 0 || shift.numel() > 0) {
-    AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_fwd", [&] {
+  Tensor out;
+  Tensor shift = at::empty({c.B, c.H, c.L}, q_in.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_fwd", [&] {
+    const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
+    Tensor q = padded(q_in, c.acc, Ep), k = padded(k_in, c.acc, Ep), v = padded(v_in, c.acc, Evp);
+    Tensor out_p = at::empty({c.B, c.H, c.L, Evp}, q.options());
+    if (out_p.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
-      forward_kernel<scalar_t>(P, out.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
-    });
-  }
+      Tensor kpack = has_softmax_head(P) ? pack_heads<scalar_t>(k) : Tensor();
+      if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();
+      forward_kernel<scalar_t>(P, out_p.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
+    }
+    out = Evp == c.Ev ? out_p : out_p.narrow(3, 0, c.Ev).contiguous();
+  });
   return {out.to(q_in.scalar_type()), shift};
 }
 
@@ -782,19 +936,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& mask_in, bool is_causal, double scale, c10::string_view normalizer,
     const c10::optional<Tensor>& alpha_in, const Tensor& out, const Tensor& shift_in, bool alpha_grad) {
-  (void)out;  // the row reductions come from dp directly; out is part of the contract for other backends
   const Checked c = check_inputs(q_in, k_in, v_in);
   const Family fam = normalizer_family(normalizer);
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef({c.B, c.H, c.L, c.Ev}),
               "attnkern.attention_bwd: grad_out must have shape (B, H, L, Ev)");
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({c.B, c.H, c.L, c.Ev}),
+              "attnkern.attention_bwd: out must have shape (B, H, L, Ev)");
   TORCH_CHECK(shift_in.sizes() == at::IntArrayRef({c.B, c.H, c.L}),
               "attnkern.attention_bwd: shift must have shape (B, H, L)");
-  Tensor q = q_in.to(c.acc).contiguous(), k = k_in.to(c.acc).contiguous(), v = v_in.to(c.acc).contiguous();
-  Tensor dout = grad_out.to(c.acc).contiguous();
   Tensor shift = shift_in.to(at::kFloat).contiguous();
   Tensor mask = prepare_mask(mask_in, c);
   Tensor alpha = prepare_alpha(alpha_in, fam, c);
   const bool want_alpha = alpha_grad && fam == Family::kGeneric;
+  // δ = dO·O per query row (the tiled softmax backward's Σ_j p_j dp_j).
+  Tensor delta = (grad_out.to(c.acc) * out.to(c.acc)).sum(-1).contiguous();
 
   const int64_t threads = at::get_num_threads();
   const int64_t bhk = c.B * c.Hk;
@@ -802,26 +957,41 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
   const int64_t nb = (c.L + BM - 1) / BM;
   const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(nb, bhk >= threads ? 1 : (threads + bhk - 1) / bhk));
 
-  Tensor dq = at::empty({c.B, c.H, c.L, c.E}, q.options());
-  Tensor dk_acc = at::zeros({nchunks, c.B, c.Hk, c.S, c.E}, q.options());
-  Tensor dv_acc = at::zeros({nchunks, c.B, c.Hk, c.S, c.Ev}, q.options());
-  Tensor dalpha_acc = want_alpha ? at::zeros({nchunks, c.B, c.H}, q.options().dtype(at::kDouble)) : Tensor();
-  if (dq.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
-    AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_bwd", [&] {
+  Tensor dq, dk, dv;
+  Tensor dalpha_acc = want_alpha ? at::zeros({nchunks, c.B, c.H}, q_in.options().dtype(at::kDouble)) : Tensor();
+  AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_bwd", [&] {
+    const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
+    Tensor q = padded(q_in, c.acc, Ep), k = padded(k_in, c.acc, Ep), v = padded(v_in, c.acc, Evp);
+    Tensor dout = padded(grad_out, c.acc, Evp);
+    Tensor dq_p = at::empty({c.B, c.H, c.L, Ep}, q.options());
+    Tensor dk_acc = at::zeros({nchunks, c.B, c.Hk, c.S, Ep}, q.options());
+    Tensor dv_acc = at::zeros({nchunks, c.B, c.Hk, c.S, Evp}, q.options());
+    if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
+      Tensor kpack, vpack;
+      if (has_softmax_head(P) && !want_alpha) {
+        kpack = pack_heads<scalar_t>(k);
+        vpack = pack_heads<scalar_t>(v);
+        P.kp = kpack.const_data_ptr<scalar_t>();
+        P.vp = vpack.const_data_ptr<scalar_t>();
+      }
       backward_kernel<scalar_t>(P, dout.const_data_ptr<scalar_t>(), shift.const_data_ptr<float>(),
-                                dq.mutable_data_ptr<scalar_t>(), dk_acc.mutable_data_ptr<scalar_t>(),
-                                dv_acc.mutable_data_ptr<scalar_t>(), nchunks,
+                                delta.const_data_ptr<scalar_t>(), dq_p.mutable_data_ptr<scalar_t>(),
+                                dk_acc.mutable_data_ptr<scalar_t>(), dv_acc.mutable_data_ptr<scalar_t>(), nchunks,
                                 want_alpha ? dalpha_acc.mutable_data_ptr<double>() : nullptr);
-    });
-  }
-  Tensor dk = nchunks == 1 ? dk_acc[0] : dk_acc.sum(0);
-  Tensor dv = nchunks == 1 ? dv_acc[0] : dv_acc.sum(0);
+    }
+    Tensor dk_p = nchunks == 1 ? dk_acc[0] : dk_acc.sum(0);
+    Tensor dv_p = nchunks == 1 ? dv_acc[0] : dv_acc.sum(0);
+    dq = Ep == c.E ? dq_p : dq_p.narrow(3, 0, c.E);
+    dk = Ep == c.E ? dk_p : dk_p.narrow(3, 0, c.E);
+    dv = Evp == c.Ev ? dv_p : dv_p.narrow(3, 0, c.Ev);
+  });
   // (H,) whenever asked for (zeros for the normalizers without α), else empty.
   Tensor dalpha = want_alpha   ? dalpha_acc.sum({0, 1}).to(at::kFloat)
-                  : alpha_grad ? at::zeros({c.H}, q.options().dtype(at::kFloat))
-                               : at::empty({0}, q.options().dtype(at::kFloat));
-  return {dq.to(q_in.scalar_type()), dk.to(k_in.scalar_type()), dv.to(v_in.scalar_type()), dalpha};
+                  : alpha_grad ? at::zeros({c.H}, q_in.options().dtype(at::kFloat))
+                               : at::empty({0}, q_in.options().dtype(at::kFloat));
+  return {dq.to(q_in.scalar_type()).contiguous(), dk.to(k_in.scalar_type()).contiguous(),
+          dv.to(v_in.scalar_type()).contiguous(), dalpha};
 }
 
 }  // namespace
