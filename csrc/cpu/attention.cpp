@@ -689,26 +689,19 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
         const int64_t bh = bi * P.H + h;
         double* da = dalpha_acc ? dalpha_acc + (chunk * P.B + bi) * P.H + h : nullptr;
-        if (tiled(h)) {
-          for (int64_t u = chunk; u < nbs; u += nchunks) {
-            const int64_t i0 = zigzag(u, nbs) * BMs, m = std::min(BMs, P.L - i0);
-            const int64_t n = P.keys_for(i0, m);
-            acc_t* dqb = dq + (bh * P.L + i0) * P.E;
-            if (n == 0) {
-              std::fill(dqb, dqb + m * P.E, acc_t(0));
-              continue;
-            }
-            softmax_backward_block(P, bi, h, i0, m, n, shift + bh * P.L + i0, delta + bh * P.L + i0,
-                                   dout + (bh * P.L + i0) * P.Ev, dqb, dk, dv, ybuf.data(), dbuf.data(), lse.data());
-          }
-          continue;
-        }
-        for (int64_t u = chunk; u < nb; u += nchunks) {
-          const int64_t i0 = zigzag(u, nb) * BM, m = std::min(BM, P.L - i0);
+        const bool tiled_h = tiled(h);
+        const int64_t bm = tiled_h ? BMs : BM, nbh = tiled_h ? nbs : nb;
+        for (int64_t u = chunk; u < nbh; u += nchunks) {
+          const int64_t i0 = zigzag(u, nbh) * bm, m = std::min(bm, P.L - i0);
           const int64_t n = P.keys_for(i0, m);
           acc_t* dqb = dq + (bh * P.L + i0) * P.E;
           if (n == 0) {
             std::fill(dqb, dqb + m * P.E, acc_t(0));
+            continue;
+          }
+          if (tiled_h) {
+            softmax_backward_block(P, bi, h, i0, m, n, shift + bh * P.L + i0, delta + bh * P.L + i0,
+                                   dout + (bh * P.L + i0) * P.Ev, dqb, dk, dv, ybuf.data(), dbuf.data(), lse.data());
             continue;
           }
           acc_t* y = ybuf.data();
