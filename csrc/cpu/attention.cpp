@@ -941,8 +941,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
   Tensor mask = prepare_mask(mask_in, c);
   Tensor alpha = prepare_alpha(alpha_in, fam, c);
   const bool want_alpha = alpha_grad && fam == Family::kGeneric;
-  // δ = dO·O per query row (the tiled softmax backward's Σ_j p_j dp_j).
-  Tensor delta = (grad_out.to(c.acc) * out.to(c.acc)).sum(-1).contiguous();
 
   const int64_t threads = at::get_num_threads();
   const int64_t bhk = c.B * c.Hk;
@@ -961,15 +959,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     Tensor dv_acc = at::zeros({nchunks, c.B, c.Hk, c.S, Evp}, q.options());
     if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
-      Tensor kpack, vpack;
-      if (has_softmax_head(P) && !want_alpha) {
+      Tensor kpack, vpack, delta;
+      if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs
+        // δ = dO·O per query row (its Σ_j p_j dp_j).
+        delta = (grad_out.to(c.acc) * out.to(c.acc)).sum(-1).contiguous();
         kpack = pack_heads<scalar_t>(k);
         vpack = pack_heads<scalar_t>(v);
         P.kp = kpack.const_data_ptr<scalar_t>();
         P.vp = vpack.const_data_ptr<scalar_t>();
       }
       backward_kernel<scalar_t>(P, dout.const_data_ptr<scalar_t>(), shift.const_data_ptr<float>(),
-                                delta.const_data_ptr<scalar_t>(), dq_p.mutable_data_ptr<scalar_t>(),
+                                delta.defined() ? delta.const_data_ptr<scalar_t>() : nullptr,
+                                dq_p.mutable_data_ptr<scalar_t>(),
                                 dk_acc.mutable_data_ptr<scalar_t>(), dv_acc.mutable_data_ptr<scalar_t>(), nchunks,
                                 want_alpha ? dalpha_acc.mutable_data_ptr<double>() : nullptr);
     }
