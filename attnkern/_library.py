@@ -68,14 +68,19 @@ def _register_compat() -> None:
 
 def _register_attention() -> None:
     @torch.library.register_fake("attnkern::attention_fwd")
-    def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha):
+    def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p=0.0, dropout_seed=None):
         B, H, L, _ = q.shape
         return q.new_empty((B, H, L, v.shape[-1])), q.new_empty((B, H, L), dtype=torch.float32)
 
     @torch.library.register_fake("attnkern::attention_bwd")
-    def _attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad):
+    def _attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad,
+                       dropout_p=0.0, dropout_seed=None):
         dalpha = q.new_empty((q.shape[1],) if alpha_grad else (0,), dtype=torch.float32)
         return _like(q), _like(k), _like(v), dalpha
+
+    @torch.library.register_fake("attnkern::attention_dropout_mask")
+    def _attention_dropout_mask(B, H, L, S, dropout_p, dropout_seed):
+        return dropout_seed.new_empty((B, H, L, S), dtype=torch.bool)
 
 
 if _extension.LOADED:

@@ -38,8 +38,7 @@ def _triton_unavailable(q: torch.Tensor) -> str | None:
     return None
 
 
-def _attention_unavailable(backend: str, q: torch.Tensor, *, dropout_p: float, mask_grad: bool,
-                           alpha_batched: bool) -> str | None:
+def _attention_unavailable(backend: str, q: torch.Tensor, *, mask_grad: bool) -> str | None:
     """Why `backend` cannot run this attention call, or None if it can."""
     if backend == "reference":
         return None
@@ -52,13 +51,17 @@ def _attention_unavailable(backend: str, q: torch.Tensor, *, dropout_p: float, m
             why = "cuda: attnkern._C has no CUDA attention kernel"
     if why is not None:
         return why
-    if dropout_p > 0:
-        return f"{backend}: no dropout (dropout_p={dropout_p})"
     if mask_grad:
         return f"{backend}: no gradient for a float attn_mask that requires grad"
-    if alpha_batched:
-        return f"{backend}: alpha must be one value per head (it varies over the batch dims here)"
     return None
+
+
+def draw_dropout_seed() -> torch.Tensor:
+    """The seed of one attention call's dropout mask: an int64 scalar drawn from
+    torch's default CPU generator, so torch.manual_seed reproduces the mask.
+    The kernels regenerate the mask from it (attnkern.testing.attention_dropout_mask
+    returns it)."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64)
 
 
 # --- validation -----------------------------------------------------------------
@@ -156,7 +159,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
       Hk == 1). attn_mask: bool (True = takes part) or float (added to the
       scores), broadcastable to (..., H, L, S). is_causal: query i sees keys
       j <= i (SDPA's top-left alignment). scale: default 1/sqrt(E).
-      dropout_p: dropout on the weights (reference backend only).
+      dropout_p: dropout on the weights (kept with probability 1 - dropout_p,
+      scaled by 1 / (1 - dropout_p), as SDPA); the kernels regenerate the mask
+      in the backward from a seed drawn from torch's generator, so
+      torch.manual_seed reproduces it.
     normalizer: "softmax", "sparsemax" (Euclidean projection onto the simplex),
       "entmax15", or "entmax" with `alpha`: a float > 0, a tensor of H values
       (one per head), or a tensor broadcastable to (..., H, 1, 1); it may
@@ -180,12 +186,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     added = max(0, 3 - max(query.dim(), key.dim(), value.dim()))
     q, k, v = (t.reshape((1,) * max(0, 3 - t.dim()) + tuple(t.shape)) for t in (query, key, value))
     H, Hk = q.shape[-3], k.shape[-3]
+    q_heads_expanded = False
     if Hk != H:
         if H % Hk == 0 and (enable_gqa or Hk == 1):
             pass  # query head h uses key/value head h // (H // Hk)
         elif H == 1 and not enable_gqa:
             q = q.expand(*q.shape[:-3], Hk, L, E)
             H = Hk
+            q_heads_expanded = True
         elif not compiling:
             raise ValueError(f"query has {H} heads and key/value {Hk}: they must be equal, or the query "
                              f"heads a multiple of the key/value heads with enable_gqa=True")
@@ -209,8 +217,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
 
     def unavailable(b, x):
-        return _attention_unavailable(b, x, dropout_p=float(dropout_p), mask_grad=mask_grad,
-                                      alpha_batched=alpha_batched)
+        return _attention_unavailable(b, x, mask_grad=mask_grad)
 
     chosen = ops.choose_backend(backend, query, unavailable, candidates=("cpu", "cuda", "triton"))
     if chosen == "reference":
@@ -223,6 +230,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
     B = math.prod(batch)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if query.dtype in (torch.float16, torch.bfloat16):
+        broadcast = q_heads_expanded or any(t.shape[:-3] != batch for t in (q, k, v))
+        if chosen == "cpu" or broadcast:
+            # The gradient of a broadcast input is a sum over the broadcast
+            # dims: take it in float32 and round to the half type once (the
+            # CPU kernel computes in float32 anyway, so this costs it nothing).
+            q, k, v = q.float(), k.float(), v.float()
     q4 = q.expand(batch + (H, L, E)).reshape(B, H, L, E)
     k4 = k.expand(batch + (Hk, S, E)).reshape(B, Hk, S, E)
     v4 = v.expand(batch + (Hk, S, Ev)).reshape(B, Hk, S, Ev)
@@ -234,7 +248,15 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         mask4 = m.to(acc).expand(target).reshape(B, H, L, S)
     alpha_h = None
     if normalizer == "entmax":
-        if isinstance(alpha, torch.Tensor):
+        if isinstance(alpha, torch.Tensor) and alpha_batched:
+            # One α per (batch, head): the kernels take one α per head, so the
+            # batch is folded into the heads, (B, H) -> (1, B·H); query head
+            # b·H + h still meets key/value head b·Hk + h // (H // Hk).
+            alpha_h = alpha.to(torch.float32).expand(batch + (H, 1, 1)).reshape(B * H)
+            q4, k4, v4 = (t.reshape(1, B * t.shape[1], *t.shape[2:]) for t in (q4, k4, v4))
+            if mask4 is not None:
+                mask4 = mask4.reshape(1, B * H, L, S)
+        elif isinstance(alpha, torch.Tensor):
             a = alpha.reshape(alpha.shape[-3:]) if alpha.dim() > 3 else alpha
             alpha_h = a.to(torch.float32).expand(H, 1, 1).reshape(H)
         else:
@@ -242,8 +264,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     from attnkern.autograd import AttentionFunction
 
     impl = "triton" if chosen == "triton" else "ops"
-    out = AttentionFunction.apply(q4, k4, v4, mask4, alpha_h, is_causal, scale, normalizer, impl)
-    return _unpad(out.reshape(batch + (H, L, Ev)), added)
+    dropout_p = float(dropout_p)
+    seed = draw_dropout_seed() if dropout_p > 0 else None
+    out = AttentionFunction.apply(q4, k4, v4, mask4, alpha_h, is_causal, scale, normalizer, impl, dropout_p, seed)
+    return _unpad(out.reshape(batch + (H, L, Ev)).to(query.dtype), added)
 
 
 def _unpad(res, added: int):

@@ -500,14 +500,21 @@ def test_alpha_forms(form):
         (da,) = torch.autograd.grad(out.sum(), alpha)
         assert da.shape == alpha.shape and torch.isfinite(da).all()
     if form == "per_batch":
-        with pytest.raises(RuntimeError, match="alpha"):
-            attnkern.attention(q, k, v, normalizer="entmax", alpha=alpha, backend="cpu")
+        # One α per (batch, head) runs in the kernel too, with its gradient.
+        out_cpu = attnkern.attention(q, k, v, normalizer="entmax", alpha=alpha, backend="cpu")
+        assert_close(out_cpu, ref, TOL[torch.float32], "per_batch cpu")
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        (da_cpu,) = torch.autograd.grad(out_cpu, alpha, go)
+        ar = alpha.detach().double().requires_grad_()
+        (da_ref,) = torch.autograd.grad(reference.attention(q.double(), k.double(), v.double(), normalizer="entmax",
+                                                            alpha=ar), ar, go.double())
+        torch.testing.assert_close(da_cpu.double(), da_ref, atol=1e-4, rtol=1e-3)
 
 
 def test_backends_and_dropout():
     q, k, v = make_qkv(1, 2, 2, 9, 9, 8, 8)
-    with pytest.raises(RuntimeError, match="dropout"):
-        attnkern.attention(q, k, v, dropout_p=0.5, backend="cpu")
+    # A forced kernel backend takes dropout (tests/test_attention_dropout.py checks its mask).
+    assert torch.isfinite(attnkern.attention(q, k, v, dropout_p=0.5, backend="cpu")).all()
     from attnkern.backends import triton as triton_backend
 
     if triton_backend.available()[0]:
@@ -519,7 +526,7 @@ def test_backends_and_dropout():
         with pytest.raises(RuntimeError, match="triton"):
             attnkern.attention(q, k, v, backend="triton")
     torch.manual_seed(0)
-    out = attnkern.attention(q, k, v, dropout_p=0.5, normalizer="sparsemax")  # auto: the reference
+    out = attnkern.attention(q, k, v, dropout_p=0.5, normalizer="sparsemax")  # auto: the CPU kernel
     assert out.shape == (1, 2, 9, 8) and torch.isfinite(out).all()
     ref = attnkern.attention(q, k, v, backend="reference", normalizer="entmax15")
     cpu = attnkern.attention(q, k, v, backend="cpu", normalizer="entmax15")

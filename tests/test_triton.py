@@ -413,12 +413,13 @@ assert not K.INTERPRETED
 dt = sys.argv[1]
 acc = tl.float64 if dt == "fp64" else tl.float32
 accs = "fp64" if dt == "fp64" else "fp32"
-floats = {"scale", "eps", "alpha_band"}
+floats = {"scale", "eps", "alpha_band", "drop_scale"}
+wide = {"seed", "threshold"}
 pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "BlockMax", "DO", "Delta", "DAlphaRow",
             "DQ", "DK", "DV"}
 for family in range(4):
     base = dict(FAMILY=family, HAS_MASK=True, IS_CAUSAL=True, HEAD_DIM=64, HEAD_DIM_V=32, BLOCK_M=64,
-                BLOCK_N=32, ACC=acc)
+                BLOCK_N=32, ACC=acc, DROPOUT=True)
     for fn, ptrs, const in (
         (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", BlockMax=accs), dict(base, MAX_ITER=64)),
         (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow=accs),
@@ -432,7 +433,7 @@ for family in range(4):
             elif name in pointers:
                 sig[name] = "*" + ptrs.get(name, dt)
             else:
-                sig[name] = "fp32" if name in floats else "i32"
+                sig[name] = "fp32" if name in floats else "i64" if name in wide else "i32"
         triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 80, 32))
 print("compiled")
 """

@@ -180,7 +180,7 @@ _ATTENTION_NORMALIZERS = {"softmax": softmax, "sparsemax": sparsemax, "entmax15"
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               is_causal: bool = False, scale=None, *, normalizer: str = "softmax", alpha=None,
-              dropout_p: float = 0.0, return_weights: bool = False):
+              dropout_p: float = 0.0, dropout_mask: torch.Tensor | None = None, return_weights: bool = False):
     """Unfused attention in float64: p = normalizer(scale·q·kᵀ + mask) along keys, out = p·v.
 
     query (..., H, L, E), key (..., Hk, S, E), value (..., Hk, S, Ev) with H a
@@ -188,7 +188,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     dims broadcast. attn_mask: None, bool (True = takes part) or float (added),
     broadcastable to (..., H, L, S). is_causal: query i sees keys j <= i.
     alpha ("entmax" only): float, or tensor broadcastable to (..., H, 1, 1).
-    dropout_p: dropout on p before p·v (as torch's MultiheadAttention).
+    dropout_p: dropout on p before p·v (as torch's MultiheadAttention): each
+      weight is kept with probability 1 - dropout_p and scaled by 1 / (1 - dropout_p).
+    dropout_mask: the keep mask (bool, broadcastable to (..., H, L, S)) to use
+      instead of drawing one, e.g. the one a kernel drew
+      (attnkern.testing.attention_dropout_mask).
     A query with no allowed key gets p = 0 and output 0.
     Returns out (..., H, L, Ev) in query's dtype, and p (the weights used) if
     return_weights.
@@ -222,7 +226,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         raise ValueError(f"normalizer must be one of softmax, sparsemax, entmax15, entmax; "
                          f"got {normalizer!r}")
     p = torch.where(empty, torch.zeros_like(p), p)
-    if dropout_p > 0:
+    if dropout_mask is not None:
+        p = p * dropout_mask.to(device=p.device, dtype=p.dtype) / (1.0 - dropout_p)
+    elif dropout_p > 0:
         p = torch.nn.functional.dropout(p, dropout_p)
     out = (p @ v).to(query.dtype)
     return (out, p.to(query.dtype)) if return_weights else out

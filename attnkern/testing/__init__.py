@@ -58,3 +58,11 @@ def mask_some(x: torch.Tensor, frac: float = 0.3, seed: int = 0, full_rows: int 
     if full_rows and y.dim() >= 2:
         y.view(-1, y.shape[-1])[:full_rows] = float("-inf")
     return y
+
+
+def attention_dropout_mask(B: int, H: int, L: int, S: int, dropout_p: float, seed: torch.Tensor) -> torch.Tensor:
+    """The keep mask (B, H, L, S) bool that the fused attention kernels (CPU and
+    Triton) apply with dropout_p and seed; attnkern.attention draws its seed with
+    attnkern.attention.draw_dropout_seed() (so after torch.manual_seed(s), the
+    same call gives the same seed). Pass it to the reference as dropout_mask."""
+    return torch.ops.attnkern.attention_dropout_mask(B, H, L, S, float(dropout_p), seed)

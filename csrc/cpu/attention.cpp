@@ -41,6 +41,7 @@
 
 #include "attnkern/entmax_math.h"
 #include "blas.h"
+#include "dropout.h"
 #include "entmax_row.h"
 #include "tile_gemm.h"
 
@@ -57,6 +58,9 @@ constexpr int64_t kBlockN = 64;
 // v) instead of GEMMs over key blocks: a GEMM costs about 2·Ev flops per
 // (query, key) pair whatever p is, a support entry a few dozen vector ops.
 constexpr double kSparseDensity = 1.0 / 16;
+// The backward's work per call is split into at least this many tasks
+// (kv-heads x chunks of query blocks), whatever the thread count.
+constexpr int64_t kBackwardTasks = 8;
 // Target size of one score buffer (BM x S accumulation-type entries).
 constexpr int64_t kScoreBufferBytes = 512 * 1024;
 
@@ -99,8 +103,12 @@ struct Problem {
   // Per head: b = α - 1 and its family.
   std::vector<acc_t> b;
   std::vector<Family> fam;
+  // Dropout on the weights (off when dropout_p = 0).
+  Dropout drop;
 
   int64_t group() const { return H / Hk; }
+  // The global index of query row i of (batch bi, head h): the dropout counter.
+  int64_t row_id(int64_t bi, int64_t h, int64_t i) const { return (bi * H + h) * L + i; }
   // Keys a block of rows [i0, i0 + m) can see.
   int64_t keys_for(int64_t i0, int64_t m) const { return causal ? std::min(S, i0 + m) : S; }
   const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0) * E; }
@@ -163,6 +171,32 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) 
       write_probs<acc_t, FAM>(y, n, c, b, norm, y);
     }
     return m + c;
+  }
+}
+
+// Dropout on rows [0, m) of y (m x n, row stride ld) of one block whose
+// first query row has global index row0: each weight times keep / (1 - p).
+// Chunks of kBlockN keys that hold only zeros are skipped (sparse rows). The
+// keep flags are left in keep (m x n) for a second use, where given.
+template <typename acc_t>
+void apply_dropout(const Dropout& d, acc_t* y, int64_t m, int64_t n, int64_t ld, int64_t row0, int64_t j_base,
+                   float* keep = nullptr) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < kBlockN) scratch.resize(kBlockN);
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * ld;
+    for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
+      const int64_t w = std::min(kBlockN, n - j0);
+      float* kp = keep ? keep + r * n + j0 : scratch.data();
+      bool any = false;
+      for (int64_t j = 0; j < w && !any; ++j) any = !(row[j0 + j] == acc_t(0));
+      if (!any) {
+        if (keep) std::fill(kp, kp + w, 0.0f);
+        continue;
+      }
+      dropout_keeps(d, row0 + r, j_base + j0, w, kp);
+      apply_keep(row + j0, kp, w, d);
+    }
   }
 }
 
@@ -325,6 +359,7 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
       }
       lrow[r] += sum;
     }
+    if (P.drop.on) apply_dropout(P.drop, y, m, w, ldy, P.row_id(bi, h, i0), j0);
     // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
     tile_gemm<acc_t>(m, P.Ev, w, acc_t(1), y, ldy, 1, vh + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev, j0 > 0);
   }
@@ -394,6 +429,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
         }
         c[r] = static_cast<float>(cr);
       }
+      if (P.drop.on) apply_dropout(P.drop, y, m, n, n, P.row_id(bi, h, i0), 0);
       const acc_t* vh = P.v_head(bi, h / P.group());
       if (collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), idx, ptr)) {
         std::fill(o, o + m * P.Ev, acc_t(0));
@@ -436,6 +472,14 @@ void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t
   if constexpr (FAM == Family::kSoftmax && std::is_same_v<acc_t, float>) {
     exp_shifted(y, n, c, y);
     return;
+  }
+  if constexpr (FAM == Family::kGeneric) {
+    if (b > acc_t(1)) {
+      // α > 2: a Newton step from the float32 shift is not enough near the
+      // edge of the support (infinite slope there); solve the row again.
+      normalize_scores<acc_t, Family::kGeneric>(y, n, b, vals, idx);
+      return;
+    }
   }
   if constexpr (std::is_same_v<acc_t, double>) {
     if constexpr (FAM == Family::kSoftmax) {
@@ -505,26 +549,14 @@ void apply_g(const acc_t* p, acc_t* dp, int64_t n, acc_t b, acc_t mean, acc_t sc
   for (; j < n; ++j) dp[j] = scale * math::entmax_g_from_p<acc_t>(p[j], b, FAM) * (dp[j] - mean);
 }
 
-// One row's contribution to dα (row reductions, accumulated in double).
+// One row's contribution to dα (AlphaGradSums: every sum in double).
 template <typename acc_t>
 double alpha_grad_row(const acc_t* p, const acc_t* dp, const std::vector<std::pair<int64_t, int64_t>>& runs,
-                      acc_t b, acc_t gsum, acc_t gdp) {
-  double pdp = 0, plp = 0, ent = 0, pl2dp = 0, pl2 = 0;
-  for (auto [j0, j1] : runs) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const double pj = p[j];
-      if (pj > 0) {
-        const double l = std::log(pj), dpj = dp[j];
-        pdp += pj * dpj;
-        plp += pj * l * dpj;
-        ent -= pj * l;
-        pl2dp += pj * l * l * dpj;
-        pl2 += pj * l * l;
-      }
-    }
-  }
-  return math::entmax_alpha_grad_row<double>(static_cast<double>(b), pdp, static_cast<double>(gdp),
-                                             static_cast<double>(gsum), plp, ent, pl2dp, pl2);
+                      acc_t b) {
+  math::AlphaGradSums sums;
+  for (auto [j0, j1] : runs)
+    for (int64_t j = j0; j < j1; ++j) sums.add(static_cast<double>(p[j]), static_cast<double>(dp[j]), b);
+  return sums.grad(static_cast<double>(b));
 }
 
 template <typename acc_t, Family FAM>
@@ -535,7 +567,7 @@ void backward_rows(acc_t* y, acc_t* d, int64_t m, int64_t n, const std::vector<s
     acc_t* dp = d + r * n;
     acc_t gsum = 0, gdp = 0;
     for (auto [j0, j1] : runs) reduce_g<acc_t, FAM>(p + j0, dp + j0, j1 - j0, b, gsum, gdp);
-    if (dalpha) *dalpha += alpha_grad_row<acc_t>(p, dp, runs, b, gsum, gdp);
+    if (dalpha) *dalpha += alpha_grad_row<acc_t>(p, dp, runs, b);
     const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
     for (auto [j0, j1] : runs) apply_g<acc_t, FAM>(p + j0, dp + j0, j1 - j0, b, mean, scale);
   }
@@ -548,7 +580,11 @@ template <typename acc_t, Family FAM>
 void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, int64_t n,
                           const std::vector<int32_t>& idx, const std::vector<int64_t>& ptr, acc_t b,
                           const acc_t* qb, const acc_t* dob, const acc_t* kh, const acc_t* vh, acc_t* dqb,
-                          acc_t* dk, acc_t* dv, double* dalpha, std::vector<acc_t>& dps) {
+                          acc_t* dk, acc_t* dv, double* dalpha, std::vector<acc_t>& dps, int64_t row0,
+                          std::vector<acc_t>& kept) {
+  const Dropout& drop = P.drop;
+  const acc_t dscale = static_cast<acc_t>(drop.scale);
+  std::vector<acc_t> gs;
   for (int64_t r = 0; r < m; ++r) {
     const acc_t* prow = y + r * n;
     const acc_t* qr = qb + r * P.E;
@@ -558,35 +594,38 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
     const int64_t t0 = ptr[r], t1 = ptr[r + 1];
     if (t0 == t1) continue;
     dps.resize(t1 - t0);
+    kept.resize(t1 - t0);
     acc_t gsum = 0, gdp = 0;
-    double pdp = 0, plp = 0, ent = 0, pl2dp = 0, pl2 = 0;
+    math::AlphaGradSums asums;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = idx[t];
-      const acc_t dpj = dot(dor, vh + j * P.Ev, P.Ev);
+      // With dropout, dp_j = dO·v_j · keep_j / (1 - p).
+      const acc_t kj = drop.on ? static_cast<acc_t>(dropout_keep(drop, row0 + r, j)) * dscale : acc_t(1);
+      kept[t - t0] = kj;
+      const acc_t dpj = kj == acc_t(0) ? acc_t(0) : kj * dot(dor, vh + j * P.Ev, P.Ev);
       dps[t - t0] = dpj;
       const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
       gsum += g;
       gdp += g * dpj;
-      if (dalpha && prow[j] > 0) {
-        const double pj = prow[j], l = std::log(pj);
-        pdp += pj * dpj;
-        plp += pj * l * dpj;
-        ent -= pj * l;
-        pl2dp += pj * l * l * dpj;
-        pl2 += pj * l * l;
-      }
+      if (dalpha) asums.add(static_cast<double>(prow[j]), static_cast<double>(dpj), b);
     }
-    if (dalpha)
-      *dalpha += math::entmax_alpha_grad_row<double>(static_cast<double>(b), pdp, static_cast<double>(gdp),
-                                                     static_cast<double>(gsum), plp, ent, pl2dp, pl2);
-    const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+    if (dalpha) *dalpha += asums.grad(static_cast<double>(b));
+    acc_t pivot = 0, mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+    if (FAM == Family::kGeneric && b > acc_t(1)) {
+      // α > 2: the mean measured from a pivot (entmax_pivoted_mean says why).
+      gs.resize(t1 - t0);
+      for (int64_t t = t0; t < t1; ++t) gs[t - t0] = math::entmax_g_from_p<acc_t>(prow[idx[t]], b, FAM);
+      const auto pm = math::entmax_pivoted_mean<acc_t>(gs.data(), dps.data(), t1 - t0);
+      pivot = pm.pivot;
+      mean = pm.shift;
+    }
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = idx[t];
       const acc_t pj = prow[j];
-      const acc_t ds = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * (dps[t - t0] - mean);
+      const acc_t ds = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * ((dps[t - t0] - pivot) - mean);
       axpy(dqr, kh + j * P.E, ds, P.E);
       axpy(dk + j * P.E, qr, ds, P.E);
-      axpy(dv + j * P.Ev, dor, pj, P.Ev);
+      if (kept[t - t0] != acc_t(0)) axpy(dv + j * P.Ev, dor, pj * kept[t - t0], P.Ev);
     }
   }
 }
@@ -600,7 +639,7 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
 template <typename acc_t>
 void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                             const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
-                            acc_t* dv, acc_t* y, acc_t* d, acc_t* lse) {
+                            acc_t* dv, acc_t* y, acc_t* d, acc_t* lse, std::vector<float>& keep) {
   using V = Vec<acc_t>;
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   const int64_t hk = h / P.group();
@@ -638,6 +677,14 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     // dP = dO·Vᵀ, then dS in place.
     tile_gemm<acc_t>(m, ldy, P.Ev, acc_t(1), dob, P.Ev, 1, vp + j0 * P.Ev, kPanel<acc_t>, P.Ev * kPanel<acc_t>, d,
                      ldy, false);
+    if (P.drop.on) {
+      // dP of the kept weights, times 1 / (1 - p); the same flags drop P for dV below.
+      keep.resize(static_cast<size_t>(m * w));
+      for (int64_t r = 0; r < m; ++r) {
+        dropout_keeps(P.drop, P.row_id(bi, h, i0) + r, j0, w, keep.data() + r * w);
+        apply_keep(d + r * ldy, keep.data() + r * w, w, P.drop);
+      }
+    }
     const V vscale(P.scale);
     for (int64_t r = 0; r < m; ++r) {
       const acc_t* prow = y + r * ldy;
@@ -648,6 +695,8 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
         (vscale * V::loadu(prow + j) * (V::loadu(drow + j) - vdelta)).store(drow + j);
       for (; j < w; ++j) drow[j] = P.scale * prow[j] * (drow[j] - delta[r]);
     }
+    if (P.drop.on)
+      for (int64_t r = 0; r < m; ++r) apply_keep(y + r * ldy, keep.data() + r * w, w, P.drop);
     // dV += Pᵀ·dO, dK += dSᵀ·Q (A read transposed), dQ (+)= dS·K.
     tile_gemm<acc_t>(w, P.Ev, m, acc_t(1), y, 1, ldy, dob, P.Ev, kPanel<acc_t>, dv + j0 * P.Ev, P.Ev, true);
     tile_gemm<acc_t>(w, P.E, m, acc_t(1), d, 1, ldy, qb, P.E, kPanel<acc_t>, dk + j0 * P.E, P.E, true);
@@ -674,7 +723,8 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
       {any_rows ? BM * P.S : 0, any_tiled ? BMs * std::min(softmax_block_keys(), round_up_panel<acc_t>(P.S)) : 0, 1});
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t Sb = std::max<int64_t>(P.S, 1);
-    std::vector<acc_t> ybuf(buf), dbuf(buf), dps, pvals(std::max<int64_t>(Sb, 1)), lse(BMs);
+    std::vector<acc_t> ybuf(buf), dbuf(buf), dps, kept, pvals(std::max<int64_t>(Sb, 1)), lse(BMs);
+    std::vector<float> keep;
     std::vector<int32_t> pidx(std::max<int64_t>(Sb, 1));
     FlushDenormals ftz;
     std::vector<std::pair<int64_t, int64_t>> runs;
@@ -701,7 +751,8 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
           }
           if (tiled_h) {
             softmax_backward_block(P, bi, h, i0, m, n, shift + bh * P.L + i0, delta + bh * P.L + i0,
-                                   dout + (bh * P.L + i0) * P.Ev, dqb, dk, dv, ybuf.data(), dbuf.data(), lse.data());
+                                   dout + (bh * P.L + i0) * P.Ev, dqb, dk, dv, ybuf.data(), dbuf.data(), lse.data(),
+                                   keep);
             continue;
           }
           acc_t* y = ybuf.data();
@@ -728,20 +779,21 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
                 recompute_probs<acc_t, Family::kGeneric>(row, n, cr, b, pvals.data(), pidx.data());
             }
           }
-          if (P.fam[h] != Family::kSoftmax &&
-              collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), idx, ptr)) {
+          // α > 2 always goes entry by entry, where its mean is pivoted.
+          const int64_t max_entries = P.b[h] > acc_t(1) ? m * n : static_cast<int64_t>(kSparseDensity * m * n);
+          if (P.fam[h] != Family::kSoftmax && collect_support(y, m, n, max_entries, idx, ptr)) {
             switch (P.fam[h]) {
               case Family::kSparsemax:
                 backward_sparse_rows<acc_t, Family::kSparsemax>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
-                                                                dv, da, dps);
+                                                                dv, da, dps, P.row_id(bi, h, i0), kept);
                 break;
               case Family::kEntmax15:
                 backward_sparse_rows<acc_t, Family::kEntmax15>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
-                                                               dv, da, dps);
+                                                               dv, da, dps, P.row_id(bi, h, i0), kept);
                 break;
               default:
                 backward_sparse_rows<acc_t, Family::kGeneric>(P, y, m, n, idx, ptr, b, qb, dob, kh, vh, dqb, dk,
-                                                              dv, da, dps);
+                                                              dv, da, dps, P.row_id(bi, h, i0), kept);
             }
             continue;
           }
@@ -758,6 +810,17 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
           for (auto [j0, j1] : runs)
             gemm<acc_t>(false, true, m, j1 - j0, P.Ev, acc_t(1), dob, P.Ev, vh + j0 * P.Ev, P.Ev, acc_t(0), d + j0,
                         n);
+          if (P.drop.on) {
+            // dP of the kept weights, times 1 / (1 - p); P itself is dropped
+            // after the normalizer's backward, which needs it whole.
+            keep.resize(static_cast<size_t>(m * n));
+            for (int64_t r = 0; r < m; ++r)
+              for (auto [j0, j1] : runs) {
+                float* kp = keep.data() + r * n + j0;
+                dropout_keeps(P.drop, P.row_id(bi, h, i0) + r, j0, j1 - j0, kp);
+                apply_keep(d + r * n + j0, kp, j1 - j0, P.drop);
+              }
+          }
           switch (P.fam[h]) {
             case Family::kSoftmax:
               backward_rows<acc_t, Family::kSoftmax>(y, d, m, n, runs, b, P.scale, da);
@@ -771,6 +834,9 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
             default:
               backward_rows<acc_t, Family::kGeneric>(y, d, m, n, runs, b, P.scale, da);
           }
+          if (P.drop.on)
+            for (int64_t r = 0; r < m; ++r)
+              for (auto [j0, j1] : runs) apply_keep(y + r * n + j0, keep.data() + r * n + j0, j1 - j0, P.drop);
           bool first = true;
           for (auto [j0, j1] : runs) {
             const int64_t w = j1 - j0;
@@ -864,6 +930,40 @@ Tensor prepare_mask(const c10::optional<Tensor>& mask, const Checked& c) {
   return m;
 }
 
+Dropout prepare_dropout(double dropout_p, const c10::optional<Tensor>& seed, int64_t S) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attnkern.attention: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  if (dropout_p == 0.0) return Dropout();
+  TORCH_CHECK(seed.has_value() && seed->defined() && seed->numel() == 1 && seed->scalar_type() == at::kLong,
+              "attnkern.attention: dropout_p > 0 needs dropout_seed, an int64 tensor of one element");
+  return Dropout::make(dropout_p, static_cast<uint64_t>(seed->item<int64_t>()), S);
+}
+
+// Sums acc (n, count) over its first dim into out (count), in chunk order
+// whatever the thread count (each entry is summed by one thread).
+template <typename scalar_t>
+void sum_chunks(const Tensor& acc, Tensor& out) {
+  const int64_t n = acc.size(0), count = out.numel();
+  const scalar_t* a = acc.const_data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      scalar_t t = a[i];
+      for (int64_t c = 1; c < n; ++c) t += a[c * count + i];
+      o[i] = t;
+    }
+  });
+}
+
+// α > 2 with float32 (or half) inputs runs in double, from those inputs, and
+// rounds once: the weights have an infinite slope at the edge of the support,
+// so the rounding of float32 scores moves them by far more than float32's
+// resolution, and in the backward g = p^(2-α), unbounded there, multiplies the
+// rounding of dp = dO·v_j.
+void widen_for_alpha_above_two(Checked& c, const Tensor& alpha) {
+  if (alpha.defined() && c.acc == at::kFloat && (alpha > 2.0f).any().item<bool>()) c.acc = at::kDouble;
+}
+
 Tensor prepare_alpha(const c10::optional<Tensor>& alpha, Family fam, const Checked& c) {
   if (fam != Family::kGeneric) return Tensor();
   TORCH_CHECK(alpha.has_value() && alpha->defined(), "attnkern.attention: normalizer 'entmax' needs alpha");
@@ -903,11 +1003,14 @@ bool has_softmax_head(const Problem<acc_t>& P) {
 
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const c10::optional<Tensor>& mask_in, bool is_causal, double scale,
-                                         c10::string_view normalizer, const c10::optional<Tensor>& alpha_in) {
-  const Checked c = check_inputs(q_in, k_in, v_in);
+                                         c10::string_view normalizer, const c10::optional<Tensor>& alpha_in,
+                                         double dropout_p, const c10::optional<Tensor>& dropout_seed) {
+  Checked c = check_inputs(q_in, k_in, v_in);
   const Family fam = normalizer_family(normalizer);
-  Tensor mask = prepare_mask(mask_in, c);
+  const Dropout drop = prepare_dropout(dropout_p, dropout_seed, c.S);
   Tensor alpha = prepare_alpha(alpha_in, fam, c);
+  widen_for_alpha_above_two(c, alpha);
+  Tensor mask = prepare_mask(mask_in, c);
   Tensor out;
   Tensor shift = at::empty({c.B, c.H, c.L}, q_in.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_fwd", [&] {
@@ -916,6 +1019,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     Tensor out_p = at::empty({c.B, c.H, c.L, Evp}, q.options());
     if (out_p.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
+      P.drop = drop;
       Tensor kpack = has_softmax_head(P) ? pack_heads<scalar_t>(k) : Tensor();
       if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();
       forward_kernel<scalar_t>(P, out_p.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
@@ -928,9 +1032,11 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& mask_in, bool is_causal, double scale, c10::string_view normalizer,
-    const c10::optional<Tensor>& alpha_in, const Tensor& out, const Tensor& shift_in, bool alpha_grad) {
-  const Checked c = check_inputs(q_in, k_in, v_in);
+    const c10::optional<Tensor>& alpha_in, const Tensor& out, const Tensor& shift_in, bool alpha_grad,
+    double dropout_p, const c10::optional<Tensor>& dropout_seed) {
+  Checked c = check_inputs(q_in, k_in, v_in);
   const Family fam = normalizer_family(normalizer);
+  const Dropout drop = prepare_dropout(dropout_p, dropout_seed, c.S);
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef({c.B, c.H, c.L, c.Ev}),
               "attnkern.attention_bwd: grad_out must have shape (B, H, L, Ev)");
   TORCH_CHECK(out.sizes() == at::IntArrayRef({c.B, c.H, c.L, c.Ev}),
@@ -938,15 +1044,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
   TORCH_CHECK(shift_in.sizes() == at::IntArrayRef({c.B, c.H, c.L}),
               "attnkern.attention_bwd: shift must have shape (B, H, L)");
   Tensor shift = shift_in.to(at::kFloat).contiguous();
-  Tensor mask = prepare_mask(mask_in, c);
   Tensor alpha = prepare_alpha(alpha_in, fam, c);
   const bool want_alpha = alpha_grad && fam == Family::kGeneric;
+  widen_for_alpha_above_two(c, alpha);
+  Tensor mask = prepare_mask(mask_in, c);
 
-  const int64_t threads = at::get_num_threads();
+  // The query blocks of each kv-head are split into chunks with dK/dV
+  // accumulators of their own, so that a call with fewer kv-heads than cores
+  // still uses every core. The split is fixed (not the thread count's), and the
+  // chunks are summed in order, so results do not depend on the thread count.
   const int64_t bhk = c.B * c.Hk;
   const int64_t BM = block_rows(c.S, c.L, c.acc == at::kDouble ? 8 : 4);
   const int64_t nb = (c.L + BM - 1) / BM;
-  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(nb, bhk >= threads ? 1 : (threads + bhk - 1) / bhk));
+  const int64_t nchunks = std::clamp<int64_t>((kBackwardTasks + bhk - 1) / std::max<int64_t>(bhk, 1), 1,
+                                              std::max<int64_t>(nb, 1));
 
   Tensor dq, dk, dv;
   Tensor dalpha_acc = want_alpha ? at::zeros({nchunks, c.B, c.H}, q_in.options().dtype(at::kDouble)) : Tensor();
@@ -959,6 +1070,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     Tensor dv_acc = at::zeros({nchunks, c.B, c.Hk, c.S, Evp}, q.options());
     if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
+      P.drop = drop;
       Tensor kpack, vpack, delta;
       if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs
         // δ = dO·O per query row (its Σ_j p_j dp_j).
@@ -974,18 +1086,44 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
                                 dk_acc.mutable_data_ptr<scalar_t>(), dv_acc.mutable_data_ptr<scalar_t>(), nchunks,
                                 want_alpha ? dalpha_acc.mutable_data_ptr<double>() : nullptr);
     }
-    Tensor dk_p = nchunks == 1 ? dk_acc[0] : dk_acc.sum(0);
-    Tensor dv_p = nchunks == 1 ? dv_acc[0] : dv_acc.sum(0);
+    Tensor dk_p = dk_acc[0], dv_p = dv_acc[0];
+    if (nchunks > 1) {
+      dk_p = at::empty_like(dk_p);
+      dv_p = at::empty_like(dv_p);
+      sum_chunks<scalar_t>(dk_acc, dk_p);
+      sum_chunks<scalar_t>(dv_acc, dv_p);
+    }
     dq = Ep == c.E ? dq_p : dq_p.narrow(3, 0, c.E);
     dk = Ep == c.E ? dk_p : dk_p.narrow(3, 0, c.E);
     dv = Evp == c.Ev ? dv_p : dv_p.narrow(3, 0, c.Ev);
   });
   // (H,) whenever asked for (zeros for the normalizers without α), else empty.
-  Tensor dalpha = want_alpha   ? dalpha_acc.sum({0, 1}).to(at::kFloat)
+  Tensor dalpha_h;
+  if (want_alpha) {
+    dalpha_h = at::empty({c.H}, dalpha_acc.options());
+    sum_chunks<double>(dalpha_acc.view({nchunks * c.B, c.H}), dalpha_h);
+  }
+  Tensor dalpha = want_alpha   ? dalpha_h.to(at::kFloat)
                   : alpha_grad ? at::zeros({c.H}, q_in.options().dtype(at::kFloat))
                                : at::empty({0}, q_in.options().dtype(at::kFloat));
   return {dq.to(q_in.scalar_type()).contiguous(), dk.to(k_in.scalar_type()).contiguous(),
           dv.to(v_in.scalar_type()).contiguous(), dalpha};
+}
+
+Tensor attention_dropout_mask(int64_t B, int64_t H, int64_t L, int64_t S, double dropout_p,
+                              const Tensor& dropout_seed) {
+  TORCH_CHECK(B >= 0 && H >= 0 && L >= 0 && S >= 0, "attnkern.attention_dropout_mask: negative size");
+  const Dropout d = prepare_dropout(dropout_p, dropout_seed, S);
+  Tensor keep = at::empty({B, H, L, S}, dropout_seed.options().dtype(at::kBool).device(at::kCPU));
+  bool* kp = keep.mutable_data_ptr<bool>();
+  at::parallel_for(0, B * H * L, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> f(std::max<int64_t>(S, 1), 1.0f);
+    for (int64_t r = begin; r < end; ++r) {
+      if (d.on) dropout_keeps(d, r, 0, S, f.data());
+      for (int64_t j = 0; j < S; ++j) kp[r * S + j] = f[j] != 0.0f;
+    }
+  });
+  return keep;
 }
 
 }  // namespace
@@ -993,6 +1131,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
 TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
   m.impl("attention_fwd", &attention_fwd);
   m.impl("attention_bwd", &attention_bwd);
+  m.impl("attention_dropout_mask", &attention_dropout_mask);
 }
 
 }  // namespace cpu

@@ -65,6 +65,19 @@ inline void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t*
   }
 }
 
+// α > 2 (b > 1) in float32: p = d^(1/b) has an infinite slope where
+// d = 1 + b(y - c) reaches 0, so d formed in float32 (an error of ~b·eps)
+// moves the probabilities at the edge of the support by up to ~eps^(1/b).
+// Such rows are solved in double (threshold and powers) and rounded once.
+inline void normalize_row_wide(const float* x, int64_t n, float b, float* out, int32_t* idx) {
+  thread_local std::vector<double> wide;
+  if (static_cast<int64_t>(wide.size()) < 3 * n) wide.resize(3 * n);
+  double* row = wide.data();
+  for (int64_t i = 0; i < n; ++i) row[i] = x[i];
+  normalize_row<double, Family::kGeneric>(row, n, static_cast<double>(b), row, row + n, row + 2 * n, idx);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(row[i]);
+}
+
 template <typename acc_t, Family FAM>
 inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work,
                                 int32_t* idx) {
@@ -77,6 +90,9 @@ inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, 
       case Family::kEntmax15:
         return normalize_row<acc_t, Family::kEntmax15>(x, n, acc_t(0.5), out, y, work, idx);
       default:
+        if constexpr (std::is_same_v<acc_t, float>) {
+          if (b > 1.0f) return normalize_row_wide(x, n, b, out, idx);
+        }
         return normalize_row<acc_t, Family::kGeneric>(x, n, b, out, y, work, idx);
     }
   } else {

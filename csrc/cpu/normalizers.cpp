@@ -84,7 +84,9 @@ bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf
   int64_t i = 0;
   V vgsum(0), vgdp(0);
   for (; i + V::size() <= k; i += V::size()) {
-    V gv = pow_unit<acc_t>(V::loadu(g + i), acc_t(1) - b);
+    // pow_unit takes exponents in (0, 1); for b > 1 (α > 2) the exponent is negative.
+    const V pv = V::loadu(g + i);
+    V gv = b < acc_t(1) ? pow_unit<acc_t>(pv, acc_t(1) - b) : (V(acc_t(1) - b) * pv.log()).exp();
     gv.store(g + i);
     vgsum += gv;
     vgdp += gv * V::loadu(dpk + i);
@@ -150,27 +152,11 @@ acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int3
   }
   acc_t dalpha = 0;
   if (want_alpha) {
-    // Row reductions of the α gradient (scalar, over the support only; only
-    // rows whose α requires grad pay for the logarithms). In double.
-    // Σg and Σg·dp are summed again in double: the formula divides their
-    // rounding error by b².
-    double pdp = 0, plp = 0, ent = 0, pl2dp = 0, pl2 = 0, gsum_d = 0, gdp_d = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      double pi = p[i];
-      if (pi > 0) {
-        double dpi = dp[i], l = std::log(pi);
-        double gi = FAM == Family::kSoftmax ? pi : FAM == Family::kSparsemax ? 1.0 : std::exp((1.0 - b) * l);
-        gsum_d += gi;
-        gdp_d += gi * dpi;
-        pdp += pi * dpi;
-        plp += pi * l * dpi;
-        ent -= pi * l;
-        pl2dp += pi * l * l * dpi;
-        pl2 += pi * l * l;
-      }
-    }
-    dalpha = static_cast<acc_t>(math::entmax_alpha_grad_row<double>(
-        static_cast<double>(b), pdp, gdp_d, gsum_d, plp, ent, pl2dp, pl2));
+    // Row reductions of the α gradient, in double over the support (only rows
+    // whose α requires grad pay for the logarithms): see AlphaGradSums.
+    math::AlphaGradSums sums;
+    for (int64_t i = 0; i < n; ++i) sums.add(static_cast<double>(p[i]), static_cast<double>(dp[i]), b);
+    dalpha = static_cast<acc_t>(sums.grad(static_cast<double>(b)));
   }
   const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
   const V vmean(mean);
@@ -193,6 +179,34 @@ acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int3
   return dalpha;
 }
 
+// α > 2 (b > 1): g = p^(1-b) is unbounded at the edge of the support, so the
+// row's backward runs in double over its support, with the mean measured from
+// a pivot (math::entmax_pivoted_mean). dx may alias dp.
+template <typename acc_t>
+acc_t backward_row_edge(const acc_t* p, const acc_t* dp, acc_t* dx, int64_t n, acc_t b, bool want_alpha) {
+  thread_local std::vector<double> buf;
+  thread_local std::vector<int64_t> pos;
+  pos.clear();
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] > acc_t(0) || p[i] != p[i]) pos.push_back(i);
+  const int64_t k = static_cast<int64_t>(pos.size());
+  buf.resize(2 * k);
+  double* g = buf.data();
+  double* d = g + k;
+  const double bd = static_cast<double>(b);
+  math::AlphaGradSums sums;
+  for (int64_t t = 0; t < k; ++t) {
+    const double pi = static_cast<double>(p[pos[t]]);
+    g[t] = std::exp((1.0 - bd) * std::log(pi));
+    d[t] = static_cast<double>(dp[pos[t]]);
+    if (want_alpha) sums.add(pi, d[t], bd);
+  }
+  const auto pm = math::entmax_pivoted_mean<double>(g, d, k);
+  std::fill(dx, dx + n, acc_t(0));
+  for (int64_t t = 0; t < k; ++t) dx[pos[t]] = static_cast<acc_t>(g[t] * ((d[t] - pm.pivot) - pm.shift));
+  return want_alpha ? static_cast<acc_t>(sums.grad(bd)) : acc_t(0);
+}
+
 template <typename acc_t, Family FAM>
 inline acc_t backward_row_alpha(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
                                 acc_t b, bool want_alpha) {
@@ -206,6 +220,7 @@ inline acc_t backward_row_alpha(const acc_t* p, const acc_t* dp, acc_t* dx, acc_
       case Family::kEntmax15:
         return backward_row<acc_t, Family::kEntmax15>(p, dp, dx, gbuf, idx, n, b, want_alpha);
       default:
+        if (b > acc_t(1)) return backward_row_edge<acc_t>(p, dp, dx, n, b, want_alpha);
         return backward_row<acc_t, Family::kGeneric>(p, dp, dx, gbuf, idx, n, b, want_alpha);
     }
   } else {

@@ -251,29 +251,17 @@ __device__ acc_t backward_row(const G& grp, const scalar_t* __restrict__ p, cons
   grp.template sum<2>(s);
   acc_t dalpha = 0;
   if (want_alpha) {
-    // Every reduction of the α gradient in double, Σg and Σg dp included:
-    // the general formula cancels two O(1/b²) terms, so float sums would
-    // leave an error of about eps_float / b² (~1e-3 relative at α = 1.01).
-    // r: Σg, Σg dp, Σp dp, Σp ln p dp, -Σp ln p, Σp (ln p)² dp, Σp (ln p)².
+    // Every reduction of the α gradient in double on the renormalized row
+    // (math::AlphaGradSums): the general formula cancels two O(1/b) terms.
     const double bd = static_cast<double>(b);
-    double r[7] = {0, 0, 0, 0, 0, 0, 0};
-    for (int64_t j = grp.lane(); j < n; j += grp.size()) {
-      const double pj = static_cast<double>(load_acc<acc_t>(p, j, stride));
-      if (pj > 0) {
-        const double dpj = static_cast<double>(load_acc<acc_t>(dp, j, stride));
-        const double gj = math::entmax_g_from_p<double>(pj, bd, FAM);
-        const double l = std::log(pj);
-        r[0] += gj;
-        r[1] += gj * dpj;
-        r[2] += pj * dpj;
-        r[3] += pj * l * dpj;
-        r[4] -= pj * l;
-        r[5] += pj * l * l * dpj;
-        r[6] += pj * l * l;
-      }
-    }
-    grp.template sum<7>(r);
-    dalpha = static_cast<acc_t>(math::entmax_alpha_grad_row<double>(bd, r[2], r[1], r[0], r[3], r[4], r[5], r[6]));
+    math::AlphaGradSums a;
+    for (int64_t j = grp.lane(); j < n; j += grp.size())
+      a.add(static_cast<double>(load_acc<acc_t>(p, j, stride)), static_cast<double>(load_acc<acc_t>(dp, j, stride)),
+            bd);
+    double r[8] = {a.sp, a.gsum, a.gdp, a.pdp, a.pl, a.pldp, a.pl2, a.pl2dp};
+    grp.template sum<8>(r);
+    a.sp = r[0], a.gsum = r[1], a.gdp = r[2], a.pdp = r[3], a.pl = r[4], a.pldp = r[5], a.pl2 = r[6], a.pl2dp = r[7];
+    dalpha = static_cast<acc_t>(a.grad(bd));
   }
   const acc_t mean = s[0] > acc_t(0) ? s[1] / s[0] : acc_t(0);
   for (int64_t j = grp.lane(); j < n; j += grp.size()) {

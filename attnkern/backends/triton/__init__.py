@@ -47,17 +47,18 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha):
+def attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p=0.0, dropout_seed=None):
     from attnkern.backends.triton import attention
 
-    return attention.attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha)
+    return attention.attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed)
 
 
-def attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad):
+def attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad,
+                  dropout_p=0.0, dropout_seed=None):
     from attnkern.backends.triton import attention
 
     return attention.attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift,
-                                   alpha_grad)
+                                   alpha_grad, dropout_p, dropout_seed)
 
 
 attention_fwd.__doc__ = "See attnkern.backends.triton.attention.attention_fwd."

@@ -136,8 +136,21 @@ def _mask_args(mask, q):
     return mask, tuple(mask.stride())
 
 
+def _dropout_args(dropout_p: float, dropout_seed, S: int):
+    """(seed, threshold, scale, ⌈S/4⌉, on) for the kernels: the mask of csrc/cpu/dropout.h."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"triton attention: dropout_p must be in [0, 1), got {dropout_p}")
+    threshold = min(math.floor(dropout_p * 2**32 + 0.5), 2**32 - 1)  # std::round, as dropout.h
+    if threshold == 0:
+        return 0, 0, 1.0, 1, False
+    if dropout_seed is None or dropout_seed.numel() != 1 or dropout_seed.dtype != torch.int64:
+        raise ValueError("triton attention: dropout_p > 0 needs dropout_seed, an int64 tensor of one element")
+    return int(dropout_seed.item()), threshold, 1.0 / (1.0 - dropout_p), (S + 3) // 4, True
+
+
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  is_causal: bool, scale: float, normalizer: str, alpha: torch.Tensor | None):
+                  is_causal: bool, scale: float, normalizer: str, alpha: torch.Tensor | None,
+                  dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None):
     """Fused attention forward: out = p·v with p = normalizer(scale·q·kᵀ + mask) per query row.
 
     q: (B, H, L, E); k: (B, Hk, S, E); v: (B, Hk, S, Ev), H a multiple of Hk
@@ -149,8 +162,11 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     Returns out (B, H, L, Ev) in q's dtype and shift (B, H, L) float32: the c
     with p_ij = φ_b(s_ij - c_i) (the log-sum-exp for softmax; +inf for a row
     with no allowed key, whose output is 0).
+    dropout_p, dropout_seed: dropout on the weights before p·v, the keep mask
+    drawn from the seed (an int64 scalar tensor) as the CPU kernel draws it.
     """
     mask = _validate(q, k, v, mask, normalizer, alpha)
+    seed, threshold, drop_scale, groups, dropout = _dropout_args(float(dropout_p), dropout_seed, k.shape[2])
     kern = _kernels()
     B, H, L, E = q.shape
     Hk, S, Ev = k.shape[1], k.shape[2], v.shape[3]
@@ -174,16 +190,17 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     kern.attn_fwd[grid](
         q, k, v, mask_t, _alpha_arg(normalizer, alpha, q), out, shift, block_max,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), n_blocks,
+        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), n_blocks, seed, threshold, drop_scale, groups,
         FAMILY=NORMALIZERS[normalizer], HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-        HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q),
+        HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q), DROPOUT=dropout,
     )
     return out, shift
 
 
 def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None, is_causal: bool, scale: float, normalizer: str,
-                  alpha: torch.Tensor | None, out: torch.Tensor, shift: torch.Tensor, alpha_grad: bool):
+                  alpha: torch.Tensor | None, out: torch.Tensor, shift: torch.Tensor, alpha_grad: bool,
+                  dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None):
     """Fused attention backward, recomputing the scores from q, k and the saved shift.
 
     Arguments as `attention_fwd`, plus grad_out (B, H, L, Ev), the forward's
@@ -212,6 +229,7 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         return dq, dk, dv, dalpha
 
     family = NORMALIZERS[normalizer]
+    seed, threshold, drop_scale, groups, dropout = _dropout_args(float(dropout_p), dropout_seed, S)
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     shift = shift.to(torch.float32).contiguous()
     grad_out = grad_out.to(q.dtype)
@@ -221,25 +239,25 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     else:
         # Softmax: Σ_j p_j dp_j = dO·O (FlashAttention's delta).
         delta = (grad_out.to(acc_torch) * out.to(acc_torch)).sum(-1).contiguous()
-    dalpha_rows = torch.zeros((B, H, L) if alpha_grad else (1,), dtype=acc_torch, device=q.device)
+    dalpha_rows = torch.zeros((B, H, L) if alpha_grad else (1,), dtype=torch.float64, device=q.device)
 
     mask_t, mstr = _mask_args(mask, q)
     hd, hdv = _head_dim(E), _head_dim(Ev)
     alpha_t = _alpha_arg(normalizer, alpha, q)
     q, k, v, grad_out = _interpreter_inputs(q, k, v, grad_out)
     common = dict(FAMILY=family, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q))
-    band = kern.ALPHA_GRAD_BAND_F64 if acc_torch == torch.float64 else kern.ALPHA_GRAD_BAND_F32
+                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout)
+    drop = (seed, threshold, drop_scale, groups)
     kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), band,
+        H, H // Hk, L, S, E, Ev, float(scale), kern.ALPHA_GRAD_BAND, *drop,
         STATS=stats, ALPHA_GRAD=bool(alpha_grad), **common,
     )
     kern.attn_bwd_dkdv[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hk)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dk.stride(), *dv.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), **common,
+        H, H // Hk, L, S, E, Ev, float(scale), *drop, **common,
     )
     if alpha_grad:
         dalpha = dalpha_rows.sum(dim=(0, 2)).to(torch.float32)

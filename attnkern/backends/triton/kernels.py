@@ -24,11 +24,10 @@ from triton import knobs
 INTERPRETED = bool(knobs.runtime.interpret)
 
 # |α - 1| below which a head is treated as softmax (forward), and below which
-# the α-gradient uses its softmax limit (float32 / float64 accumulation); the
-# same constants as csrc/include/attnkern/entmax_math.h.
+# dα takes its softmax limit; the same constants as
+# csrc/include/attnkern/entmax_math.h (kSoftmaxForwardBand, kAlphaGradLimitBand).
 SOFTMAX_BAND = 1e-6
-ALPHA_GRAD_BAND_F32 = 1e-3
-ALPHA_GRAD_BAND_F64 = 1e-5
+ALPHA_GRAD_BAND = 1e-6
 
 
 @triton.jit
@@ -93,6 +92,19 @@ def _any_support(y_max, b, rows):
 
 
 @triton.jit
+def _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G):
+    """keep / (1 - p) for the weights (row_base + offs_m, offs_n): word j % 4 of
+    Philox4x32-10 at counter row·G + j // 4 (G = ⌈S/4⌉) is kept when it is
+    >= threshold; csrc/cpu/dropout.h draws the same mask."""
+    rows = row_base + offs_m.to(tl.int64)
+    o = rows[:, None] * G + (offs_n[None, :] // 4).to(tl.int64)
+    r0, r1, r2, r3 = tl.randint4x(seed, o)
+    sel = offs_n[None, :] % 4
+    w = tl.where(sel == 0, r0, tl.where(sel == 1, r1, tl.where(sel == 2, r2, r3)))
+    return tl.where(w.to(tl.int64) >= threshold, drop_scale, 0.0)
+
+
+@triton.jit
 def _load_b(Alpha, h, FAMILY: tl.constexpr, ACC: tl.constexpr):
     if FAMILY == 1:
         b = 1.0
@@ -135,10 +147,10 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, L, S, E, EV, scale, eps, n_blocks_max,
+    H, GROUP, L, S, E, EV, scale, eps, n_blocks_max, seed, threshold, drop_scale, G,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAX_ITER: tl.constexpr, ACC: tl.constexpr,
+    MAX_ITER: tl.constexpr, ACC: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -184,6 +196,8 @@ def _attn_fwd_kernel(
             rescale = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             lsum = lsum * rescale + tl.sum(p, 1)
+            if DROPOUT:
+                p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
             v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                         mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
             acc = acc * rescale[:, None]
@@ -262,6 +276,8 @@ def _attn_fwd_kernel(
                 s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                             HAS_MASK, IS_CAUSAL, ACC)
                 p, g = _phi_g(s - shift[:, None], b, FAMILY)
+                if DROPOUT:
+                    p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
                 v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                             mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
@@ -281,11 +297,11 @@ def _attn_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, GROUP, L, S, E, EV, scale, alpha_band,
+    H, GROUP, L, S, E, EV, scale, alpha_band, seed, threshold, drop_scale, G,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     STATS: tl.constexpr, ALPHA_GRAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """dQ for one block of query rows; with STATS, first the row reductions.
 
@@ -325,11 +341,17 @@ def _attn_bwd_dq_kernel(
     if STATS:
         gsum = tl.zeros((BLOCK_M,), ACC)
         gdp = tl.zeros((BLOCK_M,), ACC)
-        pdp = tl.zeros((BLOCK_M,), ACC)
-        plp = tl.zeros((BLOCK_M,), ACC)
-        ent = tl.zeros((BLOCK_M,), ACC)
-        pl2dp = tl.zeros((BLOCK_M,), ACC)
-        pl2 = tl.zeros((BLOCK_M,), ACC)
+        # The α-gradient sums, in float64 over the row renormalized on the sums
+        # (AlphaGradSums in entmax_math.h): the general formula cancels two
+        # O(1/b) terms, so float32 sums would be off by ~eps / b².
+        sp = tl.zeros((BLOCK_M,), tl.float64)
+        gsum_d = tl.zeros((BLOCK_M,), tl.float64)
+        gdp_d = tl.zeros((BLOCK_M,), tl.float64)
+        pdp = tl.zeros((BLOCK_M,), tl.float64)
+        pl = tl.zeros((BLOCK_M,), tl.float64)
+        pldp = tl.zeros((BLOCK_M,), tl.float64)
+        pl2 = tl.zeros((BLOCK_M,), tl.float64)
+        pl2dp = tl.zeros((BLOCK_M,), tl.float64)
         for start_n in range(0, n_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
@@ -339,26 +361,44 @@ def _attn_bwd_dq_kernel(
             if _any_nonzero(p):
                 vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
                 dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+                if DROPOUT:
+                    dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
                 gsum += tl.sum(g, 1)
                 gdp += tl.sum(g * dp, 1)
                 if ALPHA_GRAD:
-                    lnp = tl.log(tl.where(p > 0.0, p, 1.0))
-                    plnp = p * lnp
-                    pdp += tl.sum(p * dp, 1)
-                    plp += tl.sum(plnp * dp, 1)
-                    ent -= tl.sum(plnp, 1)
-                    pl2dp += tl.sum(plnp * lnp * dp, 1)
+                    pd = p.to(tl.float64)
+                    dpd = dp.to(tl.float64)
+                    lnp = tl.log(tl.where(pd > 0.0, pd, 1.0))
+                    gd = tl.where(pd > 0.0, tl.exp((1.0 - b.to(tl.float64)) * lnp), 0.0)
+                    plnp = pd * lnp
+                    sp += tl.sum(pd, 1)
+                    gsum_d += tl.sum(gd, 1)
+                    gdp_d += tl.sum(gd * dpd, 1)
+                    pdp += tl.sum(pd * dpd, 1)
+                    pl += tl.sum(plnp, 1)
+                    pldp += tl.sum(plnp * dpd, 1)
                     pl2 += tl.sum(plnp * lnp, 1)
+                    pl2dp += tl.sum(plnp * lnp * dpd, 1)
         has = gsum > 0.0
         delta = tl.where(has, gdp / tl.where(has, gsum, 1.0), 0.0)
         tl.store(Delta + row_base + offs_m, delta, mask=row_ok)
         if ALPHA_GRAD:
-            # entmax_alpha_grad_row of entmax_math.h.
-            b_nz = tl.where(b == 0.0, 1.0, b)
-            general = (pdp - delta) / (b_nz * b_nz) - (plp + ent * delta) / b_nz
-            limit = -0.5 * (pl2dp - pdp * pl2)
-            near_one = (b > -alpha_band) & (b < alpha_band)
-            da = tl.where(has, tl.where(near_one, limit, general), 0.0)
+            # AlphaGradSums::grad of entmax_math.h.
+            bd = b.to(tl.float64)
+            ok = (sp > 0.0) & (gsum_d > 0.0)
+            sp_s = tl.where(ok, sp, 1.0)
+            lsp = tl.log(sp_s)
+            t_pdp = pdp / sp_s
+            t_pldp = (pldp - lsp * pdp) / sp_s
+            t_ent = -(pl / sp_s - lsp)
+            t_pl2dp = (pl2dp - 2.0 * lsp * pldp + lsp * lsp * pdp) / sp_s
+            t_pl2 = (pl2 - 2.0 * lsp * pl + lsp * lsp * sp) / sp_s
+            ghat_dp = gdp_d / tl.where(ok, gsum_d, 1.0)
+            b_nz = tl.where(bd == 0.0, 1.0, bd)
+            general = (t_pdp - ghat_dp) / (b_nz * b_nz) - (t_pldp + t_ent * ghat_dp) / b_nz
+            limit = -0.5 * (t_pl2dp - t_pdp * t_pl2)
+            near_one = (bd > -alpha_band) & (bd < alpha_band)
+            da = tl.where(ok, tl.where(near_one, limit, general), 0.0)
             tl.store(DAlphaRow + row_base + offs_m, da, mask=row_ok)
     else:
         delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
@@ -373,6 +413,8 @@ def _attn_bwd_dq_kernel(
         if _any_nonzero(p):  # every term vanishes outside the support
             vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
             dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+            if DROPOUT:
+                dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
             ds = scale * g * (dp - delta[:, None])
             dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision="ieee", out_dtype=ACC)
     tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
@@ -389,10 +431,10 @@ def _attn_bwd_dkdv_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, GROUP, L, S, E, EV, scale,
+    H, GROUP, L, S, E, EV, scale, seed, threshold, drop_scale, G,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """dK = Σ dsᵀ·Q and dV = Σ pᵀ·dO for one block of keys of one key/value head,
     summed over the GROUP query heads that share it (no atomics)."""
@@ -439,8 +481,14 @@ def _attn_bwd_dkdv_kernel(
                              mask=row_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
                 delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
                 dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+                if DROPOUT:  # dp of the kept weights; dV from the kept weights
+                    keep = _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
+                    dp = dp * keep
+                    p_kept = p * keep
+                else:
+                    p_kept = p
                 ds = scale * g * (dp - delta[:, None])
-                dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision="ieee", out_dtype=ACC)
+                dv = tl.dot(tl.trans(p_kept).to(do.dtype), do, dv, input_precision="ieee", out_dtype=ACC)
                 dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision="ieee", out_dtype=ACC)
     tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
              mask=(offs_n[:, None] < S) & (offs_d[None, :] < E))

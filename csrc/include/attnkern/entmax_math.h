@@ -12,7 +12,7 @@
 // A row whose scores are all -inf has no support; its shift is +inf so that
 // φ(z - c) = 0 for every entry.
 //
-// See shared/ALGORITHMS.md for the derivations; every formula here is checked
+// See docs/algorithms.md for the derivations; every formula here is checked
 // against the float64 reference in tests/.
 #pragma once
 
@@ -33,13 +33,10 @@ namespace math {
 // (the difference is O(|α - 1|), far below float32 resolution at this size).
 constexpr double kSoftmaxForwardBand = 1e-6;
 
-// Below this |α - 1| the gradient in α uses its softmax limit; above it the
-// general formula, whose two O(1/b) terms cancel, is accurate enough in the
-// accumulation type (error about eps / b²).
-template <typename acc_t>
-AK_HD acc_t alpha_grad_limit_band() {
-  return sizeof(acc_t) >= 8 ? acc_t(1e-5) : acc_t(1e-3);
-}
+// Below this |α - 1| the gradient in α uses its softmax limit (truncation
+// error O(|α - 1|)); above it the general formula, evaluated in double on the
+// renormalized row (AlphaGradSums), is accurate for float32 and float64 input.
+constexpr double kAlphaGradLimitBand = kSoftmaxForwardBand;
 
 enum class Family : int { kSoftmax = 0, kSparsemax = 1, kEntmax15 = 2, kGeneric = 3 };
 
@@ -167,21 +164,83 @@ AK_HD acc_t entmax_halley_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t curv, 
   return entmax_newton_update<acc_t>(c, sum_p, sum_g, lo, hi);
 }
 
-// Gradient of the loss in α for one row, from the row reductions of the
-// backward pass (dp = upstream gradient on p):
-//   pdp = Σ p dp,  gdp = Σ g dp,  gsum = Σ g,
-//   plp = Σ p ln p dp,  ent = -Σ p ln p,  pl2dp = Σ p (ln p)^2 dp,  pl2 = Σ p (ln p)^2.
-// General b:   dα = (pdp - ĝdp)/b² - (plp + ent·ĝdp)/b,  ĝdp = gdp / gsum.
-// Near b = 0:  dα = -(pl2dp - pdp·pl2) / 2  (the derivative of entmax in α at α = 1).
-template <typename acc_t>
-AK_HD acc_t entmax_alpha_grad_row(acc_t b, acc_t pdp, acc_t gdp, acc_t gsum, acc_t plp, acc_t ent,
-                                  acc_t pl2dp, acc_t pl2) {
-  if (!(gsum > acc_t(0))) return acc_t(0);
-  if (b > -alpha_grad_limit_band<acc_t>() && b < alpha_grad_limit_band<acc_t>()) {
-    return -acc_t(0.5) * (pl2dp - pdp * pl2);
+// Gradient of the loss in α for one row (dp = upstream gradient on p). With
+// g = p^(2-α) on the support, ĝ = g / Σg and H = -Σ p ln p:
+//   general b:  dα = (Σ p dp - Σ ĝ dp)/b² - (Σ p ln p dp + H Σ ĝ dp)/b
+//   near b = 0: dα = -(Σ p (ln p)² dp - Σ p dp · Σ p (ln p)²) / 2
+// The two terms of the general formula are O(1/b) each and cancel to O(1),
+// so any error in Σp (a float32 p never sums to exactly 1) or in the sums is
+// divided by b². Hence every sum is taken in double, g is recomputed in
+// double from p, and p is renormalized (p̃ = p / Σp) before the formula: the
+// formula is then exact for p̃, itself a member of the family, and float32
+// input gives dα to ~1e-4 relative down to |b| = 1e-6 (docs/algorithms.md).
+// Renormalizing is done on the sums (ln p̃ = ln p - ln Σp), so one pass over
+// the support suffices; partial sums of a row merge with `merge`.
+struct AlphaGradSums {
+  double sp = 0, gsum = 0, gdp = 0, pdp = 0, pl = 0, pldp = 0, pl2 = 0, pl2dp = 0;
+
+  // One support entry (p > 0); entries with p <= 0 are ignored.
+  AK_HD void add(double p, double dp, double b) {
+    if (!(p > 0)) return;
+    const double l = std::log(p), g = std::exp((1.0 - b) * l), pl_ = p * l;
+    sp += p;
+    gsum += g;
+    gdp += g * dp;
+    pdp += p * dp;
+    pl += pl_;
+    pldp += pl_ * dp;
+    pl2 += pl_ * l;
+    pl2dp += pl_ * l * dp;
   }
-  acc_t ghat_dp = gdp / gsum;
-  return (pdp - ghat_dp) / (b * b) - (plp + ent * ghat_dp) / b;
+
+  AK_HD void merge(const AlphaGradSums& o) {
+    sp += o.sp, gsum += o.gsum, gdp += o.gdp, pdp += o.pdp;
+    pl += o.pl, pldp += o.pldp, pl2 += o.pl2, pl2dp += o.pl2dp;
+  }
+
+  // dα of the row; 0 for a row without support.
+  AK_HD double grad(double b) const {
+    if (!(sp > 0) || !(gsum > 0)) return 0.0;
+    const double L = std::log(sp), inv = 1.0 / sp;
+    // Sums over p̃ = p / sp, with ln p̃ = ln p - L.
+    const double t_pdp = pdp * inv;
+    const double t_pldp = (pldp - L * pdp) * inv;
+    const double t_ent = -(pl * inv - L);
+    if (b > -kAlphaGradLimitBand && b < kAlphaGradLimitBand) {
+      const double t_pl2dp = (pl2dp - 2.0 * L * pldp + L * L * pdp) * inv;
+      const double t_pl2 = (pl2 - 2.0 * L * pl + L * L * sp) * inv;
+      return -0.5 * (t_pl2dp - t_pdp * t_pl2);
+    }
+    const double ghat_dp = gdp / gsum;
+    return (t_pdp - ghat_dp) / (b * b) - (t_pldp + t_ent * ghat_dp) / b;
+  }
+};
+
+// The row mean m = Σ g dp / Σ g of the backward dz_i = g_i (dp_i - m), in a
+// form that stays accurate for α > 2. There g = p^(2-α) is unbounded at the
+// edge of the support: one entry's g can exceed the others' by 10^10, and
+// then dp_i - m cancels to below the resolution while g_i multiplies it.
+// Measuring dp from the dp of the largest g (the pivot) removes that entry
+// from the sum, so: m = dp_pivot + Σ g (dp - dp_pivot) / Σ g, and callers
+// form dz_i = g_i ((dp_i - dp_pivot) - shift) with shift = m - dp_pivot.
+// Returns {dp_pivot, shift}; g[t], dp[t] for the k support entries.
+template <typename acc_t>
+struct PivotedMean {
+  acc_t pivot, shift;
+};
+
+template <typename acc_t>
+AK_HD PivotedMean<acc_t> entmax_pivoted_mean(const acc_t* g, const acc_t* dp, int64_t k) {
+  int64_t r = 0;
+  for (int64_t t = 1; t < k; ++t)
+    if (g[t] > g[r]) r = t;
+  const acc_t pivot = k > 0 ? dp[r] : acc_t(0);
+  acc_t gsum = 0, num = 0;
+  for (int64_t t = 0; t < k; ++t) {
+    gsum += g[t];
+    num += g[t] * (dp[t] - pivot);
+  }
+  return {pivot, gsum > acc_t(0) ? num / gsum : acc_t(0)};
 }
 
 // Convergence test for the iterative shift: Σp within a few ulps of 1 or a
