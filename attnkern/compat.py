@@ -24,30 +24,22 @@ steps. Here each is exact (converged to the dtype's resolution whatever
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from attnkern import ops
-from attnkern.ops import _compiling, _prologue, check_alpha
-
-
-def _check_n_iter(n_iter, allow_none: bool = False) -> None:
-    if _compiling() or (allow_none and n_iter is None):
-        return
-    if isinstance(n_iter, bool) or not isinstance(n_iter, numbers.Integral) or n_iter < 1:
-        raise ValueError(f"n_iter must be a positive int, got {n_iter!r}")
+from attnkern.ops import _compiling, _prologue, check_alpha, check_flag, check_n_iter
 
 
 def sparsemax_bisect(X: torch.Tensor, dim: int = -1, n_iter: int = 50, ensure_sum_one: bool = True, *,
                      backend: str = "auto") -> torch.Tensor:
     """sparsemax along `dim` with the `entmax` package's `sparsemax_bisect`
-    signature: argmin_{p in Δ} ||p - X||². Exact (n_iter and ensure_sum_one are
-    validated and otherwise change nothing; n_iter may be None, as the package's
-    SparsemaxBisect passes it). X: any shape, floating point."""
-    _check_n_iter(n_iter, allow_none=True)
-    if not _compiling() and not isinstance(ensure_sum_one, bool):
-        raise TypeError(f"ensure_sum_one must be a bool, got {type(ensure_sum_one).__name__}")
+    signature: argmin_{p in Δ} ||p - X||². Exact: n_iter (any int, or None, as
+    the package's SparsemaxBisect passes it; the package ignores it here too) and
+    ensure_sum_one are accepted and change nothing. X: any shape, floating point."""
+    check_n_iter(n_iter, allow_any=True)
+    if not _compiling():
+        check_flag(ensure_sum_one, "ensure_sum_one")
     return ops.sparsemax(X, dim, backend=backend)
 
 
@@ -90,7 +82,7 @@ def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
     Rows of only -inf give zeros; NaN stays in its row.
     """
     dim = _prologue(X, dim)
-    _check_n_iter(n_iter)
+    check_n_iter(n_iter)
     if not _compiling():
         alpha = check_alpha(alpha, X, dim)
     _check_above_one(alpha, "alpha")
@@ -160,25 +152,45 @@ def _budget_threshold(y: torch.Tensor, budget: torch.Tensor, valid: torch.Tensor
     return tau
 
 
+def _zero_budget_slope(x: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+    """∂/∂budget of <grad, p> at budget = 0 (from above: the only side there is).
+    For a small budget b > 0 the k entries tied at the row's max get b/k each,
+    so the slope is the mean of grad over them (0 for a row with no finite
+    entry). x, grad: with the row along `dim`; returns float64 keepdim rows."""
+    x64 = x.detach().to(torch.float64)
+    m = x64.amax(dim, keepdim=True) if x.dim() else x64
+    top = (x64 == m) & torch.isfinite(m)
+    k = top.sum(dim, keepdim=True) if x.dim() else top.to(torch.int64)
+    g = torch.where(top, grad.to(torch.float64), torch.zeros_like(x64))
+    total = g.sum(dim, keepdim=True) if x.dim() else g
+    return total / k.clamp_min(1).to(torch.float64)
+
+
 class BudgetFunction(torch.autograd.Function):
     """budget-sparsemax through attnkern::budget_fwd. Backward, with s the
     active indicator (0 < p < 1) and k = Σ s: dx = s ⊙ (g - Σ s g / k), and
-    d budget = Σ s g / k (0 for a row with no active entry)."""
+    d budget = Σ s g / k (0 for a row with no active entry, except at budget
+    0, where p = 0 and the slope in the budget is _zero_budget_slope)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, budget: torch.Tensor, dim: int) -> torch.Tensor:
         p = torch.ops.attnkern.budget_fwd(x, budget, dim)
-        ctx.save_for_backward(p, budget)
+        zero = bool((budget == 0).any())
+        if zero:  # exactly 0 (the kernel's threshold leaves rounding-level mass at the max)
+            p = torch.where((budget == 0) & ~torch.isnan(p), torch.zeros_like(p), p)
+        ctx.save_for_backward(p, budget, x if zero and ctx.needs_input_grad[1] else None)
         ctx.dim = dim
         return p
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        p, budget = ctx.saved_tensors
+        p, budget, x = ctx.saved_tensors
         want_budget = ctx.needs_input_grad[1]
         dx, db = torch.ops.attnkern.budget_bwd(p, grad, ctx.dim, want_budget)
         if not want_budget:
             return dx, None, None
+        if x is not None:
+            db = torch.where(budget == 0, _zero_budget_slope(x, grad, ctx.dim), db)
         return dx, db.sum_to_size(budget.shape).to(budget.dtype), None
 
 
@@ -187,15 +199,17 @@ def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50, *,
     """budget-sparsemax along `dim`: argmax_{p} <p, X> - ½||p||² subject to
     0 ≤ p ≤ 1 and Σ p = budget (a k-subset relaxation).
 
-    X: any shape, floating point. budget: a float > 0 or a tensor broadcastable
+    X: any shape, floating point. budget: a float ≥ 0 or a tensor broadcastable
     to X with size 1 along `dim`, which may require grad. A budget at or above
-    the number of finite entries gives 1 on each of them. Rows of only -inf give
-    zeros; NaN stays in its row. n_iter: validated, results are exact.
+    the number of finite entries gives 1 on each of them; budget 0 gives zeros
+    (the limit of the family, as the `entmax` package), with gradient 0 in X and
+    the one-sided slope in the budget (grad at the row's argmax). Rows of only
+    -inf give zeros; NaN stays in its row. n_iter: validated, results are exact.
     """
     dim = _prologue(X, dim)
-    _check_n_iter(n_iter)
+    check_n_iter(n_iter)
     if not _compiling():
-        budget = check_alpha(budget, X, dim, name="budget")
+        budget = check_alpha(budget, X, dim, name="budget", strict=False)
     if X.device.type == "cpu" and ops.use_kernels(backend, X) and X.dim() > 0:
         b = budget if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=torch.float64,
                                                                          device=X.device)
@@ -234,6 +248,12 @@ def _budget_torch(X: torch.Tensor, budget, dim: int) -> torch.Tensor:
     p = torch.where(valid, (z_safe - tau).clamp(0, 1), torch.zeros_like(z))
     # A budget at or above the number of finite entries: all of them get 1.
     p = torch.where(valid & (b.detach() >= n_valid), torch.ones_like(p), p)
+    if b.requires_grad:
+        # Budget 0: p = 0, and its slope in the budget is e_argmax (split over ties).
+        zero = b.detach() == 0
+        top = valid & (z == z.detach().where(valid, torch.full_like(z, -math.inf)).amax(-1, keepdim=True))
+        share = top.to(z.dtype) / top.sum(-1, keepdim=True).clamp_min(1).to(z.dtype)
+        p = p + torch.where(zero & top, (b - b.detach()) * share, torch.zeros_like(p))
     p = torch.where(nan_rows, torch.full_like(p, math.nan), p)
     p = p.to(X.dtype)
     return p.movedim(-1, dim) if X.dim() else p.reshape(())

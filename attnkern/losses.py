@@ -21,13 +21,11 @@ Masked (-inf) logits are accepted: they get p* = 0 and contribute nothing (the
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from attnkern import ops
-from attnkern.compat import _check_above_one, _check_n_iter, normmax_bisect
-from attnkern.ops import _compiling, check_alpha, check_tensor
+from attnkern.compat import _check_above_one, normmax_bisect
+from attnkern.ops import _compiling, as_index, check_alpha, check_n_iter, check_tensor
 
 REDUCTIONS = ("elementwise_mean", "mean", "sum", "none")
 
@@ -145,8 +143,8 @@ def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) 
 
 def sparsemax_bisect_loss(X: torch.Tensor, target: torch.Tensor, n_iter: int = 50) -> torch.Tensor:
     """sparsemax loss with the `entmax` package's bisection signature (exact;
-    n_iter is validated, None allowed). Shapes as sparsemax_loss."""
-    _check_n_iter(n_iter, allow_none=True)
+    n_iter: any int or None; the package ignores it too). Shapes as sparsemax_loss."""
+    check_n_iter(n_iter, allow_any=True)
     return sparsemax_loss(X, target)
 
 
@@ -158,14 +156,15 @@ def entmax15_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -
 
 
 def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter: int = 50) -> torch.Tensor:
-    """α-entmax loss, any α > 0 (α = 1: cross-entropy). Shapes as sparsemax_loss.
+    """α-entmax loss, any finite α (α = 1: cross-entropy; α ≤ 0 as the `entmax`
+    package computes it). Shapes as sparsemax_loss.
 
     alpha: a float or a tensor broadcastable to (n_samples, 1), which may
     require grad (exact gradient). n_iter: validated, results are exact."""
     _check_inputs(X, target)
-    _check_n_iter(n_iter)
+    check_n_iter(n_iter)
     if not _compiling():
-        alpha = check_alpha(alpha, X, X.dim() - 1)
+        alpha = check_alpha(alpha, X, X.dim() - 1, lower=None)
     return _entmax_family_loss(X, target, alpha)
 
 
@@ -173,7 +172,7 @@ def normmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=2, n_iter: 
     """α-normmax loss, Ω(p) = ||p||_α, α > 1. Shapes and alpha as
     entmax_bisect_loss."""
     _check_inputs(X, target)
-    _check_n_iter(n_iter)
+    check_n_iter(n_iter)
     if not _compiling():
         alpha = check_alpha(alpha, X, X.dim() - 1)
     _check_above_one(alpha, "alpha")
@@ -196,19 +195,20 @@ def normmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=2, n_iter: 
 # --- reduction and ignore_index, shared by the loss modules ---------------------------------------
 
 
-def check_reduction(reduction: str, ignore_index) -> None:
+def check_reduction(reduction: str, ignore_index) -> int:
+    """Validates reduction; returns ignore_index as an int (it may be given as a
+    Python or numpy int or a one-element integer tensor such as `y[0]`)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    return as_index(ignore_index, "ignore_index")
 
 
-def reduce_loss(loss_fn, X: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
+def reduce_loss(loss_fn, X: torch.Tensor, target: torch.Tensor, ignore_index, reduction: str):
     """Per-sample losses of the samples whose target is not ignore_index (0 and no
     gradient for the others), reduced as the `entmax` package's modules do:
     "elementwise_mean" (or "mean") divides the sum by the number of samples
     that are not ignored."""
-    ignored = target == ignore_index
+    ignored = target == as_index(ignore_index, "ignore_index")
     safe_target = torch.where(ignored, torch.zeros_like(target), target)
     loss = loss_fn(X, safe_target)
     loss = torch.where(ignored, torch.zeros_like(loss), loss)
