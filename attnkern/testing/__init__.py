@@ -58,3 +58,16 @@ def mask_some(x: torch.Tensor, frac: float = 0.3, seed: int = 0, full_rows: int 
     if full_rows and y.dim() >= 2:
         y.view(-1, y.shape[-1])[:full_rows] = float("-inf")
     return y
+
+
+def triton_test_device() -> tuple[str | None, str]:
+    """(device, "") for the Triton kernel tests: "cuda" when a GPU runs the
+    compiled kernels, "cpu" when they run in Triton's interpreter
+    (TRITON_INTERPRET=1 set before triton was first imported); (None, why not)
+    otherwise."""
+    from attnkern.backends import triton as tb
+
+    ok, why = tb.available()
+    if not ok:
+        return None, why
+    return ("cpu" if tb._interpreting() else "cuda"), ""

@@ -114,6 +114,13 @@ def _load_t(X, stride_n, stride_d, offs_n, N, D, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _mask_offsets(offs_m, offs_n, stride_mm, stride_mn):
+    """Element offsets of a (query block, key block) tile of the mask, in int64:
+    a mask of L·S ≥ 2³¹ entries per head would overflow int32 arithmetic."""
+    return offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :].to(tl.int64) * stride_mn
+
+
+@triton.jit
 def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
             HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC: tl.constexpr):
     """s = scale·q·kᵀ + mask for one (query block, key block) tile, -inf where not allowed."""
@@ -122,7 +129,7 @@ def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
     if IS_CAUSAL:
         ok = ok & (offs_n[None, :] <= offs_m[:, None])
     if HAS_MASK:
-        mv = tl.load(Mask + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=ok, other=0.0)
+        mv = tl.load(Mask + _mask_offsets(offs_m, offs_n, stride_mm, stride_mn), mask=ok, other=0.0)
         s = s + mv.to(ACC)
     return tl.where(ok, s, -float("inf"))
 
