@@ -6,7 +6,7 @@ moment whether they are compiled for a GPU or run by the interpreter
 `attention.py` reload this module when the setting has changed since.
 
 Every kernel works on one (batch, head) pair and a block of query rows (or of
-keys), in the shift form of ALGORITHMS.md: p_ij = φ_b(s_ij - c_i) with
+keys), in the shift form of docs/algorithms.md: p_ij = φ_b(s_ij - c_i) with
 φ_b(y) = [1 + b·y]_+^(1/b) and φ_0 = exp. The row shift c is what the forward
 saves; the backward recomputes the scores s = scale·q·kᵀ + mask from it.
 
@@ -214,7 +214,7 @@ def _attn_fwd_kernel(
         has = (m > neg_inf) & ~nan_row
         m_safe = tl.where(has, m, 0.0)
 
-        # Bracket [0, (1 - S^-b)/b] for c - m (ALGORITHMS.md), softmax limit ln S;
+        # Bracket [0, (1 - S^-b)/b] for c - m (docs/algorithms.md), softmax limit ln S;
         # widened by a relative 1e-3 against the rounding of the formula.
         ln_n = tl.log(tl.full((), 1.0, ACC) * S)
         b_nz = tl.where(b == 0.0, 1.0, b)

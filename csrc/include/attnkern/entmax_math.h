@@ -12,7 +12,7 @@
 // A row whose scores are all -inf has no support; its shift is +inf so that
 // φ(z - c) = 0 for every entry.
 //
-// See shared/ALGORITHMS.md for the derivations; every formula here is checked
+// See docs/algorithms.md for the derivations; every formula here is checked
 // against the float64 reference in tests/.
 #pragma once
 
