@@ -76,9 +76,12 @@ def any_true(mask: torch.Tensor) -> bool:
 def carries_derivative(t) -> bool:
     """True when t needs derivatives: it requires grad, carries a forward-mode
     tangent, or is inside a torch.func transform."""
-    return isinstance(t, torch.Tensor) and (
-        t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)
-        or torch.autograd.forward_ad.unpack_dual(t).tangent is not None)
+    if not isinstance(t, torch.Tensor):
+        return False
+    if _compiling():  # no forward mode or torch.func transform inside a compiled region
+        return t.requires_grad
+    return (t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or torch.autograd.forward_ad.unpack_dual(t).tangent is not None)
 
 
 def broadcasts_to(shape, target) -> bool:
