@@ -48,11 +48,9 @@ def _check_inputs(X, target) -> None:
 def _fy_loss(X: torch.Tensor, target: torch.Tensor, p: torch.Tensor, omega_gap: torch.Tensor) -> torch.Tensor:
     """<p, x> - x_t + omega_gap, with omega_gap = Ω(e_t) - Ω(p) of shape (..., 1).
 
-    p = p*(X) is differentiable: at the optimum the terms through p cancel
-    (Danskin), so the gradient in X is p - e_t, and autograd also gives the
-    exact second derivatives. Scores are shifted by their row max (detached;
-    it cancels since Σ p = 1) to avoid cancellation, and entries with p = 0
-    (masked -inf ones among them) are left out."""
+    For the value only (FYLossFunction gives the gradients). Scores are shifted
+    by their row max (it cancels since Σ p = 1) to avoid cancellation, and
+    entries with p = 0 (masked -inf ones among them) are left out."""
     p = p.to(X.dtype)
     m = X.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -61,14 +59,6 @@ def _fy_loss(X: torch.Tensor, target: torch.Tensor, p: torch.Tensor, omega_gap: 
     y_t = X.gather(-1, target.long().unsqueeze(-1)) - m
     loss = inner - y_t + omega_gap.to(inner.dtype)
     return loss.squeeze(-1)
-
-
-def _alpha_rows(alpha, X: torch.Tensor):
-    """α as a float or a tensor of shape (..., 1) in float64."""
-    if not isinstance(alpha, torch.Tensor):
-        return float(alpha)
-    shape = list(X.shape[:-1]) + [1]
-    return alpha.to(torch.float64).expand(shape)
 
 
 def _tsallis_sums(p64: torch.Tensor, alpha):
@@ -143,12 +133,13 @@ class EntmaxLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, _):
         x, target, alpha, grad = ctx.saved_tensors
         want_x, want_alpha = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        p = None
         if torch.is_grad_enabled():  # create_graph: differentiable in x and α
             from attnkern.autograd import EntmaxFunction
 
             p = EntmaxFunction.apply(x, alpha.unsqueeze(-1), 1)
             grad = p - _one_hot_like(p, target)
-        else:
+        elif want_alpha:
             p = grad + _one_hot_like(grad, target)
         dx = grad_loss.unsqueeze(-1).to(grad.dtype) * grad if want_x else None
         da = None
@@ -194,10 +185,106 @@ def _entmax_family_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.T
             tuple(X.shape[:-1]) + (1,)).reshape(-1)
         loss, _ = _entmax_loss_apply(X.reshape(-1, C), target.reshape(-1).long(), a_rows)
         return loss.reshape(X.shape[:-1]).to(X.dtype)
-    # Elsewhere: the loss assembled from a differentiable p; by Danskin's theorem
-    # its gradients are p - e_t and ∂H_α/∂α, and autograd gives the higher ones.
-    p = ops.entmax(X, alpha, -1).to(torch.float64)
-    return _fy_loss(X, target, p, _tsallis_gap(p, _alpha_rows(alpha, X)))
+    return _fy_loss_apply(X, target, alpha, "entmax")[0]
+
+
+def _normmax_gap(p64: torch.Tensor, alpha) -> torch.Tensor:
+    """Ω(e_t) - Ω(p) = 1 - ||p||_α for normmax (keepdim), differentiable in p and α."""
+    pos = p64 > 0
+    log_p = torch.log(torch.where(pos, p64, torch.ones_like(p64)))
+    s = torch.where(pos, torch.exp(alpha * log_p), torch.zeros_like(p64)).sum(-1, keepdim=True)
+    return 1 - torch.where(s > 0, s, torch.ones_like(s)) ** (1 / alpha)
+
+
+def _normmax_alpha_slope(p64: torch.Tensor, alpha) -> torch.Tensor:
+    """∂(1 - ||p||_α)/∂α at fixed p: with S = Σ p^α and N = S^(1/α),
+    -N (Σ p^α ln p / (α S) - ln S / α²)."""
+    pos = p64 > 0
+    log_p = torch.log(torch.where(pos, p64, torch.ones_like(p64)))
+    pa = torch.where(pos, torch.exp(alpha * log_p), torch.zeros_like(p64))
+    s = pa.sum(-1, keepdim=True)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return -(s ** (1 / alpha)) * ((pa * log_p).sum(-1, keepdim=True) / (alpha * s) - torch.log(s) / alpha ** 2)
+
+
+def _fy_predict(kind: str, X: torch.Tensor, alpha) -> torch.Tensor:
+    return ops.entmax(X, alpha, -1) if kind == "entmax" else normmax_bisect(X, alpha, -1)
+
+
+def _fy_alpha_slope(kind: str, p64: torch.Tensor, alpha) -> torch.Tensor:
+    a = alpha.to(torch.float64) if isinstance(alpha, torch.Tensor) else float(alpha)
+    return _tsallis_alpha_slope(p64, a) if kind == "entmax" else _normmax_alpha_slope(p64, a)
+
+
+class FYLossFunction(torch.autograd.Function):
+    """A Fenchel-Young loss along the last dim assembled in torch ops, for the
+    α-entmax family off the fused CPU kernel and for normmax (kind "entmax" or
+    "normmax"). x (..., n), target (...), alpha a float or a tensor
+    broadcastable to (..., 1).
+    By Danskin's theorem the gradients are p - e_t and ∂(Ω(e_t) - Ω(p))/∂α at the
+    fixed p, so the forward computes p once without a graph (returned as a
+    second, non-differentiable output). With create_graph the backward
+    recomputes p differentiably, so higher derivatives are exact."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, target: torch.Tensor, alpha, kind: str):
+        p = _fy_predict(kind, x, alpha)
+        if kind == "normmax" and not isinstance(alpha, torch.Tensor):
+            gap = 1 - torch.linalg.vector_norm(p, ord=float(alpha), dim=-1, keepdim=True)
+        else:
+            p64 = p.to(torch.float64)
+            a = alpha.to(torch.float64).expand(tuple(x.shape[:-1]) + (1,)) if isinstance(alpha, torch.Tensor) \
+                else float(alpha)
+            gap = _tsallis_gap(p64, a) if kind == "entmax" else _normmax_gap(p64, a)
+        return _fy_loss(x, target, p, gap), p
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, target, alpha, ctx.kind = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.alpha = None if isinstance(alpha, torch.Tensor) else alpha
+        saved = (x, target, alpha if ctx.alpha is None else None, output[1])
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _):
+        x, target, alpha, p = ctx.saved_tensors
+        alpha = ctx.alpha if alpha is None else alpha
+        if torch.is_grad_enabled():  # create_graph: p differentiable in x and α
+            p = _fy_predict(ctx.kind, x, alpha)
+        dx = da = None
+        if ctx.needs_input_grad[0]:
+            dx = grad_loss.unsqueeze(-1).to(p.dtype) * (p - _one_hot_like(p, target))
+        if ctx.needs_input_grad[2]:
+            slope = _fy_alpha_slope(ctx.kind, p.to(torch.float64), alpha)
+            da = (grad_loss.to(torch.float64).unsqueeze(-1) * slope).sum_to_size(alpha.shape).to(alpha.dtype)
+        return dx, None, da, None
+
+    @staticmethod
+    def jvp(ctx, x_t, target_t, alpha_t, kind_t):
+        x, target, alpha, p = ctx.saved_tensors
+        alpha = ctx.alpha if alpha is None else alpha
+        loss_t = torch.zeros(p.shape[:-1], dtype=x.dtype, device=x.device)
+        if x_t is not None:
+            loss_t = loss_t + ((p - _one_hot_like(p, target)) * x_t).sum(-1).to(x.dtype)
+        if alpha_t is not None:
+            slope = _fy_alpha_slope(ctx.kind, p.to(torch.float64), alpha)
+            loss_t = loss_t + (slope * alpha_t).squeeze(-1).to(x.dtype)
+        return loss_t, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, target, alpha, kind):
+        from attnkern.autograd import _rows_to_front
+
+        x_dim, t_dim, a_dim = in_dims[:3]
+        target = target.movedim(t_dim, 0) if t_dim is not None else target.expand(info.batch_size, *target.shape)
+        a_dim = a_dim if isinstance(alpha, torch.Tensor) else None
+        x, _, (alpha,), _ = _rows_to_front(info.batch_size, x, x_dim, -1, [(alpha, a_dim)])
+        return FYLossFunction.apply(x, target, alpha, kind), (0, 0)
+
+
+_fy_loss_apply = traceable_apply(FYLossFunction)
 
 
 def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -> torch.Tensor:
@@ -246,16 +333,7 @@ def normmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=2, n_iter: 
     if not _compiling():
         alpha = check_alpha(alpha, X, X.dim() - 1)
     _check_above_one(alpha, "alpha")
-    # Danskin: with a differentiable p the terms through p cancel in the first
-    # derivatives (in X and α); autograd gives the higher ones.
-    p = normmax_bisect(X, alpha, -1)
-    p64 = p.to(torch.float64)
-    a = _alpha_rows(alpha, X)
-    pos = p64 > 0
-    log_p = torch.log(torch.where(pos, p64, torch.ones_like(p64)))
-    s = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p64)).sum(-1, keepdim=True)
-    norm = torch.where(s > 0, s, torch.ones_like(s)) ** (1 / a)
-    return _fy_loss(X, target, p, 1 - norm)
+    return _fy_loss_apply(X, target, alpha, "normmax")[0]
 
 
 # --- reduction and ignore_index, shared by the loss modules ---------------------------------------
