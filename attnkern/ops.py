@@ -7,9 +7,10 @@ Signatures follow the `entmax` package so that
 
 from __future__ import annotations
 
-import math
 import numbers
+import operator
 
+import numpy as np
 import torch
 
 from attnkern import _extension
@@ -34,14 +35,53 @@ def check_tensor(x, name: str) -> None:
                         f"got {x.dtype}")
 
 
+def as_index(value, name: str) -> int:
+    """An integer argument as a Python int. Accepts what the `entmax` package
+    (and torch) accept as an int: Python and numpy integers and one-element
+    integer tensors (e.g. `y[0]`); refuses bools, floats and anything else."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got bool")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or \
+                value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int or a one-element integer tensor, got a tensor of "
+                            f"shape {tuple(value.shape)} and dtype {value.dtype}")
+        return int(value.item())
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
 def check_dim(x: torch.Tensor, dim, name: str = "dim") -> int:
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    dim = as_index(dim, name)
     nd = max(x.dim(), 1)
     if not -nd <= dim < nd:
         raise DimensionError(f"{name}={dim} is out of range for a tensor with {x.dim()} dimensions "
                              f"(expected in [{-nd}, {nd - 1}])")
     return dim % nd
+
+
+def any_true(mask: torch.Tensor) -> bool:
+    """bool(mask.any()) for a validation check; False under torch.func.vmap,
+    where values cannot steer Python (the check is then skipped)."""
+    try:
+        return bool(mask.any())
+    except RuntimeError as exc:
+        if "vmap" in str(exc):
+            return False
+        raise
+
+
+def carries_derivative(t) -> bool:
+    """True when t needs derivatives: it requires grad, carries a forward-mode
+    tangent, or is inside a torch.func transform."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if _compiling():  # no forward mode or torch.func transform inside a compiled region
+        return t.requires_grad
+    return (t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or torch.autograd.forward_ad.unpack_dual(t).tangent is not None)
 
 
 def broadcasts_to(shape, target) -> bool:
@@ -52,20 +92,39 @@ def broadcasts_to(shape, target) -> bool:
         return False
 
 
-def check_alpha(alpha, x: torch.Tensor, dim: int, name: str = "alpha") -> torch.Tensor | float:
-    """Validates α (> 0, not NaN; a float or a tensor broadcastable to x with size 1
-    along dim). Returns a float or a tensor on x's device."""
-    if isinstance(alpha, bool):
+def check_alpha(alpha, x: torch.Tensor, dim: int, name: str = "alpha", lower: float | None = 0.0,
+                strict: bool = True) -> torch.Tensor | float:
+    """Validates α: a real number (Python or numpy) or a tensor (or numpy array)
+    broadcastable to x with size 1 along dim; not NaN, and > lower (>= lower if
+    not strict; any finite value if lower is None). Integer tensors become
+    floating point. Returns a float or a floating-point tensor on x's device."""
+    if isinstance(alpha, (bool, np.bool_)):
         raise TypeError(f"{name} must be a float or a tensor, got bool")
+    if lower is None:
+        def bad(a):
+            return ~torch.isfinite(a)
+        need = "finite"
+    elif strict:
+        def bad(a):
+            return torch.isnan(a) | (a <= lower)
+        need = f"> {lower:g}"
+    else:
+        def bad(a):
+            return torch.isnan(a) | (a < lower)
+        need = f">= {lower:g}"
     if isinstance(alpha, numbers.Real):
         a = float(alpha)
-        if math.isnan(a) or a <= 0:
-            raise ValueError(f"{name} must be > 0, got {alpha}")
+        if bool(bad(torch.tensor(a, dtype=torch.float64))):
+            raise ValueError(f"{name} must be {need}, got {alpha}")
         return a
+    if isinstance(alpha, np.ndarray):
+        alpha = torch.as_tensor(alpha, device=x.device)
     if not isinstance(alpha, torch.Tensor):
         raise TypeError(f"{name} must be a float or a torch.Tensor, got {type(alpha).__name__}")
-    if not alpha.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {alpha.dtype}")
+    if alpha.dtype == torch.bool or alpha.is_complex():
+        raise TypeError(f"{name} must be a real tensor, got {alpha.dtype}")
+    if not alpha.is_floating_point():  # an integer tensor, e.g. torch.tensor(2): no gradient to keep
+        alpha = alpha.to(x.dtype if x.dtype == torch.float64 else torch.float32)
     if alpha.device != x.device:
         raise ValueError(f"{name} is on {alpha.device} but the input is on {x.device}")
     row_shape = list(x.shape)
@@ -76,9 +135,8 @@ def check_alpha(alpha, x: torch.Tensor, dim: int, name: str = "alpha") -> torch.
                          f"{tuple(row_shape)} (the input's shape with size 1 along dim={dim})")
     if alpha.numel() and not alpha.device.type == "meta":
         with torch.no_grad():
-            bad = torch.isnan(alpha) | (alpha <= 0)
-            if bool(bad.any()):
-                raise ValueError(f"{name} must be > 0 and not NaN everywhere; got min {alpha.min().item()}"
+            if any_true(bad(alpha)):
+                raise ValueError(f"{name} must be {need} and not NaN everywhere; got min {alpha.min().item()}"
                                  + (" and NaN" if bool(torch.isnan(alpha).any()) else ""))
     return alpha
 
@@ -149,8 +207,29 @@ def _prologue(x, dim) -> int:
 
 
 def _check_k(k) -> None:
-    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+    if k is not None and as_index(k, "k") < 1:
         raise ValueError(f"k must be None or a positive int, got {k!r}")
+
+
+def check_n_iter(n_iter, allow_any: bool = False) -> None:
+    """n_iter as the `entmax` package takes it: an int >= 1 (its bisection needs one
+    step), given as a Python or numpy int or a one-element integer tensor. Our
+    results are converged whatever its value. allow_any: the package ignores it
+    (sparsemax_bisect): any number, or None."""
+    if _compiling() or (allow_any and (n_iter is None or isinstance(n_iter, numbers.Real))):
+        return
+    n = as_index(n_iter, "n_iter")
+    if n < 1 and not allow_any:
+        raise ValueError(f"n_iter must be a positive int, got {n_iter!r}")
+
+
+def check_flag(value, name: str) -> None:
+    """A flag the `entmax` package only tests for truth (ensure_sum_one): anything
+    with a truth value is accepted."""
+    try:
+        bool(value)
+    except Exception as exc:
+        raise TypeError(f"{name} must have a truth value (a bool), got {type(value).__name__}: {exc}") from None
 
 
 def support_size(p: torch.Tensor, dim: int) -> torch.Tensor:
@@ -169,9 +248,9 @@ def softmax(X: torch.Tensor, dim: int = -1, *, backend: str = "auto") -> torch.T
     """
     dim = _prologue(X, dim)
     if use_kernels(backend, X):
-        from attnkern.autograd import SoftmaxFunction
+        from attnkern.autograd import softmax_apply
 
-        return SoftmaxFunction.apply(X, dim)
+        return softmax_apply(X, dim)
     return reference.softmax(X, dim)
 
 
@@ -189,9 +268,9 @@ def sparsemax(X: torch.Tensor, dim: int = -1, k: int | None = None, return_suppo
     if not _compiling():
         _check_k(k)
     if use_kernels(backend, X):
-        from attnkern.autograd import SparsemaxFunction
+        from attnkern.autograd import sparsemax_apply
 
-        p = SparsemaxFunction.apply(X, dim)
+        p = sparsemax_apply(X, dim)
     else:
         p = reference.sparsemax(X, dim)
     return (p, support_size(p, dim)) if return_support_size else p
@@ -205,9 +284,9 @@ def entmax15(X: torch.Tensor, dim: int = -1, k: int | None = None, return_suppor
     if not _compiling():
         _check_k(k)
     if use_kernels(backend, X):
-        from attnkern.autograd import Entmax15Function
+        from attnkern.autograd import entmax15_apply
 
-        p = Entmax15Function.apply(X, dim)
+        p = entmax15_apply(X, dim)
     else:
         p = reference.entmax15(X, dim)
     return (p, support_size(p, dim)) if return_support_size else p
@@ -217,15 +296,18 @@ def entmax(X: torch.Tensor, alpha=1.5, dim: int = -1, *, backend: str = "auto") 
     """α-entmax along `dim`: argmax_{p in Δ} <p, X> + H^T_α(p), with the Tsallis
     α-entropy H^T_α(p) = (1 - Σ p_i^α) / (α(α-1)).
 
-    alpha: a float > 0 or a tensor broadcastable to X with size 1 along `dim`
+    alpha: a finite float or a tensor broadcastable to X with size 1 along `dim`
     (one α per row, e.g. per head), which may require grad. α = 1 is softmax,
-    α = 1.5 entmax15, α = 2 sparsemax (each computed exactly); α < 1 gives the
-    dense members of the family. Other α: a safeguarded Newton solver converged
-    to the dtype's resolution.
+    α = 1.5 entmax15, α = 2 sparsemax (each computed exactly); α < 1 (also
+    α ≤ 0, as the `entmax` package accepts) gives the dense members of the
+    family. Other α: a safeguarded Newton solver converged to the dtype's
+    resolution.
     """
     dim = _prologue(X, dim)
     if not _compiling():
-        alpha = check_alpha(alpha, X, dim)
+        # Every finite α: α ≤ 0 gives dense members of the family, as for 0 < α < 1
+        # (α = 0 is p_i = 1/(c - x_i)), as in the `entmax` package.
+        alpha = check_alpha(alpha, X, dim, lower=None)
     kernels = use_kernels(backend, X)
     if not isinstance(alpha, torch.Tensor):
         if kernels and alpha in (1.0, 1.5, 2.0):
@@ -233,9 +315,9 @@ def entmax(X: torch.Tensor, alpha=1.5, dim: int = -1, *, backend: str = "auto") 
         alpha = torch.tensor(alpha, dtype=torch.float64 if X.dtype == torch.float64 else torch.float32,
                              device=X.device)
     if kernels:
-        from attnkern.autograd import EntmaxFunction
+        from attnkern.autograd import entmax_apply
 
-        return EntmaxFunction.apply(X, alpha, dim)
+        return entmax_apply(X, alpha, dim)
     return reference.entmax(X, alpha, dim)
 
 
@@ -249,8 +331,6 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50, e
     the uniform distribution) and a row of only -inf gives zeros.
     """
     if not _compiling():
-        if isinstance(n_iter, bool) or not isinstance(n_iter, numbers.Integral) or n_iter < 1:
-            raise ValueError(f"n_iter must be a positive int, got {n_iter!r}")
-        if not isinstance(ensure_sum_one, bool):
-            raise TypeError(f"ensure_sum_one must be a bool, got {type(ensure_sum_one).__name__}")
+        check_n_iter(n_iter)
+        check_flag(ensure_sum_one, "ensure_sum_one")
     return entmax(X, alpha, dim, backend=backend)

@@ -7,6 +7,7 @@ import inspect
 import math
 
 import entmax as pkg
+import numpy as np
 import pytest
 import torch
 from torch.autograd import gradcheck
@@ -316,13 +317,202 @@ def test_fully_masked_rows_and_nan_rows(name):
     assert not torch.isnan(xr.grad[ok]).any() and (xr.grad[0] == 0).all()
 
 
-@pytest.mark.parametrize("fn,bad", [(attnkern.normmax_bisect, 1.0), (attnkern.budget_bisect, 0.0)])
+@pytest.mark.parametrize("fn,bad", [(attnkern.normmax_bisect, 1.0), (attnkern.budget_bisect, -1.0)])
 def test_invalid_parameters_raise(fn, bad):
+    # Documented refusals: normmax needs α > 1; a negative budget is infeasible
+    # (the package returns zeros that do not sum to it). n_iter = 0 fails in the
+    # package too (it has no bisection step to return).
     x = make_scores((2, 5), F64, seed=18)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="alpha|budget"):
         fn(x, bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n_iter"):
         fn(x, 2.0, n_iter=0)
+    with pytest.raises(TypeError, match="n_iter"):
+        fn(x, 2.0, n_iter=50.0)
+
+
+# --- everything the package accepts --------------------------------------------------------------
+
+AUDIT_X = make_scores((4, 7), F64, scale=2.0, seed=40)
+AUDIT_T = torch.tensor([1, 3, 0, 6])
+
+
+def _int_likes(v):
+    """The ways users pass an int: Python, numpy, 0-d tensors (e.g. y[0])."""
+    return {"int": v, "np.int64": np.int64(v), "tensor": torch.tensor(v),
+            "int32 tensor": torch.tensor(v, dtype=torch.int32)}
+
+
+def _real_likes(v):
+    out = {"int": int(v), "float": float(v), "np.float64": np.float64(v), "np.float32": np.float32(v),
+           "np.int64": np.int64(v), "0-d float64": torch.tensor(float(v), dtype=F64),
+           "0-d float32": torch.tensor(float(v)), "0-d int": torch.tensor(int(v)),
+           "0-d requires grad": torch.tensor(float(v), dtype=F64, requires_grad=True),
+           "(1,) tensor": torch.full((1,), float(v), dtype=F64),
+           "numpy array": np.full((4, 1), float(v))}
+    if not float(v).is_integer():
+        out = {k: a for k, a in out.items() if k not in ("int", "np.int64", "0-d int")}
+    return out
+
+
+def _audit_cases():
+    """(id, package call, our call): every argument of every name in the ways the
+    package accepts it. Bisection-based package calls get enough steps for float64."""
+    x, t = AUDIT_X, AUDIT_T
+    cases = []
+    for name, v in [("entmax_bisect", 2), ("normmax_bisect", 3), ("budget_bisect", 2)]:
+        for kind, val in _real_likes(v).items():
+            cases.append((f"{name} param={kind}", lambda n=name, a=val: getattr(pkg, n)(x, a, n_iter=100),
+                          lambda n=name, a=val: getattr(attnkern, n)(x, a)))
+        for kind, val in _int_likes(1).items():
+            cases.append((f"{name} dim={kind}", lambda n=name, d=val, a=v: getattr(pkg, n)(x, a, d, n_iter=100),
+                          lambda n=name, d=val, a=v: getattr(attnkern, n)(x, a, d)))
+        for kind, val in _int_likes(100).items():
+            cases.append((f"{name} n_iter={kind}", lambda n=name, k=val, a=v: getattr(pkg, n)(x, a, n_iter=k),
+                          lambda n=name, k=val, a=v: getattr(attnkern, n)(x, a, n_iter=k)))
+    for a in (0, -1, -2.5, 0.5):  # α ≤ 0: dense members of the family (α = 0: p_i = 1/(c - x_i))
+        cases.append((f"entmax_bisect alpha={a}", lambda a=a: pkg.entmax_bisect(x, a, n_iter=200),
+                      lambda a=a: attnkern.entmax_bisect(x, a)))
+    for flag in (True, False, 1, 0, np.bool_(True), None, torch.tensor(True)):
+        cases.append((f"entmax_bisect ensure_sum_one={flag!r}",
+                      lambda f=flag: pkg.entmax_bisect(x, 1.3, -1, 100, f),
+                      lambda f=flag: attnkern.entmax_bisect(x, 1.3, -1, 100, f)))
+        cases.append((f"sparsemax_bisect ensure_sum_one={flag!r}",
+                      lambda f=flag: pkg.sparsemax_bisect(x, -1, 50, f),
+                      lambda f=flag: attnkern.sparsemax_bisect(x, -1, 50, f)))
+    for kind, val in list(_int_likes(3).items()) + [("0", 0), ("-1", -1), ("None", None), ("50.0", 50.0)]:
+        # The package's sparsemax_bisect ignores n_iter.
+        cases.append((f"sparsemax_bisect n_iter={kind}", lambda k=val: pkg.sparsemax_bisect(x, -1, k),
+                      lambda k=val: attnkern.sparsemax_bisect(x, -1, k)))
+    for name in ("sparsemax", "entmax15", "sparsemax_bisect"):
+        for kind, val in _int_likes(0).items():
+            cases.append((f"{name} dim={kind}", lambda n=name, d=val: getattr(pkg, n)(x, d),
+                          lambda n=name, d=val: getattr(attnkern, n)(x, d)))
+    for name in ("sparsemax", "entmax15", "sparsemax_loss", "entmax15_loss"):
+        for kind, val in list(_int_likes(3).items()) + [("None", None), ("above n", 100)]:
+            args = (x, t) if "loss" in name else (x, -1)
+            cases.append((f"{name} k={kind}", lambda n=name, k=val, a=args: getattr(pkg, n)(*a, k),
+                          lambda n=name, k=val, a=args: getattr(attnkern, n)(*a, k)))
+    modules = {"Sparsemax": {}, "Entmax15": {}, "SparsemaxBisect": {}, "EntmaxBisect": {"alpha": 1.3},
+               "NormmaxBisect": {"alpha": 3}, "BudgetBisect": {"budget": 3}}
+    for name, kw in modules.items():
+        for kind, val in _int_likes(0).items():
+            cases.append((f"{name}(dim={kind})", lambda n=name, d=val, kw=kw: getattr(pkg, n)(dim=d, **kw)(x),
+                          lambda n=name, d=val, kw=kw: getattr(attnkern, n)(dim=d, **kw)(x)))
+        for key, v in kw.items():
+            for kind, val in _real_likes(v).items():
+                cases.append((f"{name}({key}={kind})",
+                              lambda n=name, k=key, a=val: getattr(pkg, n)(**{k: a}, n_iter=100)(x),
+                              lambda n=name, k=key, a=val: getattr(attnkern, n)(**{k: a})(x)))
+        if "Bisect" in name:
+            for kind, val in _int_likes(100).items():
+                cases.append((f"{name}(n_iter={kind})",
+                              lambda n=name, k=val, kw=kw: getattr(pkg, n)(n_iter=k, **kw)(x),
+                              lambda n=name, k=val, kw=kw: getattr(attnkern, n)(n_iter=k, **kw)(x)))
+    for name, v in [("entmax_bisect_loss", 1.3), ("normmax_bisect_loss", 3)]:
+        for kind, val in _real_likes(v).items():
+            if kind == "numpy array":
+                continue  # the package's loss broadcasts a per-row α to (n, n) (tested below)
+            cases.append((f"{name} alpha={kind}", lambda n=name, a=val: getattr(pkg, n)(x, t, a, n_iter=100),
+                          lambda n=name, a=val: getattr(attnkern, n)(x, t, a)))
+    for a in (-1, -2.5, 0.5):
+        cases.append((f"entmax_bisect_loss alpha={a}", lambda a=a: pkg.entmax_bisect_loss(x, t, a, n_iter=200),
+                      lambda a=a: attnkern.entmax_bisect_loss(x, t, a)))
+    for name in ("sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss"):
+        for kind, val in _int_likes(100).items():
+            cases.append((f"{name} n_iter={kind}", lambda n=name, k=val: getattr(pkg, n)(x, t, n_iter=k),
+                          lambda n=name, k=val: getattr(attnkern, n)(x, t, n_iter=k)))
+    loss_modules = {"SparsemaxLoss": {}, "SparsemaxBisectLoss": {}, "Entmax15Loss": {},
+                    "EntmaxBisectLoss": {"alpha": 1.3}, "NormmaxBisectLoss": {"alpha": 3}}
+    for name, kw in loss_modules.items():
+        for red in ("none", "sum", "elementwise_mean"):
+            for kind, val in _int_likes(3).items():
+                cases.append((f"{name}(ignore_index={kind}, {red})",
+                              lambda n=name, i=val, r=red, kw=kw: getattr(pkg, n)(
+                                  ignore_index=i, reduction=r, **kw)(x, t),
+                              lambda n=name, i=val, r=red, kw=kw: getattr(attnkern, n)(
+                                  ignore_index=i, reduction=r, **kw)(x, t)))
+        for key, v in kw.items():
+            for kind, val in _real_likes(v).items():
+                if kind == "numpy array":
+                    continue
+                cases.append((f"{name}({key}={kind})",
+                              lambda n=name, k=key, a=val: getattr(pkg, n)(**{k: a}, n_iter=100)(x, t),
+                              lambda n=name, k=key, a=val: getattr(attnkern, n)(**{k: a})(x, t)))
+    return cases
+
+
+AUDIT = _audit_cases()
+
+
+@pytest.mark.parametrize("case", AUDIT, ids=[c[0] for c in AUDIT])
+def test_accepts_what_the_package_accepts(case):
+    _, theirs, ours = case
+    expected = theirs()
+    got = ours()
+    assert_close(got, expected.detach(), scale=10.0)
+
+
+def test_ignore_index_as_a_tensor_element():
+    # As users write it: the ignored class taken from the targets themselves.
+    x = make_scores((6, 5), F64, seed=41).requires_grad_()
+    y = torch.tensor([2, 0, 2, 4, 1, 2])
+    for name in MODULES:
+        ours = getattr(attnkern, name)(ignore_index=y[0])
+        assert ours.ignore_index == 2 and isinstance(ours.ignore_index, int)
+        lo = ours(x, y)
+        lt = getattr(pkg, name)(ignore_index=y[0])(x, y)
+        assert_close(lo, lt, scale=10.0)
+        (dx,) = torch.autograd.grad(lo, x)
+        assert (dx[y == 2] == 0).all()
+    for bad in (2.0, torch.tensor([1, 2]), torch.tensor(2.0), True):
+        with pytest.raises(TypeError, match="ignore_index"):
+            attnkern.SparsemaxLoss(ignore_index=bad)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_budget_zero_gives_zeros_and_a_gradient(backend, dim):
+    x = make_scores((3, 6), F64, seed=42)
+    x[1, 4] = x[1].max()  # a tie at the max: the budget's slope splits over it
+    g = make_scores((3, 6), F64, seed=43)
+    if dim == 0:
+        x, g = x.t().contiguous(), g.t().contiguous()
+    assert_close(pkg.budget_bisect(x, 0, dim, n_iter=100), torch.zeros_like(x))
+    xr = x.clone().requires_grad_()
+    row = (3, 1) if dim == -1 else (1, 3)
+    b = torch.zeros(row, dtype=F64, requires_grad=True)
+    p = attnkern.budget_bisect(xr, b, dim, backend=backend)
+    assert torch.equal(p, torch.zeros_like(x))
+    dx, db = torch.autograd.grad(p, (xr, b), g)
+    assert torch.equal(dx, torch.zeros_like(x))
+    # The one-sided slope: finite differences from above.
+    h = 1e-7
+    fd = (attnkern.budget_bisect(x, torch.full(row, h, dtype=F64), dim) * g).sum(dim, keepdim=True) / h
+    assert_close(db, fd, scale=1e3)
+    assert gradcheck(lambda xx: attnkern.budget_bisect(xx, 0.0, dim, backend=backend), (xr,))
+    # A float 0 and the module.
+    assert torch.equal(attnkern.BudgetBisect(budget=0, dim=dim)(x), torch.zeros_like(x))
+
+
+def test_alpha_nonpositive_gradients():
+    # α ≤ 0 (accepted by the package): exact gradients in x and α, as for other α.
+    x = _x((3, 6), seed=44)
+    alpha = torch.tensor([[0.0], [-1.0], [-3.0]], dtype=F64, requires_grad=True)
+    assert gradcheck(lambda xx, a: attnkern.entmax_bisect(xx, a), (x, alpha))
+    assert gradcheck(lambda xx, a: attnkern.entmax_bisect(xx, a, backend="reference"), (x, alpha))
+
+
+def test_loss_with_per_row_alpha_is_per_row():
+    # The package broadcasts a (n, 1) α in its loss to (n, n); we give one loss per row.
+    x = make_scores((4, 7), F64, seed=45)
+    t = torch.tensor([1, 3, 0, 6])
+    a = torch.tensor([[1.3], [1.5], [2.0], [2.5]], dtype=F64)
+    ours = attnkern.entmax_bisect_loss(x, t, a)
+    assert ours.shape == (4,)
+    assert pkg.entmax_bisect_loss(x, t, a, n_iter=100).shape == (4, 4)
+    for i in range(4):
+        assert_close(ours[i], pkg.entmax_bisect_loss(x[i:i + 1], t[i:i + 1], float(a[i]), n_iter=100)[0])
 
 
 # --- kernels against the pure-torch paths, opcheck ----------------------------------------------------

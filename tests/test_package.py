@@ -77,3 +77,24 @@ def test_demo_writes_results(tmp_path):
         assert r["attnkern_fwd_ms"] > 0
     md = demo.markdown(rows)
     assert md.count("\n") == len(rows) + 1
+
+
+def test_repository_explains_itself():
+    # Pointers go to docs/algorithms.md, which is in the repository (not to a
+    # document outside it); the changelog starts with the unreleased changes.
+    root = Path(__file__).resolve().parents[1]
+    outside = ("shared" + "/", "ALGORITHMS" + ".md")
+    offenders = []
+    for base in ("README.md", "CHANGELOG.md", "attnkern", "csrc", "tests", "benchmarks", "docs"):
+        path = root / base
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.suffix in
+                                               (".py", ".md", ".h", ".cpp", ".cu", ".cuh", ".txt", ".toml")]
+        for f in files:
+            text = f.read_text(encoding="utf-8", errors="replace")
+            offenders += [f"{f.relative_to(root)}: {s}" for s in outside if s in text]
+    assert not offenders, offenders
+    algorithms = (root / "docs" / "algorithms.md").read_text(encoding="utf-8")
+    for section in ("shifted form", "Backward", "gradient in α", "Fused attention", "Masks", "Numerics"):
+        assert section in algorithms, section
+    assert "docs/algorithms.md" in (root / "README.md").read_text(encoding="utf-8")
+    assert "## Unreleased" in (root / "CHANGELOG.md").read_text(encoding="utf-8")

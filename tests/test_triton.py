@@ -1,12 +1,12 @@
 """Triton fused attention (attnkern.backends.triton) against a float64 reference.
 
-The kernels run on CPU tensors under the Triton interpreter. Triton 3.8 reads
-TRITON_INTERPRET when a function is decorated with triton.jit, and decorates
-its own library (tl.zeros, ...) when triton is imported; so this module sets
-the variable before importing triton, and skips with the reason if some
-earlier import of triton (without the variable) makes that too late. Our
-kernels are defined on first launch and redefined if the setting changed.
-The interpreter is slow: shapes are small, with odd sizes.
+With a GPU the kernels are compiled and run on CUDA tensors. Without one they
+run on CPU tensors in Triton's interpreter, which triton enables only if
+TRITON_INTERPRET=1 is set before triton is first imported: tests/conftest.py
+sets it, and `import attnkern` never imports triton. Every tensor of these
+tests is made on DEVICE (attnkern.testing.triton_test_device), so the suite is
+correct on either kind of host; the module skips with the reason when neither
+can run. The interpreter is slow: shapes are small, with odd sizes.
 """
 
 from __future__ import annotations
@@ -16,21 +16,27 @@ import math
 import os
 import sys
 
-if "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from attnkern.backends import reference  # noqa: E402
+from attnkern.backends import reference
+from attnkern.testing import triton_test_device
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from attnkern.backends import triton as tb  # noqa: E402
 
-_ok, _why = tb.available()
-if not _ok:
-    pytest.skip(f"the Triton interpreter cannot run here: {_why}", allow_module_level=True)
+DEVICE, _why = triton_test_device()
+if DEVICE is None:
+    pytest.skip(f"the Triton kernels cannot run here: {_why}", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    """Tensor factories (torch.zeros, torch.tensor, ...) make tensors on DEVICE."""
+    with torch.device(DEVICE):
+        yield
+
 
 NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
 
@@ -63,12 +69,12 @@ def reference_attention(q, k, v, mask, is_causal, scale, normalizer, alpha):
 
 
 def make_inputs(B, H, Hk, L, S, E, Ev, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, L, E, generator=g, dtype=torch.float64).to(dtype)
-    k = torch.randn(B, Hk, S, E, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(B, Hk, S, Ev, generator=g, dtype=torch.float64).to(dtype)
-    do = torch.randn(B, H, L, Ev, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v, do
+    g = torch.Generator().manual_seed(seed)  # a CPU generator: the same numbers on every host
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64, device="cpu").to(DEVICE, dtype)
+
+    return randn(B, H, L, E), randn(B, Hk, S, E), randn(B, Hk, S, Ev), randn(B, H, L, Ev)
 
 
 def make_mask(kind, B, H, L, S, dtype=torch.float32, seed=1):
@@ -78,8 +84,8 @@ def make_mask(kind, B, H, L, S, dtype=torch.float32, seed=1):
         return None, False
     if kind == "causal":
         return None, True
-    mask = torch.randn(B, 1, L, S, generator=g, dtype=torch.float64)
-    mask = mask.masked_fill(torch.rand(B, 1, L, S, generator=g) < 0.25, -math.inf)
+    mask = torch.randn(B, 1, L, S, generator=g, dtype=torch.float64, device="cpu")
+    mask = mask.masked_fill(torch.rand(B, 1, L, S, generator=g, device="cpu") < 0.25, -math.inf).to(DEVICE)
     mask[..., 0] = 0.0  # every row keeps a key...
     if kind == "empty_rows":
         mask[0, 0, L // 2] = -math.inf  # ...but these
@@ -225,8 +231,8 @@ def test_ties(normalizer):
     # Integer scores with many exact ties (duplicated keys, rows of equal scores).
     B, H, Hk, L, S, E, Ev = 1, 2, 1, 9, 12, 16, 8
     g = torch.Generator().manual_seed(5)
-    q = torch.randint(-2, 3, (B, H, L, E), generator=g).float()
-    k = torch.randint(-2, 3, (B, Hk, S // 3, E), generator=g).float().repeat(1, 1, 3, 1)
+    q = torch.randint(-2, 3, (B, H, L, E), generator=g, device="cpu").float().to(DEVICE)
+    k = torch.randint(-2, 3, (B, Hk, S // 3, E), generator=g, device="cpu").float().repeat(1, 1, 3, 1).to(DEVICE)
     q[0, 0, 0] = 0.0  # a row of all-equal scores
     _, _, v, do = make_inputs(B, H, Hk, L, S, E, Ev)
     check_against_reference(q, k, v, do, None, False, 0.25, normalizer, alpha_for(normalizer, H))
@@ -359,9 +365,37 @@ def test_available_and_errors(monkeypatch):
         tb.attention_fwd(q, k, v, None, False, 1.0, "entmax", None)
     with pytest.raises(TypeError, match="mask"):
         tb.attention_fwd(q, k, v, torch.ones(3, 4, dtype=torch.bool), False, 1.0, "softmax", None)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        tb.attention_fwd(q, k, v, None, False, 1.0, "softmax", None)
+    if DEVICE == "cpu":  # CPU tensors run only in the interpreter
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            tb.attention_fwd(q, k, v, None, False, 1.0, "softmax", None)
+
+
+tl = triton.language
+
+
+@triton.jit
+def _mask_offsets_probe(Out, m0, n0, stride_mm, stride_mn, BM: tl.constexpr, BN: tl.constexpr):
+    offs_m = m0 + tl.arange(0, BM)
+    offs_n = n0 + tl.arange(0, BN)
+    o = _K._mask_offsets(offs_m, offs_n, stride_mm, stride_mn)
+    tl.store(Out + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], o)
+
+
+def test_mask_offsets_are_64_bit():
+    # A mask of L·S ≥ 2³¹ entries per head (8 GiB in float32) cannot be allocated
+    # here: check the offset arithmetic of the kernels itself, with row offsets
+    # and strides whose products pass 2³¹ (and 2³²), against Python's integers.
+    global _K
+    _K = importlib.import_module("attnkern.backends.triton.attention")._kernels()
+    BM, BN = 16, 16
+    for m0, n0, smm, smn in ((2**16, 5, 2**16 + 3, 1), (70000, 2**20, 40000, 7), (5, 3, 1, 2**27 + 1)):
+        out = torch.empty(BM, BN, dtype=torch.int64)
+        _mask_offsets_probe[(1,)](out, m0, n0, smm, smn, BM=BM, BN=BN)
+        m = torch.arange(m0, m0 + BM, dtype=torch.int64)[:, None]
+        n = torch.arange(n0, n0 + BN, dtype=torch.int64)[None, :]
+        assert torch.equal(out, m * smm + n * smn), (m0, n0, smm, smn)
+        assert out.max() >= 2**31
 
 
 def test_imports_without_triton(monkeypatch):
@@ -380,7 +414,7 @@ def test_imports_without_triton(monkeypatch):
 
 def test_register_as_cuda_impl_on_a_scratch_namespace():
     # The real attnkern ops may not exist in this build: define the same schemas
-    # on a scratch namespace, register on the CPU key and call through the dispatcher.
+    # on a scratch namespace, register on DEVICE's key and call through the dispatcher.
     assert tb.register_as_cuda_impl("attnkern_no_such_namespace") is False
     lib = torch.library.Library("attnkern_triton_test", "DEF")
     lib.define("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, "
@@ -388,8 +422,9 @@ def test_register_as_cuda_impl_on_a_scratch_namespace():
     lib.define("attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, "
                "float scale, str normalizer, Tensor? alpha, Tensor out, Tensor shift, bool alpha_grad) "
                "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dalpha)")
-    assert tb.register_as_cuda_impl("attnkern_triton_test", "CPU") is True
-    assert tb.register_as_cuda_impl("attnkern_triton_test", "CPU") is True  # idempotent
+    key = "CPU" if DEVICE == "cpu" else "CUDA"
+    assert tb.register_as_cuda_impl("attnkern_triton_test", key) is True
+    assert tb.register_as_cuda_impl("attnkern_triton_test", key) is True  # idempotent
     ops = torch.ops.attnkern_triton_test
     q, k, v, do = make_inputs(1, 2, 1, 5, 7, 16, 8)
     alpha = torch.tensor([1.5, 1.2])

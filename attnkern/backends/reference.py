@@ -6,7 +6,7 @@ from the kernels' (sorting for sparsemax and entmax15, bisection for other α,
 autograd instead of hand-written backward formulas) so that the two can check
 each other.
 
-Conventions shared with the kernels (see shared/ALGORITHMS.md):
+Conventions shared with the kernels (see docs/algorithms.md):
 - a -inf score gets probability exactly 0; a row of only -inf gives zeros;
 - a NaN anywhere in a row makes that whole row NaN, and no other row;
 - α = 1 is softmax; the family is continuous there.
@@ -155,6 +155,15 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     # Implicit function step: value c0, gradient -F_x/F_c and -F_b/F_c.
     f = (_phi(y - c0, b_safe) * valid).sum(-1, keepdim=True) - 1
     c = c0 + f / g0
+    # A second, differentiable Newton step: the first step's error is quadratic
+    # in a perturbation of the inputs, so after this one c is exact to third
+    # order and autograd's second derivatives (double backward, jvp of vjp)
+    # are exact as well.
+    pc = _phi(y - c, b_safe) * valid
+    dc = 1 + b_safe * (y - c)
+    gc = torch.where(pc > 0, pc / torch.where(pc > 0, dc, torch.ones_like(dc)), torch.zeros_like(pc))
+    gc = gc.sum(-1, keepdim=True)
+    c = c + (pc.sum(-1, keepdim=True) - 1) / torch.where(gc > 0, gc, torch.ones_like(gc))
     p = _phi(y - c, b_safe) * valid
     p = p / p.sum(-1, keepdim=True).detach().clamp_min(1e-300)
 
@@ -163,7 +172,7 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     ps = softmax(y.masked_fill(~valid, -math.inf), -1)
     ln = torch.where(ps > 0, torch.log(ps.clamp_min(1e-300)), torch.zeros_like(ps))
     dpda = -0.5 * ps * (ln * ln - (ps * ln * ln).sum(-1, keepdim=True))
-    p_soft = ps + (a - a.detach()) * dpda.detach()
+    p_soft = ps + (a - a.detach()) * dpda
     p = torch.where(soft, p_soft, p)
     p = torch.where(empty, torch.zeros_like(p), p)
     return _finish(p, x, dim, bad)

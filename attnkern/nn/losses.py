@@ -18,8 +18,9 @@ class _FenchelYoungLoss(nn.Module, metaclass=abc.ABCMeta):
 
     def __init__(self, ignore_index: int = -100, reduction: str = "elementwise_mean"):
         super().__init__()
-        losses.check_reduction(reduction, ignore_index)
-        self.ignore_index, self.reduction = ignore_index, reduction
+        # ignore_index may be any int-like (e.g. a 0-d tensor `y[0]`); kept as an int.
+        self.ignore_index = losses.check_reduction(reduction, ignore_index)
+        self.reduction = reduction
 
     @abc.abstractmethod
     def loss(self, X: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

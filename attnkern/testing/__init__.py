@@ -66,3 +66,16 @@ def attention_dropout_mask(B: int, H: int, L: int, S: int, dropout_p: float, see
     attnkern.attention.draw_dropout_seed() (so after torch.manual_seed(s), the
     same call gives the same seed). Pass it to the reference as dropout_mask."""
     return torch.ops.attnkern.attention_dropout_mask(B, H, L, S, float(dropout_p), seed)
+
+
+def triton_test_device() -> tuple[str | None, str]:
+    """(device, "") for the Triton kernel tests: "cuda" when a GPU runs the
+    compiled kernels, "cpu" when they run in Triton's interpreter
+    (TRITON_INTERPRET=1 set before triton was first imported); (None, why not)
+    otherwise."""
+    from attnkern.backends import triton as tb
+
+    ok, why = tb.available()
+    if not ok:
+        return None, why
+    return ("cpu" if tb._interpreting() else "cuda"), ""

@@ -64,6 +64,12 @@ inline void check_cpu_float(const at::Tensor& x, const char* name) {
               x.scalar_type());
 }
 
+// Row indices are int32 in the kernels' scratch (support lists): refuse rows
+// of 2^31 entries or more, in the backward as in the forward.
+inline void check_row_length(const at::Tensor& x, int64_t dim) {
+  TORCH_CHECK(x.dim() == 0 || x.size(dim) < (int64_t(1) << 31), "attnkern: rows longer than 2^31 - 1");
+}
+
 // A per-row parameter (α, budget) broadcast to one contiguous value per row of
 // x along dim (x's shape with size 1 there), in the given dtype.
 inline at::Tensor per_row(const at::Tensor& param, const at::Tensor& x, int64_t dim, at::ScalarType dtype) {
@@ -85,6 +91,7 @@ inline RowBackwardInputs row_backward_inputs(const at::Tensor& p, const at::Tens
   TORCH_CHECK(p.sizes() == grad.sizes(), "attnkern: grad must have the shape of p");
   RowBackwardInputs in;
   in.dim = at::maybe_wrap_dim(dim, p.dim());
+  check_row_length(p, in.dim);  // before any copy of p
   in.p = p.contiguous();
   in.grad = grad.to(in.p.scalar_type()).contiguous();
   return in;

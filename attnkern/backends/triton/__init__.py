@@ -15,6 +15,7 @@ see `attention.attention_fwd` and `attention.attention_bwd`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 __all__ = ["available", "attention_fwd", "attention_bwd", "register_as_cuda_impl"]
@@ -93,9 +94,13 @@ def register_as_cuda_impl(namespace: str = "attnkern", dispatch_key: str = "CUDA
     key = (namespace, dispatch_key)
     if key in _impl_libs:
         return True
+    # Whether triton is installed, without importing it: `import attnkern` must
+    # not import triton (it reads TRITON_INTERPRET once, when first imported).
+    # The launchers import it on first use.
     try:
-        import triton  # noqa: F401
-    except Exception:
+        if importlib.util.find_spec("triton") is None:
+            return False
+    except (ImportError, ValueError):
         return False
     import torch
 

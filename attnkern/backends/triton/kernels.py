@@ -6,7 +6,7 @@ moment whether they are compiled for a GPU or run by the interpreter
 `attention.py` reload this module when the setting has changed since.
 
 Every kernel works on one (batch, head) pair and a block of query rows (or of
-keys), in the shift form of ALGORITHMS.md: p_ij = φ_b(s_ij - c_i) with
+keys), in the shift form of docs/algorithms.md: p_ij = φ_b(s_ij - c_i) with
 φ_b(y) = [1 + b·y]_+^(1/b) and φ_0 = exp. The row shift c is what the forward
 saves; the backward recomputes the scores s = scale·q·kᵀ + mask from it.
 
@@ -126,6 +126,13 @@ def _load_t(X, stride_n, stride_d, offs_n, N, D, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _mask_offsets(offs_m, offs_n, stride_mm, stride_mn):
+    """Element offsets of a (query block, key block) tile of the mask, in int64:
+    a mask of L·S ≥ 2³¹ entries per head would overflow int32 arithmetic."""
+    return offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :].to(tl.int64) * stride_mn
+
+
+@triton.jit
 def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
             HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC: tl.constexpr):
     """s = scale·q·kᵀ + mask for one (query block, key block) tile, -inf where not allowed."""
@@ -134,7 +141,7 @@ def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
     if IS_CAUSAL:
         ok = ok & (offs_n[None, :] <= offs_m[:, None])
     if HAS_MASK:
-        mv = tl.load(Mask + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=ok, other=0.0)
+        mv = tl.load(Mask + _mask_offsets(offs_m, offs_n, stride_mm, stride_mn), mask=ok, other=0.0)
         s = s + mv.to(ACC)
     return tl.where(ok, s, -float("inf"))
 
@@ -221,7 +228,7 @@ def _attn_fwd_kernel(
         has = (m > neg_inf) & ~nan_row
         m_safe = tl.where(has, m, 0.0)
 
-        # Bracket [0, (1 - S^-b)/b] for c - m (ALGORITHMS.md), softmax limit ln S;
+        # Bracket [0, (1 - S^-b)/b] for c - m (docs/algorithms.md), softmax limit ln S;
         # widened by a relative 1e-3 against the rounding of the formula.
         ln_n = tl.log(tl.full((), 1.0, ACC) * S)
         b_nz = tl.where(b == 0.0, 1.0, b)
