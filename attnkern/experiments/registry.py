@@ -1,0 +1,5 @@
+"""Experiment name -> module. Each module defines `add_arguments(parser)` (its own
+options) and `run(args) -> dict` (writes OUT/<name>.json, OUT/<name>.md and PNG plots)."""
+
+EXPERIMENTS: dict[str, str] = {
+}
