@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet "torch==2.14.1" numpy ninja pybind11 setuptools wheel \
 	    pytest pytest-benchmark hypothesis ruff "entmax==1.3" matplotlib \
-	    joblib tqdm scipy "dask[distributed]"
+	    joblib tqdm scipy "dask[distributed]" captum
 	touch $(STAMP)
 
 $(BUILT): $(STAMP) $(SOURCES)

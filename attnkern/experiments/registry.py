@@ -2,4 +2,6 @@
 options) and `run(args) -> dict` (writes OUT/<name>.json, OUT/<name>.md and PNG plots)."""
 
 EXPERIMENTS: dict[str, str] = {
+    # interpretability (Jain & Wallace; Wiegreffe & Pinter; Serrano & Smith)
+    "importance": "attnkern.experiments.importance",
 }
