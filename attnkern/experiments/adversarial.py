@@ -138,7 +138,7 @@ def _plot(merged: dict, out) -> list[str]:
                 if c == 0:
                     ax.set_ylabel("max attention")
         axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{DATASETS[dataset].title}: adversarial attention within ε of the output")
+        fig.suptitle(f"{DATASETS[dataset].title}\nadversarial attention within ε of the output", fontsize=9)
         fig.tight_layout()
         name = f"adversarial_{dataset}.png"
         fig.savefig(out / name, dpi=110)

@@ -95,7 +95,7 @@ def _plot(merged: dict, out) -> list[str]:
                 if c == 0:
                     ax.set_ylabel("max attention")
         axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{DATASETS[dataset].title}: permuted attention, encoder fixed")
+        fig.suptitle(f"{DATASETS[dataset].title}\npermuted attention, encoder fixed", fontsize=9)
         fig.tight_layout()
         name = f"permutation_{dataset}.png"
         fig.savefig(out / name, dpi=110)
@@ -130,7 +130,9 @@ def markdown(result: dict) -> str:
              f"Each test instance's attention is permuted {result['permutations']} times with the encoder fixed; "
              "the statistic is the median output change TVD(ŷ^p, ŷ). The paper gives no table for this test, only "
              "density plots of the median change against the maximum attention, and concludes that such "
-             "counterfactual attention often leaves the output unchanged. Embeddings are trained from scratch.", "",
+             "counterfactual attention often leaves the output unchanged. Our plots show one point per instance "
+             "(median change against maximum attention, coloured by predicted class). Embeddings are trained "
+             "from scratch.", "",
              interp.scale_note(result), ""]
     body = []
     for r in result["rows"]:
