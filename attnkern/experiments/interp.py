@@ -13,7 +13,6 @@ without running the encoder again: that is the paper's "h is not changed" protoc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -136,21 +135,6 @@ def leave_one_out_importance(model, enc: Encoded, chunk: int = 256) -> list[torc
             deltas.append(tvd(p, enc.probs[i].unsqueeze(0)))
         out.append(torch.cat(deltas).float())
     return out
-
-
-def real(x: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n (real) positions of a (T,) row."""
-    return x[:n]
-
-
-def max_attention(enc: Encoded) -> torch.Tensor:
-    """max_t a_t per instance (B,)."""
-    return enc.weights.max(-1).values
-
-
-def nanmean(values) -> float:
-    vals = [float(v) for v in values if not math.isnan(float(v))]
-    return sum(vals) / len(vals) if vals else math.nan
 
 
 # --- experiment scaffolding: options, one job per trained model, test instances ----------------------------------
