@@ -33,7 +33,7 @@ NAME = "copy"
 
 # Step budgets, calibrated once as the smallest budget (on a grid) at which
 # softmax iid runs succeed in >= 90% of seeds; see CALIBRATION.
-QUICK = dict(hidden_dim=32, embed_dim=32, batch=64, steps=1500, eval_every=25, eval_samples=50, stop_at=0.95,
+QUICK = dict(hidden_dim=64, embed_dim=64, batch=32, steps=1500, eval_every=25, eval_samples=50, stop_at=0.95,
              seeds=6)
 FULL = dict(hidden_dim=256, embed_dim=256, batch=128, steps=3000, eval_every=10, eval_samples=50, stop_at=0.95,
             seeds=20)
@@ -50,6 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="override the step budget")
     p.add_argument("--hidden", type=int, default=None, help="override the embedding/hidden size")
     p.add_argument("--batch", type=int, default=None, help="override the batch size")
+    p.add_argument("--calibrate", type=int, default=None, metavar="MAX_STEPS",
+                   help="instead of the sweep: train softmax iid runs for up to MAX_STEPS and report the smallest "
+                        "budget (multiple of the evaluation interval) at which >= 90%% of them succeed")
 
 
 def configs(args) -> tuple[dict, int]:
@@ -186,14 +189,50 @@ def reading(summary, dists, norms) -> str:
     return "; ".join(parts) + "." if parts else "No complete cells."
 
 
+def budget_success(curve: dict, budget: int, threshold: float, stop_at: float | None) -> bool:
+    """Whether a run would have succeeded with this step budget, read from its evaluation curve
+    (the last evaluation at or before the budget; a run stopped early stays a success)."""
+    steps, acc = curve["step"], curve["token_acc"]
+    seen = [a for s, a in zip(steps, acc, strict=True) if s <= budget]
+    if not seen:
+        return False
+    if stop_at is not None and steps[-1] <= budget and acc[-1] >= stop_at:
+        return True
+    return seen[-1] >= threshold
+
+
+def calibrate(args) -> dict:
+    scale, seeds = configs(args)
+    scale["steps"] = args.calibrate
+    cfg = copy_config(distribution="iid", normalizer="softmax", backend=args.backend, device=args.device, **scale)
+    jobs = [runner.Job(f"calibrate/iid/softmax/seed{s}", cfg, s) for s in range(seeds)]
+    sweep = run_sweep(args, train_copy, jobs)
+    curves = [r["result"]["curve"] for r in sweep.results.values()]
+    grid = list(range(cfg["eval_every"], args.calibrate + 1, cfg["eval_every"]))
+    rates = {b: float(np.mean([budget_success(c, b, cfg["threshold"], cfg["stop_at"]) for c in curves]))
+             for b in grid} if curves else {}
+    budget = next((b for b in grid if rates[b] >= 0.9), None)
+    result = {"experiment": "copy-calibration", "config": cfg, "seeds": seeds, "meta": runner.metadata(cfg),
+              "success_rate_by_budget": rates, "budget": budget, "sweep": sweep_block(sweep)}
+    md = (f"# copy: step-budget calibration\n\nsoftmax, iid, {seeds} seeds, hidden {cfg['hidden_dim']}, batch "
+          f"{cfg['batch']}: the smallest budget at which >= 90% of runs succeed is **{budget}** steps.\n\n"
+          + md_table(["budget", "iid success rate"], [[b, r] for b, r in rates.items()]))
+    write_outputs(args.out, "copy_calibration", result, md)
+    return result
+
+
 def run(args) -> dict:
+    if getattr(args, "calibrate", None) is not None:
+        if args.calibrate < 1:
+            raise ValueError(f"--calibrate must be a positive int, got {args.calibrate}")
+        return calibrate(args)
     jobs, scale, seeds = jobs_for(args)
     sweep = run_sweep(args, train_copy, jobs)
     summary = summarize(args, sweep, scale, seeds)
     config = {**common_config(args), "distributions": list(args.distributions), "seeds": seeds,
               "scale": copy_config(**scale), "calibration": CALIBRATION}
     result = {"experiment": NAME, "config": config, "meta": runner.metadata(config),
-              "paper": PAPER, "summary": summary, "sweep": sweep_block(sweep),
+              "paper": PAPER, "success_rate": summary["success_rate"], "summary": summary, "sweep": sweep_block(sweep),
               "reading": reading(summary, args.distributions, args.normalizers)}
     result["plots"] = plot(args.out, summary, args)
     write_outputs(args.out, NAME, result, markdown(result))

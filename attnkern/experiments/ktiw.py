@@ -104,21 +104,23 @@ def row_agreement(x: np.ndarray, y: np.ndarray, src_mask: np.ndarray, tgt_mask: 
 def build(config, data, mode):
     normalizer, alpha = parse_normalizer(config["normalizer"])
     return Seq2Seq(data.src_vocab, data.tgt_vocab, config["embed_dim"], config["hidden_dim"],
-                   normalizer=normalizer, alpha=alpha, mode=mode, backend=config["backend"], bos_idx=data.bos)
+                   normalizer=normalizer, alpha=alpha, mode=mode, backend=config["backend"],
+                   bos_idx=data.bos).to(config["device"])
 
 
 @torch.no_grad()
 def measure(std, uni, probe, rng, ibm1_post=None) -> dict:
-    s, sm, t_in, t, tm = probe
+    dev = next(std.parameters()).device
+    s, sm, t_in, t, tm = (x.to(dev) for x in probe)
     std.eval()
     uni.eval()
     o_s, o_u = std(s, sm, t_in), uni(s, sm, t_in)
     std.train()
     uni.train()
-    beta_u = uni.probe(o_u, t).masked_fill(~sm.unsqueeze(1), -1e9).numpy()
-    beta_s = std.probe(o_s, t).masked_fill(~sm.unsqueeze(1), -1e9).numpy()
-    a_s = o_s.weights.numpy()
-    smn, tmn = sm.numpy(), tm.numpy()
+    beta_u = uni.probe(o_u, t).masked_fill(~sm.unsqueeze(1), -1e9).cpu().numpy()
+    beta_s = std.probe(o_s, t).masked_fill(~sm.unsqueeze(1), -1e9).cpu().numpy()
+    a_s = o_s.weights.cpu().numpy()
+    smn, tmn = sm.cpu().numpy(), tm.cpu().numpy()
     acc = lambda o: ((o.logits.argmax(-1) == t) & tm).sum().item() / tm.sum().item()
     rec = {"acc_standard": acc(o_s), "acc_uniform": acc(o_u)}
     for k, v in row_agreement(beta_u, a_s, smn, tmn, rng).items():
@@ -157,7 +159,7 @@ def train_pair(config: dict, seed: int) -> dict:
                 curve.setdefault(k, []).append(v)
         if step == config["steps"]:
             break
-        s, sm, t_in, t, _ = data.batch(config["batch"])
+        s, sm, t_in, t, _ = (x.to(config["device"]) for x in data.batch(config["batch"]))
         for model, opt in zip((std, uni), opts, strict=True):
             loss = model.loss(model(s, sm, t_in), t)
             opt.zero_grad(set_to_none=True)

@@ -95,7 +95,9 @@ def _taus(x, y, mask, rng=None):
 
 @torch.no_grad()
 def _measure(std, uni, probe, rng) -> dict:
-    tokens, mask, labels, kw = probe
+    dev = next(std.parameters()).device
+    tokens, mask, labels = (x.to(dev) for x in probe[:3])
+    kw = probe[3].to(dev) if probe[3] is not None else None
     std.eval()
     uni.eval()
     o_s, o_u = std(tokens, mask), uni(tokens, mask)
@@ -104,15 +106,15 @@ def _measure(std, uni, probe, rng) -> dict:
     r_s = _gold_relevance(std, o_s.hidden, labels).masked_fill(~mask, 0)
     r_u = _gold_relevance(uni, o_u.hidden, labels).masked_fill(~mask, 0)
     a_s = o_s.weights
-    m = mask.numpy()
+    m = mask.cpu().numpy()
     big = torch.finfo(r_u.dtype).max
     top_r_u = r_u.masked_fill(~mask, -big).argmax(-1)
     rec = {
         "acc_standard": (o_s.logits.argmax(-1) == labels).float().mean().item(),
         "acc_uniform": (o_u.logits.argmax(-1) == labels).float().mean().item(),
-        "tau_a_r_standard": _taus(a_s.numpy(), r_s.numpy(), m),
-        "tau_runiform_a_standard": _taus(r_u.numpy(), a_s.numpy(), m),
-        "tau_runiform_a_standard_shuffled": _taus(r_u.numpy(), a_s.numpy(), m, rng),
+        "tau_a_r_standard": _taus(a_s.cpu().numpy(), r_s.cpu().numpy(), m),
+        "tau_runiform_a_standard": _taus(r_u.cpu().numpy(), a_s.cpu().numpy(), m),
+        "tau_runiform_a_standard_shuffled": _taus(r_u.cpu().numpy(), a_s.cpu().numpy(), m, rng),
         "top1_runiform_a_standard": (top_r_u == a_s.argmax(-1)).float().mean().item(),
         "top1_shuffled_baseline": float((1.0 / mask.sum(1).float()).mean()),
     }
@@ -133,8 +135,9 @@ def train_pair(config: dict, seed: int) -> dict:
     kw = dict(encoder=config["encoder"], attention=config["attention"], normalizer=normalizer, alpha=alpha,
               embed_dim=config["embed_dim"], hidden_dim=config["hidden_dim"], backend=config["backend"])
     torch.manual_seed(seed)
-    std = AttentionClassifier(vocab_size, 2, mode="learned", **kw)
-    uni = AttentionClassifier(vocab_size, 2, mode="uniform", **kw)
+    dev = config["device"]
+    std = AttentionClassifier(vocab_size, 2, mode="learned", **kw).to(dev)
+    uni = AttentionClassifier(vocab_size, 2, mode="uniform", **kw).to(dev)
     uni.load_state_dict(std.state_dict())  # the same starting point
     opts = [torch.optim.Adam(m.parameters(), lr=config["lr"]) for m in (std, uni)]
     tokens, mask, labels = train
@@ -152,8 +155,8 @@ def train_pair(config: dict, seed: int) -> dict:
         idx = torch.as_tensor(gen.integers(0, len(labels), config["batch"]))
         width = int(mask[idx].sum(1).max())
         for model, opt in zip((std, uni), opts, strict=True):
-            out = model(tokens[idx, :width], mask[idx, :width])
-            loss = F.cross_entropy(out.logits, labels[idx])
+            out = model(tokens[idx, :width].to(dev), mask[idx, :width].to(dev))
+            loss = F.cross_entropy(out.logits, labels[idx].to(dev))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

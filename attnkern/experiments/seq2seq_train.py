@@ -117,6 +117,8 @@ def train_multihead(config: dict, seed: int) -> dict:
                              cfg["hidden_dim"], cfg["num_layers"], rnn=cfg["rnn"], attention=cfg["attention"],
                              normalizer=normalizer, alpha=alpha, backend=cfg["backend"], pad_idx=task.pad_idx,
                              bos_idx=task.bos_idx)
+    model = model.to(cfg["device"])
+    dev = cfg["device"]
     fresh = [i for i, s in enumerate(config["head_seeds"]) if s is None]
     given = [i for i, s in enumerate(config["head_seeds"]) if s is not None]
     for i, state in zip(given, states, strict=True):
@@ -127,12 +129,12 @@ def train_multihead(config: dict, seed: int) -> dict:
 
     @torch.no_grad()
     def accuracy(n, gen):
-        src, mask, tgt_in, tgt = task.sample(n, gen)
+        src, mask, tgt_in, tgt = (x.to(dev) for x in task.sample(n, gen))
         return (model(src, mask, tgt_in).argmax(-1) == tgt).float().mean().item()
 
     curve = {"step": [], "token_acc": []}
     for step in range(1, cfg["steps"] + 1):
-        src, mask, tgt_in, tgt = task.sample(cfg["batch"], train_gen)
+        src, mask, tgt_in, tgt = (x.to(dev) for x in task.sample(cfg["batch"], train_gen))
         loss = model.loss(model(src, mask, tgt_in), tgt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
