@@ -46,7 +46,7 @@ def test_ktiw_tiny(tmp_path):
     from attnkern.experiments.data.translation import DEFAULT_DIR
 
     datasets = ["copy-iid"] + (["en-de"] if list(DEFAULT_DIR.glob("*.mo")) else [])  # a machine without catalogs
-    res, md = run_cli(tmp_path, "ktiw", "--datasets", *datasets, "--steps", "8", "--hidden", "16")
+    res, md = run_cli(tmp_path, "ktiw", "--datasets", *datasets, "--steps", "8", "--hidden", "16", "--probe", "20")
     for ds in datasets:
         cell = res["summary"][ds]["sparsemax"]
         assert 0 <= cell["beta_uniform_vs_attention_top1"][0] <= 1
@@ -56,7 +56,7 @@ def test_ktiw_tiny(tmp_path):
 
 def test_ibm1_tiny(tmp_path):
     res, md = run_cli(tmp_path, "ibm1", "--datasets", "copy-iid", "copy-permutation", "--steps", "4", "--hidden",
-                      "16", "--em-iterations", "5")
+                      "16", "--em-iterations", "5", "--probe", "40")
     s = res["summary"]
     # co-occurrence identifies the copy alignment under iid sampling, and says nothing under permutations
     assert s["copy-iid"]["softmax"]["ibm1_alignment_token_accuracy"] > 0.9

@@ -202,6 +202,10 @@ def scale_for(args, quick, full):
             raise ValueError(f"--steps must be a positive int, got {args.steps}")
         scale["steps"] = args.steps
         scale["eval_every"] = max(1, min(scale["eval_every"], args.steps // 4 or 1))
+    if getattr(args, "probe", None) is not None:
+        if args.probe < 1:
+            raise ValueError(f"--probe must be a positive int, got {args.probe}")
+        scale["probe"] = args.probe
     if getattr(args, "hidden", None) is not None:
         if args.hidden < 1:
             raise ValueError(f"--hidden must be a positive int, got {args.hidden}")
@@ -213,6 +217,7 @@ def add_arguments(p) -> None:
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
     p.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     p.add_argument("--hidden", type=int, default=None, help="override the embedding/hidden size")
+    p.add_argument("--probe", type=int, default=None, help="held-out pairs on which agreement is measured")
 
 
 def jobs_for(args, extra=None, name_prefix=""):
