@@ -42,25 +42,24 @@ def test_relevance_rotten_needs_fetched_data(tmp_path, monkeypatch, capsys):
     assert "attnkern-exp data fetch vader" in err and "\n" not in err
 
 
-def test_ktiw_tiny(tmp_path):
+def test_ktiw_then_ibm1_tiny_share_runs(tmp_path):
     from attnkern.experiments.data.translation import DEFAULT_DIR
 
-    datasets = ["copy-iid"] + (["en-de"] if list(DEFAULT_DIR.glob("*.mo")) else [])  # a machine without catalogs
-    res, md = run_cli(tmp_path, "ktiw", "--datasets", *datasets, "--steps", "8", "--hidden", "16", "--probe", "20")
+    datasets = ["copy-iid", "copy-permutation"] + (["en-de"] if list(DEFAULT_DIR.glob("*.mo")) else [])
+    opts = ["--datasets", *datasets, "--steps", "8", "--hidden", "16", "--probe", "40"]
+    res, md = run_cli(tmp_path, "ktiw", *opts)
     for ds in datasets:
         cell = res["summary"][ds]["sparsemax"]
         assert 0 <= cell["beta_uniform_vs_attention_top1"][0] <= 1
         assert np.isfinite(cell["beta_uniform_vs_attention_tau_shuffled"][0])
     assert "top-1 β(uniform) = a(standard)" in md
-
-
-def test_ibm1_tiny(tmp_path):
-    res, md = run_cli(tmp_path, "ibm1", "--datasets", "copy-iid", "copy-permutation", "--steps", "4", "--hidden",
-                      "16", "--em-iterations", "5", "--probe", "40")
+    res, md = run_cli(tmp_path, "ibm1", *opts)
+    assert res["sweep"]["runs_cached"] == res["sweep"]["runs_total"] == 2 * len(datasets)
     s = res["summary"]
     # co-occurrence identifies the copy alignment under iid sampling, and says nothing under permutations
     assert s["copy-iid"]["softmax"]["ibm1_alignment_token_accuracy"] > 0.9
     assert s["copy-permutation"]["softmax"]["ibm1_alignment_token_accuracy"] < 0.3
+    assert np.isfinite(s["copy-iid"]["softmax"]["ibm1_vs_attention_top1"][0])
     assert "IBM1 alignment token accuracy" in md
 
 

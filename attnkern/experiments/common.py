@@ -96,9 +96,11 @@ def pyplot():
     return plt
 
 
-def run_sweep(args, fn, jobs: list[runner.Job], desc: str | None = None) -> runner.Sweep:
-    """Runs jobs with the CLI's executor options, caching under OUT/cache/<experiment>/."""
-    return runner.run_jobs(fn, jobs, Path(args.out) / "cache" / args.experiment, experiment=args.experiment,
+def run_sweep(args, fn, jobs: list[runner.Job], desc: str | None = None, namespace: str | None = None) -> runner.Sweep:
+    """Runs jobs with the CLI's executor options, caching under OUT/cache/<namespace>/ (the
+    experiment's name by default; experiments that run the same jobs share a namespace)."""
+    namespace = namespace or args.experiment
+    return runner.run_jobs(fn, jobs, Path(args.out) / "cache" / namespace, experiment=namespace,
                            n_jobs=args.jobs, executor=args.executor, scheduler=args.scheduler,
                            progress=getattr(args, "progress", True), desc=desc or args.experiment)
 

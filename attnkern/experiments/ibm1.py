@@ -21,7 +21,7 @@ from attnkern.experiments.common import common_config, failures_md, md_table, ru
 
 NAME = "ibm1"
 DATASETS = ktiw.DATASETS
-EXTRA = dict(ibm1=True, ibm1_iterations=10, ibm1_pairs=2000)
+EXTRA = ktiw.IBM1_DEFAULTS
 PAPER = ("The paper's proxy: early in training (attention still uniform) the model learns word translation "
          "from co-occurrence as IBM Model 1 does, and attention then follows those translations; on the "
          "permutation copy distribution co-occurrence carries no signal (no numbers in the material we follow).")
@@ -39,7 +39,7 @@ def run(args) -> dict:
         raise ValueError(f"--em-iterations must be a positive int, got {args.em_iterations}")
     extra = {**EXTRA, "ibm1_iterations": args.em_iterations}
     jobs, scale, seeds = ktiw.jobs_for(args, extra)
-    sweep = run_sweep(args, ktiw.train_pair, jobs)
+    sweep = run_sweep(args, ktiw.train_pair, jobs, namespace=ktiw.NAMESPACE)
     summary = ktiw.collect(args, sweep, seeds, KEYS)
     for cells in summary.values():
         for cell in cells.values():

@@ -13,32 +13,43 @@ import numpy as np
 
 
 def train_ibm1(src: np.ndarray, src_mask: np.ndarray, tgt: np.ndarray, tgt_mask: np.ndarray, n_src: int,
-               n_tgt: int, iterations: int = 10, chunk: int = 512) -> tuple[np.ndarray, list[float]]:
+               n_tgt: int, iterations: int = 10) -> tuple[np.ndarray, list[float]]:
     """EM for t(o | i), starting uniform. Returns (t of shape (n_tgt, n_src), the
-    average log-likelihood per target word after each iteration)."""
+    average log-likelihood per target word after each iteration).
+
+    Only word pairs that co-occur in some sentence pair can get probability, so EM
+    runs on the vector of those pairs (a few hundred thousand for thousands of
+    words) rather than on the dense table."""
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     if src.shape[0] != tgt.shape[0]:
         raise ValueError(f"src and tgt must have the same number of sentences, got {src.shape[0]} and {tgt.shape[0]}")
-    t = np.full((n_tgt, n_src), 1.0 / n_tgt)
+    sm, om = src_mask.astype(bool), tgt_mask.astype(bool)
+    valid = om[:, :, None] & sm[:, None, :]                               # (N, L, T)
+    pair = tgt.astype(np.int64)[:, :, None] * n_src + src.astype(np.int64)[:, None, :]
+    uniq, inverse = np.unique(np.where(valid, pair, -1), return_inverse=True)
+    inverse = inverse.reshape(pair.shape)
+    if uniq.size and uniq[0] == -1:  # the padding slot
+        keep = slice(1, None)
+    else:
+        keep = slice(0, None)
+    src_of = np.where(uniq >= 0, uniq % n_src, 0)
+    t_vec = np.where(uniq >= 0, 1.0 / n_tgt, 0.0)
+    n_src_words = np.maximum(sm.sum(1), 1)[:, None]
     history = []
     for _ in range(iterations):
-        counts = np.zeros_like(t)
-        ll, words = 0.0, 0
-        for i in range(0, src.shape[0], chunk):
-            s, sm = src[i:i + chunk], src_mask[i:i + chunk]
-            o, om = tgt[i:i + chunk], tgt_mask[i:i + chunk]
-            p = t[o[:, :, None], s[:, None, :]] * sm[:, None, :]  # (n, L, T)
-            z = p.sum(-1, keepdims=True)
-            post = np.where(z > 0, p / np.where(z > 0, z, 1), 0) * om[:, :, None]
-            flat = (np.broadcast_to(o[:, :, None], post.shape) * n_src + np.broadcast_to(s[:, None, :], post.shape))
-            counts += np.bincount(flat.ravel(), weights=post.ravel(), minlength=counts.size).reshape(counts.shape)
-            n_src_words = np.maximum(sm.sum(1), 1)[:, None]
-            ll += float((np.log(np.maximum(z[..., 0] / n_src_words, 1e-300)) * om).sum())
-            words += int(om.sum())
-        total = counts.sum(0, keepdims=True)
-        t = np.where(total > 0, counts / np.where(total > 0, total, 1), 1.0 / n_tgt)
-        history.append(ll / max(words, 1))
+        p = t_vec[inverse] * valid
+        z = p.sum(-1, keepdims=True)
+        post = np.where(z > 0, p / np.where(z > 0, z, 1), 0)
+        counts = np.bincount(inverse.ravel(), weights=post.ravel(), minlength=uniq.size)
+        counts[uniq < 0] = 0
+        total = np.bincount(src_of, weights=counts, minlength=n_src)
+        t_vec = np.where(total[src_of] > 0, counts / np.where(total[src_of] > 0, total[src_of], 1), 0)
+        t_vec[uniq < 0] = 0
+        ll = (np.log(np.maximum(z[..., 0] / n_src_words, 1e-300)) * om).sum()
+        history.append(float(ll / max(int(om.sum()), 1)))
+    t = np.zeros((n_tgt, n_src))
+    t.flat[uniq[keep]] = t_vec[keep]
     return t, history
 
 

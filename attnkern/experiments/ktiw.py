@@ -220,8 +220,15 @@ def add_arguments(p) -> None:
     p.add_argument("--probe", type=int, default=None, help="held-out pairs on which agreement is measured")
 
 
-def jobs_for(args, extra=None, name_prefix=""):
+# Every run also fits IBM Model 1 (cheap next to the training), so that `ktiw` and `ibm1`
+# run the same jobs and share their cache (namespace "seq2seq-pairs").
+IBM1_DEFAULTS = dict(ibm1=True, ibm1_iterations=10, ibm1_pairs=2000)
+NAMESPACE = "seq2seq-pairs"
+
+
+def jobs_for(args, extra=None):
     scale, seeds = scale_for(args, QUICK, FULL)
+    extra = {**IBM1_DEFAULTS, **(extra or {})}
     jobs = []
     for ds in args.datasets:
         for norm in args.normalizers:
@@ -319,7 +326,7 @@ def reading(summary) -> str:
 
 def run(args) -> dict:
     jobs, scale, seeds = jobs_for(args)
-    sweep = run_sweep(args, train_pair, jobs)
+    sweep = run_sweep(args, train_pair, jobs, namespace=NAMESPACE)
     summary = collect(args, sweep, seeds, KEYS)
     config = {**common_config(args), "datasets": list(args.datasets), "seeds": seeds, "scale": scale}
     result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
