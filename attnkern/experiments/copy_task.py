@@ -160,8 +160,8 @@ def markdown(result) -> str:
                    f"{s['final_attn_acc'].get(d, {}).get(n, float('nan')):.3f}" for n in norms] for d in dists]
     lines.append(md_table(["distribution"] + norms, rows))
     lines += ["## Median step at which evaluation accuracy first reached 0.9 (successful runs)", ""]
-    rows = [[d] + [s["median_first_step_above_threshold"].get(d, {}).get(n) or "never" for n in norms]
-            for d in dists]
+    med = s["median_first_step_above_threshold"]
+    rows = [[d] + [("never" if med.get(d, {}).get(n) is None else f"{med[d][n]:.0f}") for n in norms] for d in dists]
     lines.append(md_table(["distribution"] + norms, rows))
     lines += ["## Reading", "", result["reading"], "", f"Budget: {CALIBRATION}.", "",
               "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]), ""]
