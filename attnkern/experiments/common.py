@@ -61,11 +61,12 @@ def sweep_block(sweep: runner.Sweep) -> dict:
             "failures": sweep.failures}
 
 
-def failures_md(sweep: runner.Sweep) -> str:
-    if not sweep.failures:
+def failures_md(failures: dict) -> str:
+    """A markdown list of the failed runs (name: first line of the error), or ""."""
+    if not failures:
         return ""
     lines = ["", "## Failed runs", ""]
-    for name, err in sorted(sweep.failures.items()):
+    for name, err in sorted(failures.items()):
         lines.append(f"- `{name}`: {err.splitlines()[0]}")
     return "\n".join(lines) + "\n"
 

@@ -165,13 +165,7 @@ def markdown(result) -> str:
     lines.append(md_table(["distribution"] + norms, rows))
     lines += ["## Reading", "", result["reading"], "", f"Budget: {CALIBRATION}.", "",
               "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]), ""]
-    return "\n".join(lines) + failures_md_from(result)
-
-
-def failures_md_from(result) -> str:
-    class _S:
-        failures = result["sweep"]["failures"]
-    return failures_md(_S)
+    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
 
 
 def reading(summary, dists, norms) -> str:

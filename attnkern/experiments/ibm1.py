@@ -108,4 +108,4 @@ def markdown(result) -> str:
                                "EM log-likelihood per word (first → last iteration)"], rows))
     lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
               "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]), ""]
-    return "\n".join(lines) + failures_md(type("S", (), {"failures": result["sweep"]["failures"]}))
+    return "\n".join(lines) + failures_md(result["sweep"]["failures"])

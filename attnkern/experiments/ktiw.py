@@ -311,7 +311,7 @@ def markdown(result) -> str:
                            "top-1 β(standard) = a(standard)"], rows))
     lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
               "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]), ""]
-    return "\n".join(lines) + failures_md(type("S", (), {"failures": result["sweep"]["failures"]}))
+    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
 
 
 def reading(summary) -> str:

@@ -172,4 +172,4 @@ def markdown(result) -> str:
     lines.append(md_table(["normalizer", "heads", "success rate", "runs"], rows))
     lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
               f"Plot: `{result['plots'][0]}`", ""]
-    return "\n".join(lines) + failures_md(type("S", (), {"failures": result["sweep"]["failures"]}))
+    return "\n".join(lines) + failures_md(result["sweep"]["failures"])

@@ -274,7 +274,7 @@ def markdown(result) -> str:
     lines += ["## The paper's claims", ""] + [f"- {v}" for v in PAPER.values()]
     lines += ["", "## Reading", "", result["reading"], "", "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]),
               ""]
-    return "\n".join(lines) + failures_md(type("S", (), {"failures": result["sweep"]["failures"]}))
+    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
 
 
 def reading(summary) -> str:
