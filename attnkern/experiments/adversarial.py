@@ -19,7 +19,7 @@ import torch
 
 from attnkern.experiments import interp
 from attnkern.experiments.classifiers import DATASETS
-from attnkern.experiments.common import md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
 from attnkern.experiments.metrics import jsd, tvd
 
 NAME = "adversarial"
@@ -166,7 +166,7 @@ def run(args) -> dict:
                      **summarize(per)})
     plots = _plot(merged, args.out)
     result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
-              "seeds": interp.n_seeds(args), **extra, "rows": rows, "plots": plots, **sweep_block(sweep)}
+              "seeds": interp.n_seeds(args), **extra, "rows": rows, "plots": plots, "sweep": sweep_block(sweep)}
     write_outputs(args.out, NAME, result, markdown(result))
     return result
 
@@ -193,4 +193,4 @@ def markdown(result: dict) -> str:
                            "mean ε-max JSD (n) by max a in [0,.25) / [.25,.5) / [.5,.75) / [.75,1]"], body))
     for p in result["plots"]:
         lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from attnkern.experiments import classifiers, interp
-from attnkern.experiments.common import md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
 from attnkern.experiments.metrics import jsd, tvd
 
 NAME = "baselines"
@@ -168,7 +168,7 @@ def run(args) -> dict:
         rows.append(row)
     plots = _plot(rows, args.out)
     result = {"experiment": NAME, "quick": args.quick, "instances": None, "seeds": interp.n_seeds(args),
-              "lambdas": lambdas, "rows": rows, "plots": plots, **sweep_block(sweep)}
+              "lambdas": lambdas, "rows": rows, "plots": plots, "sweep": sweep_block(sweep)}
     write_outputs(args.out, NAME, result, markdown(result))
     return result
 
@@ -218,4 +218,4 @@ def markdown(result: dict) -> str:
                            "JSD of attention"], body))
     for p in result["plots"]:
         lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])

@@ -145,8 +145,13 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv[1:])
         validate(args)
         args.experiment = cmd
-        module.run(args)
-        print(f"{cmd}: results in {args.out / (cmd + '.json')}, {args.out / (cmd + '.md')}")
+        result = module.run(args)
+        print(f"{cmd}: results (JSON, markdown, PNG) in {args.out}")
+        failed = sorted((result or {}).get("sweep", {}).get("failures", {}))
+        if failed:
+            print(f"{PROG}: {len(failed)} run(s) failed (the others are kept; rerun to retry): "
+                  + ", ".join(failed), file=sys.stderr)
+            return 1
         return 0
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

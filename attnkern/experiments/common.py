@@ -61,11 +61,12 @@ def sweep_block(sweep: runner.Sweep) -> dict:
             "failures": sweep.failures}
 
 
-def failures_md(sweep: runner.Sweep) -> str:
-    if not sweep.failures:
+def failures_md(failures: dict) -> str:
+    """A markdown list of the failed runs (name: first line of the error), or ""."""
+    if not failures:
         return ""
     lines = ["", "## Failed runs", ""]
-    for name, err in sorted(sweep.failures.items()):
+    for name, err in sorted(failures.items()):
         lines.append(f"- `{name}`: {err.splitlines()[0]}")
     return "\n".join(lines) + "\n"
 
@@ -94,3 +95,48 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def run_sweep(args, fn, jobs: list[runner.Job], desc: str | None = None, namespace: str | None = None) -> runner.Sweep:
+    """Runs jobs with the CLI's executor options, caching under OUT/cache/<namespace>/ (the
+    experiment's name by default; experiments that run the same jobs share a namespace)."""
+    namespace = namespace or args.experiment
+    return runner.run_jobs(fn, jobs, Path(args.out) / "cache" / namespace, experiment=namespace,
+                           n_jobs=args.jobs, executor=args.executor, scheduler=args.scheduler,
+                           progress=getattr(args, "progress", True), desc=desc or args.experiment)
+
+
+def common_config(args) -> dict:
+    """The CLI options every experiment records."""
+    return {"quick": bool(args.quick), "backend": args.backend, "device": args.device,
+            "normalizers": list(args.normalizers), "jobs": args.jobs, "executor": args.executor}
+
+
+def kendall_tau_rows(x: np.ndarray, y: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Kendall's τ-b between x[..., :] and y[..., :] row by row over the positions where
+    mask is True (vectorized; equals scipy.stats.kendalltau per row). Rows with fewer
+    than 2 positions, or where x or y is constant, give NaN.
+
+    x, y: (..., T) floats; mask: (..., T) bool (broadcast to x's shape)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    mask = np.broadcast_to(np.asarray(mask, dtype=bool), x.shape)
+    dx = np.sign(x[..., :, None] - x[..., None, :])
+    dy = np.sign(y[..., :, None] - y[..., None, :])
+    pair = mask[..., :, None] & mask[..., None, :]
+    pair = np.triu(pair, k=1) if pair.ndim == 2 else pair & np.triu(np.ones(pair.shape[-2:], dtype=bool), 1)
+    s = (dx * dy * pair).sum((-1, -2))
+    nx = ((dx != 0) & pair).sum((-1, -2))
+    ny = ((dy != 0) & pair).sum((-1, -2))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tau = s / np.sqrt(nx.astype(float) * ny)
+    return np.where((nx > 0) & (ny > 0), tau, np.nan)
+
+
+def shuffle_rows(x: np.ndarray, mask: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """x with the real positions (mask True, a prefix of each row) permuted within each row."""
+    x = np.array(x, dtype=float, copy=True)
+    flat, m = x.reshape(-1, x.shape[-1]), np.broadcast_to(mask, x.shape).reshape(-1, x.shape[-1])
+    for i in range(flat.shape[0]):
+        n = int(m[i].sum())
+        flat[i, :n] = flat[i, :n][rng.permutation(n)]
+    return flat.reshape(x.shape)

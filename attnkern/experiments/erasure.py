@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from attnkern.experiments import interp
-from attnkern.experiments.common import md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
 
 NAME = "erasure"
 ORDERS = ("attention", "random", "gradient", "gradient_x_attention")
@@ -148,7 +148,7 @@ def run(args) -> dict:
     plots = _plot(rows, args.out)
     result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
               "seeds": interp.n_seeds(args), "orders": list(ORDERS), "rows": rows, "plots": plots,
-              **sweep_block(sweep)}
+              "sweep": sweep_block(sweep)}
     write_outputs(args.out, NAME, result, markdown(result))
     return result
 
@@ -175,4 +175,4 @@ def markdown(result: dict) -> str:
                            *[f"{n.replace('_', ' ')}: flips / items / mass" for n in ORDERS]], body))
     for p in result["plots"]:
         lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])

@@ -19,7 +19,7 @@ import numpy as np
 
 from attnkern.experiments import interp
 from attnkern.experiments.classifiers import DATASETS
-from attnkern.experiments.common import md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
 from attnkern.experiments.metrics import KendallResult, kendall_tau, summarize_kendall, topk_agreement
 
 NAME = "importance"
@@ -192,7 +192,7 @@ def run(args) -> dict:
                      "paper_rows": list(DATASETS[dataset].paper_rows)})
     plots = _plot(merged_by_key, args.out)
     result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
-              "seeds": interp.n_seeds(args), "rows": rows, "plots": plots, **sweep_block(sweep),
+              "seeds": interp.n_seeds(args), "rows": rows, "plots": plots, "sweep": sweep_block(sweep),
               "notes": ["embeddings trained from scratch (the paper used pretrained word vectors)",
                         "Kendall tau-b from scipy.stats; undefined tau (fewer than 2 tokens, constant vector) "
                         "counted in *_undefined and left out of means and significant fractions",
@@ -245,4 +245,4 @@ def markdown(result: dict) -> str:
                            "τ_g support", "τ_loo support", "no τ", "top-1…5 gradient", "top-1…5 loo"], body))
     for p in result["plots"]:
         lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])

@@ -197,10 +197,9 @@ def model_jobs(args, experiment: str, extra: dict | None = None, normalizers=Non
 
 def run_model_jobs(fn, jobs, args, experiment: str):
     """Runs the jobs through the shared runner (joblib or dask, cached under <out>/cache/<experiment>)."""
-    from attnkern.experiments.runner import run_jobs
+    from attnkern.experiments.common import run_sweep
 
-    return run_jobs(fn, jobs, args.out / "cache" / experiment, experiment=experiment, n_jobs=args.jobs,
-                    executor=args.executor, scheduler=args.scheduler, progress=args.progress, desc=experiment)
+    return run_sweep(args, fn, jobs, desc=experiment, namespace=experiment)
 
 
 def trained_from_config(config: dict):

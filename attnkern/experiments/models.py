@@ -145,9 +145,12 @@ class Seq2Seq(nn.Module):
         is the whole context (knowledge to translate individual words)."""
         enc, dec = out.encoder, out.decoder
         B, L, T, H = dec.shape[0], dec.shape[1], enc.shape[1], enc.shape[2]
-        logits = self.output_logits(enc.unsqueeze(1).expand(B, L, T, H), dec.unsqueeze(2).expand(B, L, T, H))
-        logp = torch.log_softmax(logits, -1)
-        return logp.gather(-1, tgt.view(B, L, 1, 1).expand(B, L, T, 1)).squeeze(-1)
+        # W_c [h_t; d_l] = W_h h_t + W_d d_l: project each side once, then combine (B, L, T, H)
+        w_h, w_d = self.combine.weight[:, :H], self.combine.weight[:, H:]
+        hidden = torch.tanh((enc @ w_h.T).unsqueeze(1) + (dec @ w_d.T).unsqueeze(2))
+        logits = self.out(hidden)
+        gold = logits.gather(-1, tgt.view(B, L, 1, 1).expand(B, L, T, 1)).squeeze(-1)
+        return gold - torch.logsumexp(logits, -1)
 
 
 class MultiHeadSeq2Seq(nn.Module):

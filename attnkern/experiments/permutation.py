@@ -15,7 +15,7 @@ import torch
 
 from attnkern.experiments import interp
 from attnkern.experiments.classifiers import DATASETS
-from attnkern.experiments.common import md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
 from attnkern.experiments.metrics import tvd
 
 NAME = "permutation"
@@ -120,7 +120,7 @@ def run(args) -> dict:
     plots = _plot(merged, args.out)
     result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
               "seeds": interp.n_seeds(args), "permutations": args.permutations, "rows": rows, "plots": plots,
-              **sweep_block(sweep)}
+              "sweep": sweep_block(sweep)}
     write_outputs(args.out, NAME, result, markdown(result))
     return result
 
@@ -147,4 +147,4 @@ def markdown(result: dict) -> str:
                            "mean Δŷ_med (n) by max a in [0,.25) / [.25,.5) / [.5,.75) / [.75,1]"], body))
     for p in result["plots"]:
         lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])

@@ -67,10 +67,11 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_idx: int = 0, max_len: int | No
         raise ValueError("seqs must not be empty")
     lengths = [len(s) if max_len is None else min(len(s), max_len) for s in seqs]
     T = max(max(lengths), 1)
-    tokens = torch.full((len(seqs), T), pad_idx, dtype=torch.long)
+    arr = np.full((len(seqs), T), pad_idx, dtype=np.int64)
     for i, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
         if n:
-            tokens[i, :n] = torch.as_tensor(list(s)[:n], dtype=torch.long)
+            arr[i, :n] = list(s)[:n]
+    tokens = torch.from_numpy(arr)
     mask = torch.arange(T).unsqueeze(0) < torch.as_tensor(lengths).unsqueeze(1)
     return tokens, mask
 
