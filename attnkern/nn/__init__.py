@@ -4,8 +4,11 @@ from attnkern.nn.attention import MultiheadAttention
 from attnkern.nn.bisect import BudgetBisect, NormmaxBisect, SparsemaxBisect
 from attnkern.nn.losses import Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss
 from attnkern.nn.normalizers import Entmax15, EntmaxAlpha, EntmaxBisect, Softmax, Sparsemax
+from attnkern.nn.rnn_attention import AdditiveAttention, LuongAttention, RNNAttention, ScaledDotAttention
 
 __all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "MultiheadAttention",
+           # attention for recurrent models
+           "LuongAttention", "AdditiveAttention", "ScaledDotAttention", "RNNAttention",
            # entmax-package compatibility
            "SparsemaxBisect", "NormmaxBisect", "BudgetBisect",
            "SparsemaxLoss", "SparsemaxBisectLoss", "Entmax15Loss", "EntmaxBisectLoss", "NormmaxBisectLoss"]

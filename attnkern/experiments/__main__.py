@@ -1,0 +1,5 @@
+import sys
+
+from attnkern.experiments.cli import main
+
+sys.exit(main())

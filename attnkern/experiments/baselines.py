@@ -1,0 +1,221 @@
+"""Baselines: is learned attention needed, and can a model be trained to attend elsewhere? (Wiegreffe & Pinter 2019)
+
+- Uniform attention (weights fixed to 1/n, Wiegreffe & Pinter's baseline) and frozen random attention (the scorer
+  and query left at their random initialisation) against the learned attention: test accuracy and macro-F1.
+- The deceptive model: a copy of the base (learned) model trained further to reproduce the base model's
+  predictions while attending differently, with the loss ``TVD(ŷ_adv, ŷ_base) − λ KL(a_base ‖ a_adv)`` per
+  training instance, for each λ. KL is infinite between sparse distributions with different supports, so for
+  sparsemax and entmax models JSD takes its place (the table says which was used). Reported on the test split:
+  accuracy, mean TVD to the base model's predictions and mean JSD between the two attentions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, replace
+
+import numpy as np
+import torch
+
+from attnkern.experiments import classifiers, interp
+from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.metrics import jsd, tvd
+
+NAME = "baselines"
+DEFAULT_LAMBDAS = (0.001, 0.01, 0.1, 1.0)
+_FLOOR = 1e-12  # keeps log q finite where float32 softmax underflows to 0
+
+
+def add_arguments(parser) -> None:
+    interp.add_model_arguments(parser, instances_help="(unused: baselines evaluate the whole test split)")
+    parser.add_argument("--lambdas", nargs="+", type=float, default=None,
+                        help="λ of the deceptive models (default 0.001 0.01 0.1 1; 0.01 1 with --quick)")
+
+
+def divergence_name(normalizer: str) -> str:
+    return "KL" if normalizer == "softmax" else "JSD"
+
+
+def attention_divergence(a_base: torch.Tensor, a_adv: torch.Tensor, normalizer: str) -> torch.Tensor:
+    """KL(a_base ‖ a_adv) for softmax (log of a_adv floored so float32 underflow stays finite), JSD otherwise."""
+    if normalizer == "softmax":
+        terms = a_base * (torch.log(a_base.clamp_min(_FLOOR)) - torch.log(a_adv.clamp_min(_FLOOR)))
+        return torch.where(a_base > 0, terms, torch.zeros_like(terms)).sum(-1)
+    return jsd(a_base, a_adv)
+
+
+@torch.no_grad()
+def _targets(base, split, batch_size: int = 64):
+    """The base model's output distributions and attention per document of a split (lists of tensors)."""
+    seqs, labels = split
+    probs, weights = [], []
+    for tokens, mask, _ in classifiers.iterate(seqs, labels, batch_size):
+        out = base(tokens, mask)
+        probs.extend(torch.softmax(out.logits, -1))
+        weights.extend(w[m] for w, m in zip(out.weights, mask, strict=True))
+    return probs, weights
+
+
+def _batch_targets(idx, probs, weights, T):
+    p = torch.stack([probs[i] for i in idx])
+    w = torch.zeros(len(idx), T)
+    for row, i in enumerate(idx):
+        w[row, : weights[i].shape[0]] = weights[i]
+    return p, w
+
+
+def deceptive_stats(model, base_targets, split, normalizer: str, lam: float, batch_size: int = 64) -> dict:
+    """Mean TVD to the base predictions, mean JSD and divergence between attentions, accuracy, objective."""
+    probs, weights = base_targets
+    seqs, labels = split
+    tv, js, dv, correct = [], [], [], []
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(seqs), batch_size):
+            idx = list(range(start, min(start + batch_size, len(seqs))))
+            tokens, mask, y = next(classifiers.iterate([seqs[i] for i in idx], labels[idx], len(idx)))
+            out = model(tokens, mask)
+            p, w = _batch_targets(idx, probs, weights, tokens.shape[1])
+            q = torch.softmax(out.logits, -1)
+            tv.append(tvd(q, p))
+            js.append(jsd(w, out.weights))
+            dv.append(attention_divergence(w, out.weights, normalizer))
+            correct.append(out.logits.argmax(-1) == y)
+    tv, js, dv = torch.cat(tv), torch.cat(js), torch.cat(dv)
+    return {"accuracy": float(torch.cat(correct).float().mean()), "tvd": float(tv.mean()), "jsd": float(js.mean()),
+            "divergence": float(dv.mean()), "objective": float(tv.mean() - lam * dv.mean())}
+
+
+def get_deceptive(base: classifiers.Trained, lam: float, out) -> tuple[classifiers.TrainConfig, dict]:
+    """Trains (or loads) the deceptive model for ``base`` and λ; returns its config and test statistics."""
+    cfg = base.config
+    path = classifiers.model_path(cfg, out).with_name(f"{cfg.name()}-deceive{lam:g}-{cfg.key()}.pt")
+    if path.exists():
+        return cfg, torch.load(path, map_location="cpu", weights_only=True)["stats"]
+    data = base.data
+    train_targets = _targets(base.model, data.train)
+    dev_targets = _targets(base.model, data.dev)
+    test_targets = _targets(base.model, data.test)
+    seqs = data.train[0]
+    # start from the base model: it already predicts what it must, so the epochs go to moving its attention
+    model = classifiers.build_model(cfg, len(data.vocab), data.num_classes)
+    model.load_state_dict(base.model.state_dict())
+    rng = np.random.default_rng(cfg.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    best, best_state = -math.inf, None
+    for _ in range(cfg.epochs):
+        model.train()
+        for idx in classifiers.batches(len(seqs), cfg.batch_size, rng):
+            tokens, mask = classifiers.pad_batch([seqs[i] for i in idx])
+            p, w = _batch_targets(idx, *train_targets, tokens.shape[1])
+            out = model(tokens, mask)
+            q = torch.softmax(out.logits, -1)
+            loss = (tvd(q, p) - lam * attention_divergence(w, out.weights, cfg.normalizer)).mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+        # model selection on dev, by the same objective (lower is better)
+        score = -deceptive_stats(model, dev_targets, data.dev, cfg.normalizer, lam)["objective"]
+        if score > best:
+            best, best_state = score, {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best_state)
+    stats = deceptive_stats(model, test_targets, data.test, cfg.normalizer, lam)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": model.state_dict(), "stats": stats, "lambda": lam, "config": asdict(cfg)}, path)
+    return cfg, stats
+
+
+def analyse(config: dict, seed: int) -> dict:
+    cfg = classifiers.TrainConfig(**config["train"])
+    out = config["out"]
+    learned = classifiers.get_classifier(cfg, out)
+    random_ = classifiers.get_classifier(replace(cfg, mode="random"), out)
+    uniform = classifiers.get_classifier(replace(cfg, mode="uniform", normalizer="softmax"), out)
+    result = {}
+    for name, trained in (("learned", learned), ("random", random_), ("uniform", uniform)):
+        result[name] = {"accuracy": trained.info["test_accuracy"], "macro_f1": trained.info["test_macro_f1"]}
+    base_stats = deceptive_stats(learned.model, _targets(learned.model, learned.data.test), learned.data.test,
+                                 cfg.normalizer, 0.0)
+    result["deceptive"] = []
+    for lam in config["lambdas"]:
+        _, stats = get_deceptive(learned, lam, out)
+        result["deceptive"].append({"lambda": lam, **stats})
+    result["base_self"] = base_stats  # sanity: TVD and JSD of the base model against itself are 0
+    return result
+
+
+def run(args) -> dict:
+    interp.check_model_arguments(args)
+    lambdas = args.lambdas if args.lambdas is not None else ([0.01, 1.0] if args.quick else list(DEFAULT_LAMBDAS))
+    if any(not (lam >= 0 and math.isfinite(lam)) for lam in lambdas):
+        raise ValueError(f"argument --lambdas: must be finite and >= 0, got {lambdas}")
+    jobs = interp.model_jobs(args, NAME, extra={"lambdas": lambdas})
+    sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
+    rows = []
+    for key, results in sorted(interp.group_runs(sweep).items()):
+        dataset, encoder, normalizer = key
+        row = {"dataset": dataset, "encoder": encoder, "normalizer": normalizer, "seeds": len(results),
+               "divergence": divergence_name(normalizer)}
+        for name in ("learned", "random", "uniform"):
+            row[f"{name}_accuracy"] = float(np.mean([r[name]["accuracy"] for r in results]))
+            row[f"{name}_macro_f1"] = float(np.mean([r[name]["macro_f1"] for r in results]))
+        row["deceptive"] = []
+        for i, lam in enumerate(lambdas):
+            entries = [r["deceptive"][i] for r in results]
+            row["deceptive"].append({"lambda": lam, **{k: float(np.mean([e[k] for e in entries]))
+                                                       for k in ("accuracy", "tvd", "jsd", "divergence")}})
+        rows.append(row)
+    plots = _plot(rows, args.out)
+    result = {"experiment": NAME, "quick": args.quick, "instances": None, "seeds": interp.n_seeds(args),
+              "lambdas": lambdas, "rows": rows, "plots": plots, "sweep": sweep_block(sweep)}
+    write_outputs(args.out, NAME, result, markdown(result))
+    return result
+
+
+def _plot(rows, out) -> list[str]:
+    if not rows:
+        return []
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for r in rows:
+        xs = [d["jsd"] for d in r["deceptive"]]
+        ys = [d["accuracy"] for d in r["deceptive"]]
+        ax.plot(xs, ys, marker="o", label=f"{r['dataset']}/{r['encoder']}/{r['normalizer']}")
+    ax.set_xlabel("mean JSD(base attention, deceptive attention)")
+    ax.set_ylabel("deceptive model test accuracy")
+    ax.set_title("Deceptive models over λ")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    name = "baselines.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return [name]
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Uniform, random and deceptive attention (Wiegreffe & Pinter 2019)", "",
+             "Test accuracy (macro-F1) with learned attention, frozen random attention and uniform attention "
+             "(uniform does not depend on the normalizer). Wiegreffe & Pinter found that uniform weights often "
+             "lose little, in which case attention is not needed for the task and says little about it.", "",
+             interp.scale_note(result), ""]
+    body = [[r["dataset"], r["encoder"], r["normalizer"],
+             f"{r['learned_accuracy']:.3f} ({r['learned_macro_f1']:.3f})",
+             f"{r['random_accuracy']:.3f} ({r['random_macro_f1']:.3f})",
+             f"{r['uniform_accuracy']:.3f} ({r['uniform_macro_f1']:.3f})"] for r in result["rows"]]
+    lines.append(md_table(["dataset", "encoder", "normalizer", "learned", "frozen random", "uniform"], body))
+    lines += ["## Deceptive models", "",
+              "Initialised from the base model and trained to keep its predictions (TVD) while pushing its "
+              "attention away (−λ · divergence; KL(a_base ‖ a_adv) for softmax, JSD for sparsemax/entmax, "
+              "whose KL is infinite across different supports). Test split: accuracy, mean TVD to the base "
+              "predictions, mean JSD between the attentions (nats, ≤ 0.693).", ""]
+    body = []
+    for r in result["rows"]:
+        for d in r["deceptive"]:
+            body.append([r["dataset"], r["encoder"], r["normalizer"], r["divergence"], f"{d['lambda']:g}",
+                         f"{d['accuracy']:.3f}", f"{d['tvd']:.3f}", f"{d['jsd']:.3f}"])
+    lines.append(md_table(["dataset", "encoder", "normalizer", "divergence", "λ", "acc", "TVD to base",
+                           "JSD of attention"], body))
+    for p in result["plots"]:
+        lines.append(f"![{p}]({p})")
+    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])

@@ -1,0 +1,236 @@
+"""copy: sequence copying of length 40 under the iid, permutation and subset distributions.
+
+"Approximating How Single Head Attention Learns" (Zhong et al.) argues that an
+attention model first learns to translate individual words from word
+co-occurrence statistics, and that this knowledge then drives the attention.
+Permutations of 40 tokens remove those statistics (every token occurs once in
+every sequence), and the slides report that about half of the runs fail to
+learn copying; with tokens drawn i.i.d. every run succeeds. This experiment
+measures the success rate (token accuracy >= 0.9 on fresh samples at the end
+of a fixed step budget) for each distribution and normalizer, and the learning
+curves of token accuracy and attention accuracy (the argmax of the weights of
+output step l on source position l).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnkern.experiments import runner
+from attnkern.experiments.common import (
+    common_config,
+    failures_md,
+    md_table,
+    pyplot,
+    run_sweep,
+    sweep_block,
+    write_outputs,
+)
+from attnkern.experiments.data.synthetic import COPY_DISTRIBUTIONS
+from attnkern.experiments.seq2seq_train import copy_config, train_copy
+
+NAME = "copy"
+
+# Step budgets: the smallest budget (on the evaluation grid) at which softmax iid runs succeed in
+# >= 90% of seeds, measured with `attnkern-exp copy --quick --calibrate 600 --seeds 10`: success
+# 0.0 at 175 steps, 0.1 at 200, 0.9 at 225, 1.0 from 250 on, so the quick budget is 225 steps.
+QUICK = dict(hidden_dim=64, embed_dim=64, batch=32, steps=225, eval_every=25, eval_samples=50, stop_at=0.95,
+             seeds=6)
+FULL = dict(hidden_dim=256, embed_dim=256, batch=128, steps=3000, eval_every=10, eval_samples=50, stop_at=0.95,
+            seeds=20)
+CALIBRATION = ("quick budget 225 steps: the smallest at which >= 90% of 10 softmax iid runs succeed "
+               "(`attnkern-exp copy --quick --calibrate 600 --seeds 10`: 0.1 at 200 steps, 0.9 at 225, 1.0 at "
+               "250); full-scale budget 3000 steps: not calibrated (a full calibration takes CPU-hours; run "
+               "`attnkern-exp copy --calibrate 3000`)")
+
+# What the paper's slides report for softmax attention (no numbers for sparse normalizers).
+PAPER = {"iid": "always succeeds (1.0)", "permutation": "about half fail (~0.5)",
+         "subset": "not reported in the slides"}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--distributions", nargs="+", default=list(COPY_DISTRIBUTIONS), choices=COPY_DISTRIBUTIONS)
+    p.add_argument("--steps", type=int, default=None, help="override the step budget")
+    p.add_argument("--hidden", type=int, default=None, help="override the embedding/hidden size")
+    p.add_argument("--batch", type=int, default=None, help="override the batch size")
+    p.add_argument("--calibrate", type=int, default=None, metavar="MAX_STEPS",
+                   help="instead of the sweep: train softmax iid runs for up to MAX_STEPS and report the smallest "
+                        "budget (multiple of the evaluation interval) at which >= 90%% of them succeed")
+
+
+def configs(args) -> tuple[dict, int]:
+    scale = dict(QUICK if args.quick else FULL)
+    seeds = args.seeds or scale.pop("seeds")
+    scale.pop("seeds", None)
+    for opt, key in (("steps", "steps"), ("hidden", "hidden_dim"), ("batch", "batch")):
+        v = getattr(args, opt, None)
+        if v is not None:
+            if v < 1:
+                raise ValueError(f"--{opt} must be a positive int, got {v}")
+            scale[key] = v
+            if key == "hidden_dim":
+                scale["embed_dim"] = v
+    return scale, seeds
+
+
+def jobs_for(args) -> tuple[list[runner.Job], dict, int]:
+    scale, seeds = configs(args)
+    jobs = []
+    for dist in args.distributions:
+        for norm in args.normalizers:
+            cfg = copy_config(distribution=dist, normalizer=norm, backend=args.backend, device=args.device, **scale)
+            for s in range(seeds):
+                jobs.append(runner.Job(f"{dist}/{norm}/seed{s}", cfg, s))
+    return jobs, scale, seeds
+
+
+def summarize(args, sweep, scale, seeds) -> dict:
+    success, acc, attn, first = {}, {}, {}, {}
+    curves = {}
+    for dist in args.distributions:
+        for key in (success, acc, attn, first, curves):
+            key[dist] = {}
+        for norm in args.normalizers:
+            recs = [sweep.results.get(f"{dist}/{norm}/seed{s}") for s in range(seeds)]
+            res = [r["result"] for r in recs if r is not None]
+            if not res:
+                continue
+            success[dist][norm] = float(np.mean([r["success"] for r in res]))
+            acc[dist][norm] = float(np.mean([r["final_token_acc"] for r in res]))
+            attn[dist][norm] = float(np.mean([r["final_attn_acc"] for r in res]))
+            steps = [r["first_step_above_threshold"] for r in res if r["first_step_above_threshold"] is not None]
+            first[dist][norm] = float(np.median(steps)) if steps else None
+            curves[dist][norm] = {f"seed{s}": recs[s]["result"]["curve"] for s in range(seeds) if recs[s]}
+    return {"success_rate": success, "final_token_acc": acc, "final_attn_acc": attn,
+            "median_first_step_above_threshold": first, "curves": curves,
+            "runs_per_cell": seeds}
+
+
+def plot(out, summary, args) -> list[str]:
+    plt = pyplot()
+    files = []
+    dists, norms = args.distributions, args.normalizers
+    for metric, label in (("token_acc", "token accuracy"), ("attn_acc", "attention accuracy")):
+        fig, axes = plt.subplots(len(norms), len(dists), figsize=(4 * len(dists), 2.8 * len(norms)),
+                                 squeeze=False, sharex=True, sharey=True)
+        for i, norm in enumerate(norms):
+            for j, dist in enumerate(dists):
+                ax = axes[i][j]
+                for c in summary["curves"].get(dist, {}).get(norm, {}).values():
+                    ax.plot(c["step"], c[metric], lw=0.8, alpha=0.7)
+                ax.set_title(f"{dist} / {norm}", fontsize=9)
+                ax.set_ylim(0, 1.02)
+                if i == len(norms) - 1:
+                    ax.set_xlabel("step")
+                if j == 0:
+                    ax.set_ylabel(label)
+        fig.tight_layout()
+        name = f"{NAME}_{metric}.png"
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        files.append(name)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(dists) * len(norms) / 2, 3))
+    width = 0.8 / max(len(norms), 1)
+    for k, norm in enumerate(norms):
+        vals = [summary["success_rate"].get(d, {}).get(norm, np.nan) for d in dists]
+        ax.bar(np.arange(len(dists)) + k * width, vals, width, label=norm)
+    ax.set_xticks(np.arange(len(dists)) + width * (len(norms) - 1) / 2, dists)
+    ax.set_ylabel("success rate")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / f"{NAME}_success.png", dpi=90)
+    plt.close(fig)
+    return files + [f"{NAME}_success.png"]
+
+
+def markdown(result) -> str:
+    s, cfg = result["summary"], result["config"]
+    dists, norms = cfg["distributions"], cfg["normalizers"]
+    lines = [f"# copy: sequence copying (length {cfg['scale'].get('length', 40)})", "",
+             f"Configuration: {'--quick' if cfg['quick'] else 'full scale'}; hidden {cfg['scale']['hidden_dim']}, "
+             f"batch {cfg['scale']['batch']}, step budget {cfg['scale']['steps']}, {cfg['seeds']} seeds per cell, "
+             f"backend {cfg['backend']}. Success = token accuracy >= 0.9 on {cfg['scale']['final_samples']} fresh "
+             "samples at the end of the budget.", "",
+             "## Success rate (ours) beside the paper's (softmax)", ""]
+    rows = [[d] + [s["success_rate"].get(d, {}).get(n, "n/a") for n in norms] + [PAPER[d]] for d in dists]
+    lines.append(md_table(["distribution"] + norms + ["paper (softmax)"], rows))
+    lines += ["## Final token accuracy / attention accuracy (mean over seeds)", ""]
+    rows = [[d] + [f"{s['final_token_acc'].get(d, {}).get(n, float('nan')):.3f} / "
+                   f"{s['final_attn_acc'].get(d, {}).get(n, float('nan')):.3f}" for n in norms] for d in dists]
+    lines.append(md_table(["distribution"] + norms, rows))
+    lines += ["## Median step at which evaluation accuracy first reached 0.9 (successful runs)", ""]
+    med = s["median_first_step_above_threshold"]
+    rows = [[d] + [("never" if med.get(d, {}).get(n) is None else f"{med[d][n]:.0f}") for n in norms] for d in dists]
+    lines.append(md_table(["distribution"] + norms, rows))
+    lines += ["## Reading", "", result["reading"], "", f"Budget: {CALIBRATION}.", "",
+              "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]), ""]
+    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+
+
+def reading(summary, dists, norms) -> str:
+    sr = summary["success_rate"]
+    parts = []
+    if "iid" in sr and "permutation" in sr:
+        for n in norms:
+            a, b = sr["iid"].get(n), sr["permutation"].get(n)
+            if a is None or b is None:
+                continue
+            rel = "more often than" if a > b else ("as often as" if a == b else "less often than")
+            parts.append(f"{n}: iid succeeds {rel} permutation ({a:.2f} vs {b:.2f})")
+    sparse = [n for n in norms if n != "softmax"]
+    if "softmax" in norms and sparse and "permutation" in sr:
+        diffs = [f"{n} {sr['permutation'].get(n, float('nan')):.2f}" for n in sparse]
+        parts.append(f"on permutations, softmax {sr['permutation'].get('softmax', float('nan')):.2f} vs "
+                     + ", ".join(diffs))
+    return "; ".join(parts) + "." if parts else "No complete cells."
+
+
+def budget_success(curve: dict, budget: int, threshold: float, stop_at: float | None) -> bool:
+    """Whether a run would have succeeded with this step budget, read from its evaluation curve
+    (the last evaluation at or before the budget; a run stopped early stays a success)."""
+    steps, acc = curve["step"], curve["token_acc"]
+    seen = [a for s, a in zip(steps, acc, strict=True) if s <= budget]
+    if not seen:
+        return False
+    if stop_at is not None and steps[-1] <= budget and acc[-1] >= stop_at:
+        return True
+    return seen[-1] >= threshold
+
+
+def calibrate(args) -> dict:
+    scale, seeds = configs(args)
+    scale["steps"] = args.calibrate
+    cfg = copy_config(distribution="iid", normalizer="softmax", backend=args.backend, device=args.device, **scale)
+    jobs = [runner.Job(f"calibrate/iid/softmax/seed{s}", cfg, s) for s in range(seeds)]
+    sweep = run_sweep(args, train_copy, jobs)
+    curves = [r["result"]["curve"] for r in sweep.results.values()]
+    grid = list(range(cfg["eval_every"], args.calibrate + 1, cfg["eval_every"]))
+    rates = {b: float(np.mean([budget_success(c, b, cfg["threshold"], cfg["stop_at"]) for c in curves]))
+             for b in grid} if curves else {}
+    budget = next((b for b in grid if rates[b] >= 0.9), None)
+    result = {"experiment": "copy-calibration", "config": cfg, "seeds": seeds, "meta": runner.metadata(cfg),
+              "success_rate_by_budget": rates, "budget": budget, "sweep": sweep_block(sweep)}
+    md = (f"# copy: step-budget calibration\n\nsoftmax, iid, {seeds} seeds, hidden {cfg['hidden_dim']}, batch "
+          f"{cfg['batch']}: the smallest budget at which >= 90% of runs succeed is **{budget}** steps.\n\n"
+          + md_table(["budget", "iid success rate"], [[b, r] for b, r in rates.items()]))
+    write_outputs(args.out, "copy_calibration", result, md)
+    return result
+
+
+def run(args) -> dict:
+    if getattr(args, "calibrate", None) is not None:
+        if args.calibrate < 1:
+            raise ValueError(f"--calibrate must be a positive int, got {args.calibrate}")
+        return calibrate(args)
+    jobs, scale, seeds = jobs_for(args)
+    sweep = run_sweep(args, train_copy, jobs)
+    summary = summarize(args, sweep, scale, seeds)
+    config = {**common_config(args), "distributions": list(args.distributions), "seeds": seeds,
+              "scale": copy_config(**scale), "calibration": CALIBRATION}
+    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config),
+              "paper": PAPER, "success_rate": summary["success_rate"], "summary": summary, "sweep": sweep_block(sweep),
+              "reading": reading(summary, args.distributions, args.normalizers)}
+    result["plots"] = plot(args.out, summary, args)
+    write_outputs(args.out, NAME, result, markdown(result))
+    return result

@@ -1,0 +1,248 @@
+"""Importance: does attention agree with gradient and leave-one-out importance? (Jain & Wallace 2019, Table 2)
+
+For every test instance of every trained classifier: Kendall τ-b (scipy) between the attention over the tokens and
+
+- gradient importance ``|Σ_d ∂ŷ/∂e_td · e_td|`` (ŷ the predicted class's probability, attention held fixed),
+- leave-one-out importance ``TVD(ŷ(x_{-t}), ŷ(x))`` (token t removed).
+
+Reported as the paper's Table 2: mean ± std of τ over instances and the fraction with p ≤ 0.05, overall and by
+predicted class. For sparse attention also τ on the support only (instances whose support holds fewer than two
+tokens are counted and left out), the support size, and the top-k agreement (k = 1…5) between attention and each
+importance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from attnkern.experiments import interp
+from attnkern.experiments.classifiers import DATASETS
+from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.metrics import KendallResult, kendall_tau, summarize_kendall, topk_agreement
+
+NAME = "importance"
+TOPK = (1, 2, 3, 4, 5)
+
+# Jain & Wallace (2019), Table 2: (mean, std, sig. frac.) per predicted class; gradient τ for the BiLSTM and the
+# average encoder, leave-one-out τ for the BiLSTM (the table has no CNN or average leave-one-out columns).
+PAPER_TABLE2 = {
+    "SST": {
+        0: {"bilstm_grad": (0.40, 0.21, 0.59), "average_grad": (0.69, 0.15, 0.93), "bilstm_loo": (0.34, 0.20, 0.47)},
+        1: {"bilstm_grad": (0.38, 0.19, 0.58), "average_grad": (0.69, 0.14, 0.94), "bilstm_loo": (0.33, 0.19, 0.47)}},
+    "ADR Tweets": {
+        0: {"bilstm_grad": (0.45, 0.17, 0.74), "average_grad": (0.71, 0.13, 0.97), "bilstm_loo": (0.29, 0.19, 0.44)},
+        1: {"bilstm_grad": (0.45, 0.16, 0.77), "average_grad": (0.71, 0.13, 0.97), "bilstm_loo": (0.40, 0.17, 0.69)}},
+    "20News": {
+        0: {"bilstm_grad": (0.08, 0.15, 0.31), "average_grad": (0.65, 0.09, 0.99), "bilstm_loo": (0.05, 0.15, 0.28)},
+        1: {"bilstm_grad": (0.13, 0.16, 0.48), "average_grad": (0.66, 0.09, 1.00), "bilstm_loo": (0.14, 0.14, 0.51)}},
+    "AG News": {
+        0: {"bilstm_grad": (0.42, 0.11, 0.93), "average_grad": (0.77, 0.08, 1.00), "bilstm_loo": (0.35, 0.13, 0.80)},
+        1: {"bilstm_grad": (0.35, 0.13, 0.81), "average_grad": (0.75, 0.07, 1.00), "bilstm_loo": (0.32, 0.13, 0.73)}},
+}
+
+
+def add_arguments(parser) -> None:
+    interp.add_model_arguments(parser)
+
+
+def analyse(config: dict, seed: int) -> dict:
+    """One trained model: per-instance τ (gradient, leave-one-out, on the support), support sizes, top-k."""
+    trained = interp.trained_from_config(config)
+    model = trained.model
+    per = {"pred": [], "label": [], "length": [], "support": [], "grad": [], "loo": [], "grad_supp": [],
+           "loo_supp": [], "topk_grad": [], "topk_loo": []}
+    for enc, labels in interp.test_batches(trained, config["instances"]):
+        grad = interp.gradient_importance(model, enc)
+        loo = interp.leave_one_out_importance(model, enc)
+        for i in range(enc.tokens.shape[0]):
+            n = int(enc.lengths[i])
+            a = enc.weights[i, :n].double().numpy()
+            g = grad[i, :n].double().numpy()
+            lo = loo[i].double().numpy() if n >= 2 else np.zeros(n)
+            supp = a > 0
+            per["pred"].append(int(enc.pred[i]))
+            per["label"].append(int(labels[i]))
+            per["length"].append(n)
+            per["support"].append(int(supp.sum()))
+            for key, imp in (("grad", g), ("loo", lo)):
+                r = kendall_tau(a, imp) if n >= 2 else KendallResult(math.nan, math.nan)
+                rs = kendall_tau(a[supp], imp[supp]) if supp.sum() >= 2 else KendallResult(math.nan, math.nan)
+                per[key].append([r.tau, r.pvalue])
+                per[f"{key}_supp"].append([rs.tau, rs.pvalue])
+                per[f"topk_{key}"].append([topk_agreement(a, imp, k) for k in TOPK])
+    correct = np.mean(np.asarray(per["pred"]) == np.asarray(per["label"]))
+    return {"per_instance": per, "test_accuracy": trained.info["test_accuracy"],
+            "dev_accuracy": trained.info["dev_accuracy"], "analysed_accuracy": float(correct),
+            "train_info": {k: trained.info[k] for k in ("best_epoch", "train_seconds", "sizes")}}
+
+
+def _kendalls(pairs) -> list[KendallResult]:
+    return [KendallResult(math.nan if t is None else t, math.nan if p is None else p) for t, p in pairs]
+
+
+def summarize(per: dict, select=None) -> dict:
+    """Table 2 statistics over the instances (optionally only where ``select`` is True)."""
+    idx = [i for i in range(len(per["pred"])) if select is None or select[i]]
+    out = {"instances": len(idx)}
+    for key, prefix in (("grad", "gradient"), ("loo", "loo")):
+        out.update(summarize_kendall([_kendalls(per[key])[i] for i in idx]).as_dict(prefix))
+        supp = summarize_kendall([_kendalls(per[f"{key}_supp"])[i] for i in idx])
+        out.update({f"{prefix}_support_tau_mean": supp.mean, f"{prefix}_support_tau_std": supp.std,
+                    f"{prefix}_support_sig_frac": supp.sig_frac, f"{prefix}_support_undefined": supp.n_undefined})
+        topk = np.asarray([per[f"topk_{key}"][i] for i in idx], dtype=float).reshape(len(idx), len(TOPK))
+        out[f"{prefix}_topk"] = {str(k): float(np.nanmean(topk[:, j])) if len(idx) else math.nan
+                                 for j, k in enumerate(TOPK)}
+    lengths = np.asarray([per["length"][i] for i in idx], dtype=float)
+    support = np.asarray([per["support"][i] for i in idx], dtype=float)
+    out["length_mean"] = float(lengths.mean()) if len(idx) else math.nan
+    out["support_mean"] = float(support.mean()) if len(idx) else math.nan
+    out["support_frac_mean"] = float((support / np.maximum(lengths, 1)).mean()) if len(idx) else math.nan
+    return out
+
+
+def _merge(results: list[dict]) -> dict:
+    merged: dict = {k: [] for k in results[0]["per_instance"]}
+    for r in results:
+        for k, v in r["per_instance"].items():
+            merged[k].extend(v)
+    return merged
+
+
+def _fmt(mean, std=None, frac=None) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "–"
+    s = f"{mean:.2f}"
+    if std is not None:
+        s += f" ± {std:.2f}"
+    if frac is not None:
+        s += f" ({frac:.2f})"
+    return s
+
+
+def _paper_cells(dataset: str, encoder: str, cls: int | None) -> tuple[str, str]:
+    """(paper gradient τ, paper leave-one-out τ) for our row, or '–' where the paper has no such cell."""
+    rows = DATASETS[dataset].paper_rows
+    grad, loo = [], []
+    for paper_row in rows:
+        table = PAPER_TABLE2.get(paper_row, {})
+        classes = [cls] if cls is not None else sorted(table)
+        for c in classes:
+            cell = table.get(c, {})
+            if f"{encoder}_grad" in cell:
+                grad.append(f"{paper_row} c{c}: {_fmt(*cell[f'{encoder}_grad'])}")
+            if f"{encoder}_loo" in cell:
+                loo.append(f"{paper_row} c{c}: {_fmt(*cell[f'{encoder}_loo'])}")
+    return ("; ".join(grad) or "–"), ("; ".join(loo) or "–")
+
+
+def _plot(merged_by_key: dict, out) -> list[str]:
+    plt = pyplot()
+    files = []
+    datasets = sorted({k[0] for k in merged_by_key})
+    for dataset in datasets:
+        keys = sorted(k for k in merged_by_key if k[0] == dataset)
+        encoders = sorted({k[1] for k in keys})
+        normalizers = sorted({k[2] for k in keys})
+        fig, axes = plt.subplots(len(encoders), len(normalizers), figsize=(3.2 * len(normalizers),
+                                 2.4 * len(encoders)), squeeze=False, sharex=True)
+        for r, encoder in enumerate(encoders):
+            for c, normalizer in enumerate(normalizers):
+                ax = axes[r][c]
+                per = merged_by_key.get((dataset, encoder, normalizer))
+                if per is None:
+                    ax.axis("off")
+                    continue
+                preds = np.asarray(per["pred"])
+                taus = np.asarray([np.nan if t is None else t for t, _ in per["grad"]], dtype=float)
+                for cls in sorted(set(preds.tolist())):
+                    vals = taus[(preds == cls) & ~np.isnan(taus)]
+                    if len(vals):
+                        ax.hist(vals, bins=20, range=(-1, 1), alpha=0.6, label=f"pred {cls}")
+                ax.set_title(f"{encoder} / {normalizer}", fontsize=9)
+                if r == len(encoders) - 1:
+                    ax.set_xlabel("Kendall τ (attention, gradient)")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"{DATASETS[dataset].title}\nτ(attention, gradient importance) by predicted class", fontsize=9)
+        fig.tight_layout()
+        name = f"importance_{dataset}.png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+    return files
+
+
+def run(args) -> dict:
+    interp.check_model_arguments(args)
+    jobs = interp.model_jobs(args, NAME)
+    sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
+    groups = interp.group_runs(sweep)
+    rows, merged_by_key = [], {}
+    for key, results in sorted(groups.items()):
+        dataset, encoder, normalizer = key
+        per = _merge(results)
+        merged_by_key[key] = per
+        stats = summarize(per)
+        preds = np.asarray(per["pred"])
+        by_class = {str(c): summarize(per, preds == c) for c in sorted(set(preds.tolist()))}
+        rows.append({"dataset": dataset, "encoder": encoder, "normalizer": normalizer,
+                     "accuracy": float(np.mean([r["test_accuracy"] for r in results])),
+                     "seeds": len(results), **stats, "by_class": by_class,
+                     "paper_rows": list(DATASETS[dataset].paper_rows)})
+    plots = _plot(merged_by_key, args.out)
+    result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
+              "seeds": interp.n_seeds(args), "rows": rows, "plots": plots, "sweep": sweep_block(sweep),
+              "notes": ["embeddings trained from scratch (the paper used pretrained word vectors)",
+                        "Kendall tau-b from scipy.stats; undefined tau (fewer than 2 tokens, constant vector) "
+                        "counted in *_undefined and left out of means and significant fractions",
+                        "top-k: ties broken by position; k clipped to the document length"]}
+    write_outputs(args.out, NAME, result, markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Attention vs. gradient and leave-one-out importance (Jain & Wallace 2019, Table 2)", "",
+             "Kendall τ-b between attention and each importance per test instance: mean ± std over instances, "
+             "(fraction significant at p ≤ 0.05). Our datasets stand beside the paper's nearest rows: Rotten "
+             "Tomatoes snippets beside SST, rated tweets beside ADR Tweets, BBC News beside AG News / 20News. "
+             "Embeddings are trained from scratch (the paper used pretrained vectors). Paper cells are per "
+             "predicted class (c0, c1), shown on our softmax rows (the paper studied softmax attention only); "
+             "the paper reports no CNN column and no leave-one-out column for the average encoder.", ""]
+    lines += [interp.scale_note(result), ""]
+    header = ["dataset", "encoder", "normalizer", "acc", "τ_g ours", "τ_g paper", "τ_loo ours", "τ_loo paper"]
+    body = []
+    for r in result["rows"]:
+        # the paper studied softmax attention only
+        pg, pl = _paper_cells(r["dataset"], r["encoder"], None) if r["normalizer"] == "softmax" else ("", "")
+        body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['accuracy']:.3f}",
+                     _fmt(r["gradient_tau_mean"], r["gradient_tau_std"], r["gradient_sig_frac"]), pg,
+                     _fmt(r["loo_tau_mean"], r["loo_tau_std"], r["loo_sig_frac"]), pl])
+    lines.append(md_table(header, body))
+    lines += ["## By predicted class", ""]
+    body = []
+    for r in result["rows"]:
+        for cls, s in r["by_class"].items():
+            body.append([r["dataset"], r["encoder"], r["normalizer"], cls, s["instances"],
+                         _fmt(s["gradient_tau_mean"], s["gradient_tau_std"], s["gradient_sig_frac"]),
+                         _fmt(s["loo_tau_mean"], s["loo_tau_std"], s["loo_sig_frac"])])
+    lines.append(md_table(["dataset", "encoder", "normalizer", "pred. class", "n", "τ_g", "τ_loo"], body))
+    lines += ["## Sparse attention: support, τ on the support, top-k agreement", "",
+              "τ on the support compares only the tokens with non-zero attention (instances whose support has "
+              "fewer than 2 tokens are left out; their number is in 'no τ'). Top-k: fraction of attention's k "
+              "highest tokens that are among the importance's k highest.", ""]
+    body = []
+    for r in result["rows"]:
+        body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['length_mean']:.1f}",
+                     f"{r['support_mean']:.1f}", f"{r['support_frac_mean']:.2f}",
+                     _fmt(r["gradient_support_tau_mean"], r["gradient_support_tau_std"],
+                          r["gradient_support_sig_frac"]),
+                     _fmt(r["loo_support_tau_mean"], r["loo_support_tau_std"], r["loo_support_sig_frac"]),
+                     r["gradient_support_undefined"],
+                     " / ".join(f"{r['gradient_topk'][str(k)]:.2f}" for k in TOPK),
+                     " / ".join(f"{r['loo_topk'][str(k)]:.2f}" for k in TOPK)])
+    lines.append(md_table(["dataset", "encoder", "normalizer", "length", "support", "support/len",
+                           "τ_g support", "τ_loo support", "no τ", "top-1…5 gradient", "top-1…5 loo"], body))
+    for p in result["plots"]:
+        lines.append(f"![{p}]({p})")
+    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])

@@ -1,0 +1,239 @@
+"""Shared machinery of the interpretability experiments (importance, permutation, adversarial, erasure).
+
+All of them look at a trained :class:`~attnkern.experiments.models.AttentionClassifier` through the same three
+quantities of one batch, computed once with the encoder fixed:
+
+- the hidden states ``h`` (B, T, D) and the raw attention scores ``s`` (B, T) of the learned query;
+- the attention ``a`` (B, T) = normalizer(s) over the real positions (exact zeros outside a sparse support);
+- the output relevance ``R`` (B, T, C) and the output bias ``b`` (C), so that ``logits = Σ_t a_t R_t + b``.
+
+With ``R`` and ``b`` in hand, any other attention distribution (a permutation, an adversary, an erasure) is scored
+without running the encoder again: that is the paper's "h is not changed" protocol, done exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkern.experiments.metrics import tvd
+
+__all__ = [
+    "Encoded",
+    "decode",
+    "encode_batch",
+    "gradient_importance",
+    "leave_one_out_importance",
+    "normalize_scores",
+    "output_probs",
+]
+
+
+@dataclass
+class Encoded:
+    """One batch seen through a trained classifier with the encoder fixed (all tensors detached).
+
+    tokens, mask: (B, T) int64 ids and bool mask (True = real token).
+    hidden: (B, T, D); scores: (B, T) raw attention scores (masked positions are not meaningful);
+    weights: (B, T) the model's attention; relevance: (B, T, C); bias: (C,);
+    probs: (B, C) the model's output distribution; pred: (B,) its decision.
+    """
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    hidden: torch.Tensor
+    scores: torch.Tensor
+    weights: torch.Tensor
+    relevance: torch.Tensor
+    bias: torch.Tensor
+    probs: torch.Tensor
+    pred: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(1)
+
+
+def _query(model, batch: int) -> torch.Tensor:
+    return model.query.expand(batch, -1)
+
+
+@torch.no_grad()
+def encode_batch(model, tokens: torch.Tensor, mask: torch.Tensor) -> Encoded:
+    """Run the encoder once and collect everything the experiments need (see :class:`Encoded`)."""
+    model.eval()
+    h = model.encode(tokens, mask)
+    scores = model.attention.scores(_query(model, h.shape[0]), h)
+    _, weights = model.attend(h, mask)
+    relevance = model.relevance(h)
+    bias = model.output.bias.detach()
+    probs = decode(weights, relevance, bias)
+    return Encoded(tokens, mask, h, scores, weights, relevance, bias, probs, probs.argmax(-1))
+
+
+def decode(weights: torch.Tensor, relevance: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Output distribution (..., C) for attention ``weights`` (..., T) over fixed ``relevance`` (..., T, C)."""
+    logits = torch.einsum("...t,...tc->...c", weights, relevance) + bias
+    return torch.softmax(logits, dim=-1)
+
+
+def normalize_scores(model, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The model's own normalizer (softmax, sparsemax or entmax on attnkern kernels) applied to ``scores`` (B, T)
+    over the True positions of ``mask``; differentiable."""
+    return model.attention.normalize(scores, mask)
+
+
+def output_probs(model, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The model's output distribution (B, C) for a batch (no gradient)."""
+    with torch.no_grad():
+        return torch.softmax(model(tokens, mask).logits, dim=-1)
+
+
+def gradient_importance(model, enc: Encoded) -> torch.Tensor:
+    """Gradient × input importance per token, ``|Σ_d ∂ŷ/∂e_td · e_td|`` (B, T), zero at padding.
+
+    ŷ is the probability of the predicted class; the attention is held at its value (detached), as in Jain &
+    Wallace's Algorithm 1, so only the path through the encoder counts. Computed with captum's InputXGradient.
+    """
+    from captum.attr import InputXGradient
+
+    model.eval()
+    weights = enc.weights.detach()
+    tokens, mask = enc.tokens, enc.mask
+
+    def forward(embeddings, tokens, mask, weights):
+        logits = model(tokens, mask, weights=weights, embeddings=embeddings).logits
+        return torch.softmax(logits, dim=-1)
+
+    with torch.no_grad():
+        emb = model.embed(tokens)
+    emb.requires_grad_(True)
+    attr = InputXGradient(forward).attribute(emb, target=enc.pred, additional_forward_args=(tokens, mask, weights))
+    return (attr.sum(-1).abs() * mask.to(attr.dtype)).detach()
+
+
+@torch.no_grad()
+def leave_one_out_importance(model, enc: Encoded, chunk: int = 256) -> list[torch.Tensor]:
+    """Leave-one-out importance per instance: ``TVD(ŷ(x_{-t}), ŷ(x))`` for each real token t, the token removed
+    from the sequence (the rest closes up). Returns one (n_i,) tensor per instance (empty for n_i < 2: removing the
+    only token leaves nothing to classify)."""
+    model.eval()
+    out = []
+    for i in range(enc.tokens.shape[0]):
+        n = int(enc.lengths[i])
+        if n < 2:
+            out.append(torch.zeros(0))
+            continue
+        x = enc.tokens[i, :n]
+        keep = ~torch.eye(n, dtype=torch.bool)
+        variants = x.unsqueeze(0).expand(n, n)[keep].view(n, n - 1)
+        vmask = torch.ones_like(variants, dtype=torch.bool)
+        deltas = []
+        for start in range(0, n, chunk):
+            p = output_probs(model, variants[start:start + chunk], vmask[start:start + chunk])
+            deltas.append(tvd(p, enc.probs[i].unsqueeze(0)))
+        out.append(torch.cat(deltas).float())
+    return out
+
+
+# --- experiment scaffolding: options, one job per trained model, test instances ----------------------------------
+
+
+def add_model_arguments(parser, instances_help: str = "test instances analysed per model") -> None:
+    """The options every interpretability experiment shares (the CLI adds --out, --quick, --seeds, ...)."""
+    from attnkern.experiments.classifiers import DATASETS, ENCODERS
+
+    parser.add_argument("--dataset", "--datasets", dest="datasets", nargs="+", default=list(DATASETS),
+                        help=f"datasets ({', '.join(DATASETS)})")
+    parser.add_argument("--encoders", nargs="+", default=list(ENCODERS), help=f"encoders ({', '.join(ENCODERS)})")
+    parser.add_argument("--instances", type=int, default=None,
+                        help=f"{instances_help} (default: all; 100 with --quick)")
+
+
+def check_model_arguments(args) -> None:
+    """ValueError naming the argument for bad --dataset / --encoders / --instances."""
+    from attnkern.experiments.classifiers import DATASETS, ENCODERS, check_choices
+
+    args.datasets = check_choices(args.datasets, DATASETS, "argument --dataset")
+    args.encoders = check_choices(args.encoders, ENCODERS, "argument --encoders")
+    if args.instances is not None and args.instances < 1:
+        raise ValueError(f"argument --instances: must be a positive int, got {args.instances}")
+
+
+def n_seeds(args) -> int:
+    if getattr(args, "seeds", None):
+        return args.seeds
+    return 1 if args.quick else 3
+
+
+def n_instances(args) -> int | None:
+    if args.instances is not None:
+        return args.instances
+    return 100 if args.quick else None
+
+
+def model_jobs(args, experiment: str, extra: dict | None = None, normalizers=None, modes=("learned",)):
+    """One runner job per (dataset, encoder, normalizer, mode, seed); the job's config holds the full
+    :class:`TrainConfig`, the output folder (where the models are cached) and the analysis options."""
+    from dataclasses import asdict
+
+    from attnkern.experiments.classifiers import train_config
+    from attnkern.experiments.runner import Job
+
+    jobs = []
+    for dataset in args.datasets:
+        for encoder in args.encoders:
+            for normalizer in normalizers or args.normalizers:
+                for mode in modes:
+                    for seed in range(n_seeds(args)):
+                        cfg = train_config(dataset, encoder, normalizer, seed, args.quick, mode=mode,
+                                           backend=args.backend)
+                        config = {"train": asdict(cfg), "out": str(args.out), "instances": n_instances(args),
+                                  **(extra or {})}
+                        jobs.append(Job(f"{experiment}/{cfg.name()}", config, seed))
+    return jobs
+
+
+def run_model_jobs(fn, jobs, args, experiment: str):
+    """Runs the jobs through the shared runner (joblib or dask, cached under <out>/cache/<experiment>)."""
+    from attnkern.experiments.common import run_sweep
+
+    return run_sweep(args, fn, jobs, desc=experiment, namespace=experiment)
+
+
+def trained_from_config(config: dict):
+    from attnkern.experiments.classifiers import TrainConfig, get_classifier
+
+    return get_classifier(TrainConfig(**config["train"]), config["out"])
+
+
+def test_batches(trained, instances: int | None, batch_size: int = 32):
+    """Encoded batches (see :class:`Encoded`) of the first ``instances`` test documents (all when None), with
+    their gold labels."""
+    from attnkern.experiments.data.text import pad_batch
+
+    seqs, labels = trained.data.test
+    n = len(seqs) if instances is None else min(instances, len(seqs))
+    for start in range(0, n, batch_size):
+        stop = min(start + batch_size, n)
+        tokens, mask = pad_batch(seqs[start:stop])
+        yield encode_batch(trained.model, tokens, mask), torch.as_tensor(labels[start:stop])
+
+
+def group_runs(sweep, keys=("dataset", "encoder", "normalizer")) -> dict:
+    """Job records grouped by the (dataset, encoder, normalizer) of their model: {key tuple: [result, ...]}."""
+    groups: dict = {}
+    for name in sorted(sweep.results):
+        rec = sweep.results[name]
+        train = rec["meta"]["config"]["train"]
+        groups.setdefault(tuple(train[k] for k in keys), []).append(rec["result"])
+    return groups
+
+
+def scale_note(result: dict) -> str:
+    """One line saying at which scale a result was measured."""
+    inst = result.get("instances")
+    scale = "quick configuration (small models, few epochs)" if result.get("quick") else "full configuration"
+    return (f"*{scale}; {result.get('seeds')} seed(s) per model; "
+            f"{'all' if inst is None else f'at most {inst}'} test instances per model.*")

@@ -1,0 +1,221 @@
+"""Attention modules for recurrent models (Luong, additive, scaled dot), with
+softmax, sparsemax, 1.5-entmax or α-entmax weights computed by attnkern's row
+kernels.
+
+Shapes: a query is (B, Dq) (one decoder step) or (B, L, Dq) (L decoder steps at
+once, e.g. under teacher forcing); keys are (B, T, Dk) and values (B, T, Dv).
+Scores and weights are (B, T), or (B, L, T) for a (B, L, Dq) query. A mask is
+(B, T) bool, True at real positions; it applies to every query step.
+
+Modes:
+  "learned"  weights = normalizer(scores), trained as usual;
+  "uniform"  weights are uniform over the unmasked positions, with no gradient
+             to the scores (the score parameters are never used);
+  "fixed"    the caller passes the weights to forward (e.g. taken from another
+             model); calling without them is an error.
+In every mode, `weights=` given to forward overrides the module's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from attnkern import ops
+
+RNN_NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
+MODES = ("learned", "uniform", "fixed")
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def uniform_weights(mask: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Uniform weights over the True positions of mask (B, T), expanded to
+    `shape` (B, T) or (B, L, T); a row with no True position gets zeros."""
+    m = mask.to(dtype)
+    w = m / m.sum(-1, keepdim=True).clamp_min(1.0)
+    if len(shape) == 3:
+        w = w.unsqueeze(1).expand(shape)
+    return w
+
+
+class RNNAttention(nn.Module):
+    """Base class: normalization, masks and modes. Subclasses define `scores`.
+
+    normalizer: "softmax", "sparsemax", "entmax15" or "entmax" (with alpha).
+    alpha: for "entmax", a float > 0 (fixed) or "learnable": one α kept in
+      (1, 2) as α = 1 + sigmoid(θ), starting at alpha_init.
+    mode: "learned", "uniform" or "fixed" (see the module docstring).
+    backend: attnkern backend of the normalizer ("auto" runs the compiled
+      kernel on CPU tensors; "reference" the float64 oracle).
+    """
+
+    def __init__(self, *, normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, mode: str = "learned",
+                 backend: str = "auto"):
+        super().__init__()
+        if normalizer not in RNN_NORMALIZERS:
+            raise ValueError(f"normalizer must be one of {RNN_NORMALIZERS}, got {normalizer!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
+        self.alpha_theta = None
+        self.fixed_alpha = None
+        if normalizer == "entmax":
+            if alpha is None:
+                raise ValueError("normalizer='entmax' needs alpha: a float > 0 or 'learnable'")
+            if alpha == "learnable":
+                if not 1.0 < float(alpha_init) < 2.0:
+                    raise ValueError(f"alpha_init must be in (1, 2), got {alpha_init}")
+                self.alpha_theta = nn.Parameter(torch.logit(torch.tensor(float(alpha_init) - 1.0)))
+            elif isinstance(alpha, str) or isinstance(alpha, bool) or not float(alpha) > 0:
+                raise ValueError(f"alpha must be a float > 0 or 'learnable', got {alpha!r}")
+            else:
+                self.fixed_alpha = float(alpha)
+        elif alpha is not None:
+            raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} "
+                             f"with normalizer={normalizer!r}")
+        self.normalizer, self.mode, self.backend = normalizer, mode, backend
+
+    @property
+    def alpha(self):
+        """The α of the normalizer: 1 (softmax), 2 (sparsemax), 1.5, the fixed α,
+        or the learnable α as a 0-dim tensor."""
+        if self.alpha_theta is not None:
+            return 1.0 + torch.sigmoid(self.alpha_theta)
+        if self.fixed_alpha is not None:
+            return self.fixed_alpha
+        return {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5}[self.normalizer]
+
+    def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def normalize(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Weights (same shape as scores, (B, T) or (B, L, T)) from raw scores, with
+        masked positions (mask False) at exactly zero."""
+        if mask is not None:
+            if mask.dtype != torch.bool:
+                raise TypeError(f"mask must be a bool tensor (True = real position), got {mask.dtype}")
+            m = mask if scores.dim() == mask.dim() else mask.unsqueeze(1)
+            scores = scores.masked_fill(~m, -math.inf)
+        if self.normalizer == "softmax":
+            return ops.softmax(scores, dim=-1, backend=self.backend)
+        if self.normalizer == "sparsemax":
+            return ops.sparsemax(scores, dim=-1, backend=self.backend)
+        if self.normalizer == "entmax15":
+            return ops.entmax15(scores, dim=-1, backend=self.backend)
+        alpha = self.alpha
+        if isinstance(alpha, torch.Tensor):
+            alpha = alpha.to(scores.dtype if scores.dtype == torch.float64 else torch.float32)
+            alpha = alpha.reshape([1] * scores.dim())
+        return ops.entmax(scores, alpha, dim=-1, backend=self.backend)
+
+    def _check(self, query, keys, values, mask):
+        for name, t in (("query", query), ("keys", keys)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if keys.dim() != 3:
+            raise ValueError(f"keys must be (B, T, Dk), got shape {tuple(keys.shape)}")
+        if query.dim() not in (2, 3) or query.shape[0] != keys.shape[0]:
+            raise ValueError(f"query must be (B, Dq) or (B, L, Dq) with B={keys.shape[0]}, "
+                             f"got shape {tuple(query.shape)}")
+        if values.dim() != 3 or values.shape[:2] != keys.shape[:2]:
+            raise ValueError(f"values must be (B, T, Dv) with (B, T)={tuple(keys.shape[:2])}, "
+                             f"got shape {tuple(values.shape)}")
+        if mask is not None and tuple(mask.shape) != tuple(keys.shape[:2]):
+            raise ValueError(f"mask must be (B, T)={tuple(keys.shape[:2])}, got shape {tuple(mask.shape)}")
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, weights: torch.Tensor | None = None):
+        """Returns (context (B, Dv) or (B, L, Dv), weights (B, T) or (B, L, T))."""
+        values = keys if values is None else values
+        self._check(query, keys, values, mask)
+        out_shape = (keys.shape[0], keys.shape[1]) if query.dim() == 2 else (*query.shape[:2], keys.shape[1])
+        if weights is not None:
+            if tuple(weights.shape) != out_shape:
+                raise ValueError(f"weights must have shape {out_shape}, got {tuple(weights.shape)}")
+        elif self.mode == "fixed":
+            raise ValueError("mode='fixed' needs the weights: forward(..., weights=...)")
+        elif self.mode == "uniform":
+            m = mask if mask is not None else torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device)
+            weights = uniform_weights(m, out_shape, keys.dtype)
+        else:
+            weights = self.normalize(self.scores(query, keys), mask)
+        if query.dim() == 2:
+            context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)
+        else:
+            context = torch.bmm(weights, values)
+        return context, weights
+
+    def extra_repr(self) -> str:
+        a = ", alpha=learnable" if self.alpha_theta is not None else (
+            f", alpha={self.fixed_alpha}" if self.fixed_alpha is not None else "")
+        return f"normalizer={self.normalizer}{a}, mode={self.mode}, backend={self.backend}"
+
+
+def _dot(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    if query.dim() == 2:
+        return torch.bmm(keys, query.unsqueeze(-1)).squeeze(-1)
+    return torch.bmm(query, keys.transpose(1, 2))
+
+
+class LuongAttention(RNNAttention):
+    """Luong et al. (2015) attention: score(q, k) = q·k ("dot", needs Dq == Dk) or
+    q·W k ("general", W of shape (Dq, Dk))."""
+
+    def __init__(self, query_dim: int, key_dim: int, kind: str = "general", **kwargs):
+        super().__init__(**kwargs)
+        _positive_int(query_dim, "query_dim")
+        _positive_int(key_dim, "key_dim")
+        if kind not in ("dot", "general"):
+            raise ValueError(f"kind must be 'dot' or 'general', got {kind!r}")
+        if kind == "dot" and query_dim != key_dim:
+            raise ValueError(f"kind='dot' needs query_dim == key_dim, got {query_dim} and {key_dim}")
+        self.kind, self.query_dim, self.key_dim = kind, query_dim, key_dim
+        self.W = nn.Linear(key_dim, query_dim, bias=False) if kind == "general" else None
+
+    def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return _dot(query, keys if self.W is None else self.W(keys))
+
+
+class ScaledDotAttention(RNNAttention):
+    """score(q, k) = q·k / sqrt(Dk) (Vaswani et al., 2017); needs Dq == Dk."""
+
+    def __init__(self, query_dim: int, key_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        _positive_int(query_dim, "query_dim")
+        _positive_int(key_dim, "key_dim")
+        if query_dim != key_dim:
+            raise ValueError(f"ScaledDotAttention needs query_dim == key_dim, got {query_dim} and {key_dim}")
+        self.query_dim, self.key_dim = query_dim, key_dim
+
+    def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return _dot(query, keys) / math.sqrt(self.key_dim)
+
+
+class AdditiveAttention(RNNAttention):
+    """Bahdanau et al. (2015) attention: score(q, k) = v·tanh(W k + U q), with W
+    (hidden, Dk), U (hidden, Dq) and v (hidden)."""
+
+    def __init__(self, query_dim: int, key_dim: int, hidden_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        _positive_int(query_dim, "query_dim")
+        _positive_int(key_dim, "key_dim")
+        _positive_int(hidden_dim, "hidden_dim")
+        self.query_dim, self.key_dim, self.hidden_dim = query_dim, key_dim, hidden_dim
+        self.W = nn.Linear(key_dim, hidden_dim, bias=True)
+        self.U = nn.Linear(query_dim, hidden_dim, bias=False)
+        self.v = nn.Linear(hidden_dim, 1, bias=False)
+
+    def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        k = self.W(keys)  # (B, T, H)
+        q = self.U(query)
+        if query.dim() == 2:
+            return self.v(torch.tanh(k + q.unsqueeze(1))).squeeze(-1)
+        return self.v(torch.tanh(k.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)  # (B, L, T)

@@ -1,0 +1,98 @@
+"""The copy experiment: end to end at a tiny scale, the kernels-vs-reference dynamics, and
+(slow) the --quick run in the paper's direction."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from attnkern.experiments import cli
+from attnkern.experiments.seq2seq_train import train_copy
+
+
+def test_copy_end_to_end_tiny(tmp_path, capsys):
+    argv = ["copy", "--out", str(tmp_path), "--quick", "--seeds", "1", "--steps", "20", "--hidden", "16",
+            "--batch", "16", "--distributions", "iid", "permutation", "--normalizers", "softmax", "sparsemax",
+            "--no-progress"]
+    assert cli.main(argv) == 0
+    res = json.loads((tmp_path / "copy.json").read_text())
+    sr = res["summary"]["success_rate"]
+    assert set(sr) == {"iid", "permutation"} and set(sr["iid"]) == {"softmax", "sparsemax"}
+    assert all(0 <= v <= 1 for d in sr.values() for v in d.values())
+    curve = res["summary"]["curves"]["iid"]["softmax"]["seed0"]
+    assert curve["step"][-1] == 20 and len(curve["token_acc"]) == len(curve["attn_acc"]) == len(curve["step"])
+    cfg = res["config"]
+    assert cfg["scale"]["steps"] == 20 and cfg["scale"]["hidden_dim"] == 16 and cfg["seeds"] == 1
+    assert res["meta"]["torch"] == torch.__version__ and res["meta"]["attnkern_commit"]
+    md = (tmp_path / "copy.md").read_text()
+    assert "paper (softmax)" in md and "about half fail" in md
+    for png in ("copy_token_acc.png", "copy_attn_acc.png", "copy_success.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    # a second run reads every run from the cache
+    t = time.time()
+    assert cli.main(argv) == 0
+    assert json.loads((tmp_path / "copy.json").read_text())["sweep"]["runs_cached"] == 4
+    assert time.time() - t < 10
+
+
+def test_copy_bad_arguments(tmp_path, capsys):
+    assert cli.main(["copy", "--out", str(tmp_path), "--distributions", "zipf"]) == 2
+    assert "--distributions" in capsys.readouterr().err
+    assert cli.main(["copy", "--out", str(tmp_path), "--normalizers", "relu"]) == 2
+    assert "--normalizers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax15"])
+def test_kernels_reproduce_reference_dynamics(normalizer):
+    """50 training steps from the same seed on the CPU kernels and on the float64
+    reference: the losses agree within 1e-3 (relative) at every step."""
+    cfg = dict(distribution="iid", normalizer=normalizer, hidden_dim=32, embed_dim=32, batch=32, steps=50,
+               eval_every=50, final_samples=50)
+    kern = train_copy({**cfg, "backend": "auto"}, seed=0)["train_loss"]
+    ref = train_copy({**cfg, "backend": "reference"}, seed=0)["train_loss"]
+    assert len(kern) == len(ref) == 50
+    rel = [abs(a - b) / abs(b) for a, b in zip(kern, ref, strict=True)]
+    assert max(rel) < 1e-3, f"max relative loss difference {max(rel):.2e} at step {rel.index(max(rel)) + 1}"
+    assert kern[-1] < kern[0]  # and it trains
+
+
+@pytest.mark.slow
+def test_copy_quick_iid_beats_permutation(tmp_path):
+    """`attnkern-exp copy --quick` for the paper's cell (softmax) on 2 processes: iid
+    succeeds more often than permutation, as in the paper's slides."""
+    start = time.time()
+    argv = ["copy", "--out", str(tmp_path), "--quick", "--normalizers", "softmax", "--jobs", "2", "--no-progress"]
+    assert cli.main(argv) == 0
+    res = json.loads((tmp_path / "copy.json").read_text())
+    sr = res["summary"]["success_rate"]
+    assert res["config"]["seeds"] >= 6 and not res["sweep"]["failures"]
+    assert sr["iid"]["softmax"] > sr["permutation"]["softmax"], sr
+    assert time.time() - start < 600
+
+
+def test_failed_runs_are_named_and_the_others_kept(tmp_path, monkeypatch, capsys):
+    from attnkern.experiments import copy_task
+
+    real = copy_task.train_copy
+
+    def flaky(config, seed):
+        if config["distribution"] == "permutation" and seed == 1:
+            raise RuntimeError("simulated crash")
+        return real(config, seed)
+
+    monkeypatch.setattr(copy_task, "train_copy", flaky)
+    argv = ["copy", "--out", str(tmp_path), "--quick", "--seeds", "2", "--steps", "4", "--hidden", "8", "--batch",
+            "4", "--normalizers", "softmax", "--distributions", "iid", "permutation", "--no-progress"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "1 run(s) failed" in err and "permutation/softmax/seed1" in err
+    res = json.loads((tmp_path / "copy.json").read_text())
+    assert "simulated crash" in res["sweep"]["failures"]["permutation/softmax/seed1"]
+    assert res["summary"]["success_rate"]["iid"]["softmax"] is not None
+    assert "Failed runs" in (tmp_path / "copy.md").read_text()
+    monkeypatch.setattr(copy_task, "train_copy", real)  # the rerun completes the missing run only
+    assert cli.main(argv) == 0
+    assert json.loads((tmp_path / "copy.json").read_text())["sweep"]["runs_cached"] == 3

@@ -1,0 +1,129 @@
+"""attnkern.experiments.runner and cli: cache, resume, failures, joblib and dask, argument errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from attnkern.experiments import cli, runner
+
+TESTS = str(Path(__file__).parent)
+
+
+@pytest.fixture
+def importable(monkeypatch):
+    """Worker processes import the job functions from this folder."""
+    monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    import _exp_jobs
+
+    return _exp_jobs.square_job
+
+
+def jobs(xs, fail=()):
+    return [runner.Job(f"x{x}", {"x": x, "fail": x in fail}, seed=x) for x in xs]
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_joblib_cache_resume_and_failures(tmp_path, importable, n_jobs):
+    sweep = runner.run_jobs(importable, jobs(range(4), fail=(2,)), tmp_path, experiment="toy", n_jobs=n_jobs,
+                            progress=False)
+    assert set(sweep.results) == {"x0", "x1", "x3"} and list(sweep.failures) == ["x2"]
+    assert "told to fail" in sweep.failures["x2"]
+    rec = sweep.results["x3"]
+    assert rec["result"]["y"] == 9 and rec["result"]["threads"] == 1
+    meta = rec["meta"]
+    assert meta["seed"] == 3 and meta["config"] == {"x": 3, "fail": False}
+    assert meta["torch"] and meta["processor"] and meta["attnkern_commit"]
+    assert len(list(tmp_path.glob("*.json"))) == 3
+    # resume: cached runs are not run again; the failed one runs again (now fixed)
+    again = runner.run_jobs(importable, jobs(range(5)), tmp_path, experiment="toy", n_jobs=n_jobs, progress=False)
+    assert again.cached == 3 and not again.failures and again.results["x2"]["result"]["y"] == 4
+    assert again.results["x3"]["result"]["draw"] == rec["result"]["draw"]  # same seed, same draw
+
+
+def test_cache_key_depends_on_every_option():
+    base = runner.config_hash("copy", {"a": 1, "b": [1, 2]}, 0)
+    assert base == runner.config_hash("copy", {"b": [1, 2], "a": 1}, 0)
+    assert base != runner.config_hash("copy", {"a": 1, "b": [1, 3]}, 0)
+    assert base != runner.config_hash("copy", {"a": 1, "b": [1, 2]}, 1)
+    assert base != runner.config_hash("ktiw", {"a": 1, "b": [1, 2]}, 0)
+
+
+def test_seeded_results_repeat(tmp_path, importable):
+    a = runner.run_jobs(importable, jobs([7]), tmp_path / "a", experiment="toy", progress=False)
+    b = runner.run_jobs(importable, jobs([7]), tmp_path / "b", experiment="toy", progress=False)
+    assert a.results["x7"]["result"]["draw"] == b.results["x7"]["result"]["draw"]
+
+
+def test_dask_local_cluster(tmp_path, importable):
+    from dask.distributed import LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+        sweep = runner.run_jobs(importable, jobs(range(3), fail=(1,)), tmp_path, experiment="toy",
+                                executor="dask", scheduler=cluster.scheduler_address, progress=False)
+    assert set(sweep.results) == {"x0", "x2"} and "x1" in sweep.failures
+    assert sweep.results["x2"]["result"]["y"] == 4
+    assert json.loads(next(tmp_path.glob("*.json")).read_text())["ok"]
+
+
+def test_runner_bad_arguments(tmp_path, importable):
+    with pytest.raises(ValueError, match="executor"):
+        runner.run_jobs(importable, [], tmp_path, experiment="toy", executor="ray")
+    with pytest.raises(ValueError, match="n_jobs"):
+        runner.run_jobs(importable, [], tmp_path, experiment="toy", n_jobs=0)
+    with pytest.raises(ValueError, match="unique"):
+        runner.run_jobs(importable, jobs([1]) * 2, tmp_path, experiment="toy")
+
+
+def one_line_error(capsys, argv, code=2):
+    assert cli.main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnkern-exp: error:") and "\n" not in err
+    return err
+
+
+def test_cli_errors_are_one_line(capsys, tmp_path):
+    assert "unknown experiment 'nope'" in one_line_error(capsys, ["nope", "--out", str(tmp_path)])
+    assert "unknown dataset" in one_line_error(capsys, ["data", "fetch", "imdb"])
+    assert cli.main(["--help"]) == 0 and "data fetch" in capsys.readouterr().out
+
+
+def test_cli_list(capsys):
+    assert cli.main(["list"]) == 0
+    assert cli.main(["data", "list"]) == 0
+    assert "vaderSentiment==3.3.2" in capsys.readouterr().out
+
+
+def test_parse_normalizer():
+    from attnkern.experiments.common import parse_normalizer
+
+    assert parse_normalizer("softmax") == ("softmax", None)
+    assert parse_normalizer("entmax1.25") == ("entmax", 1.25)
+    assert parse_normalizer("entmax-learnable") == ("entmax", "learnable")
+    for bad in ("relu", "entmax", "entmax0", "entmaxx"):
+        with pytest.raises(ValueError, match="normalizer"):
+            parse_normalizer(bad)
+
+
+def test_validate_common_options(tmp_path):
+    import argparse
+
+    p = cli._Parser()
+    cli.add_common_arguments(p)
+    ok = p.parse_args(["--out", str(tmp_path / "new")])
+    cli.validate(ok)
+    assert ok.out.is_dir() and ok.normalizers == ["softmax", "sparsemax", "entmax15"]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for argv, match in [(["--out", str(blocker / "sub")], "--out"),
+                        (["--out", str(tmp_path), "--normalizers", "relu"], "--normalizers"),
+                        (["--out", str(tmp_path), "--scheduler", "tcp://x:1"], "--scheduler"),
+                        (["--out", str(tmp_path), "--seeds", "0"], "--seeds"),
+                        (["--out", str(tmp_path), "--jobs", "two"], "--jobs"),
+                        (["--out", str(tmp_path), "--backend", "cuda"], "--backend")]:
+        with pytest.raises(cli.UsageError, match=match):
+            cli.validate(p.parse_args(argv))
+    assert isinstance(ok, argparse.Namespace)

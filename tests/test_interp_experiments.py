@@ -1,0 +1,216 @@
+"""The interpretability experiments end to end at a tiny scale (fixture data, one small model per normalizer), and
+their building blocks on hand-made cases."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from _interp_data import make_cache
+
+from attnkern.experiments import cli, interp
+from attnkern.experiments.adversarial import adversarial_attention
+from attnkern.experiments.erasure import erase_until_flip
+from attnkern.experiments.metrics import tvd
+from attnkern.experiments.models import AttentionClassifier
+from attnkern.experiments.permutation import median_change
+
+COMMON = ["--quick", "--dataset", "tweets", "--encoders", "average", "--normalizers", "softmax", "sparsemax",
+          "--instances", "6", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    root = make_cache(tmp_path_factory.mktemp("data"))
+    old = os.environ.get("ATTNKERN_DATA")
+    os.environ["ATTNKERN_DATA"] = str(root)
+    yield tmp_path_factory.mktemp("out")
+    if old is None:
+        os.environ.pop("ATTNKERN_DATA", None)
+    else:
+        os.environ["ATTNKERN_DATA"] = old
+
+
+def _run(name, out, *extra):
+    rc = cli.main([name, "--out", str(out), *COMMON, *extra])
+    assert rc == 0
+    result = json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.md").read_text().startswith("# ")
+    for png in result["plots"]:
+        assert (out / png).stat().st_size > 0
+    return result
+
+
+def test_importance_end_to_end(out):
+    result = _run("importance", out)
+    rows = {r["normalizer"]: r for r in result["rows"]}
+    assert set(rows) == {"softmax", "sparsemax"}
+    required = {"dataset", "encoder", "normalizer", "accuracy", "gradient_tau_mean", "gradient_tau_std",
+                "gradient_sig_frac", "loo_tau_mean", "loo_tau_std", "loo_sig_frac"}
+    for r in rows.values():
+        assert required <= set(r)
+        assert r["instances"] == 6
+        assert -1 <= r["gradient_tau_mean"] <= 1 and -1 <= r["loo_tau_mean"] <= 1
+        assert set(r["gradient_topk"]) == {"1", "2", "3", "4", "5"}
+        assert sum(c["instances"] for c in r["by_class"].values()) == 6
+    # softmax attends to every token; sparsemax to a subset
+    assert rows["softmax"]["support_mean"] == rows["softmax"]["length_mean"]
+    assert rows["sparsemax"]["support_mean"] <= rows["sparsemax"]["length_mean"]
+    assert "ADR Tweets" in (out / "importance.md").read_text()
+    # the models are cached for the other experiments
+    assert len(list((out / "models").glob("tweets-average-*-learned-s0-*.pt"))) == 2
+
+
+def test_permutation_end_to_end(out):
+    result = _run("permutation", out, "--permutations", "20")
+    for r in result["rows"]:
+        assert 0 <= r["median_change_mean"] <= 1
+        assert sum(b["instances"] for b in r["by_max_attention"]) == 6
+
+
+def test_adversarial_end_to_end(out):
+    result = _run("adversarial", out, "--steps", "30")
+    for r in result["rows"]:
+        assert 0 <= r["max_jsd_mean"] <= math.log(2) + 1e-6
+        assert 0 <= r["feasible_mean"] <= 5
+
+
+def test_erasure_end_to_end(out):
+    result = _run("erasure", out)
+    for r in result["rows"]:
+        for order in ("attention", "random", "gradient", "gradient_x_attention"):
+            assert 0 <= r[order]["flip_frac"] <= 1
+
+
+def test_baselines_end_to_end(out):
+    result = _run("baselines", out, "--lambdas", "0.1")
+    for r in result["rows"]:
+        for name in ("learned", "random", "uniform"):
+            assert 0 <= r[f"{name}_accuracy"] <= 1
+        assert [d["lambda"] for d in r["deceptive"]] == [0.1]
+        assert r["divergence"] == ("KL" if r["normalizer"] == "softmax" else "JSD")
+    # uniform attention does not depend on the normalizer: one model serves both rows
+    assert len(list((out / "models").glob("tweets-average-softmax-uniform-s0-*.pt"))) == 1
+    assert not list((out / "models").glob("tweets-average-sparsemax-uniform-*.pt"))
+
+
+def test_report_gathers_every_part(out):
+    rc = cli.main(["report", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    text = (out / "report.md").read_text()
+    for part in ("Table 2", "Permuting attention", "Adversarial attention", "Wiegreffe & Pinter", "Serrano & Smith"):
+        assert part in text
+    summary = json.loads((out / "report.json").read_text())["summary"]
+    assert [s["normalizer"] for s in summary] == ["softmax", "sparsemax"]
+
+
+def test_bad_arguments_give_one_line_errors(tmp_path, capsys):
+    assert cli.main(["importance", "--out", str(tmp_path), "--dataset", "imdb"]) == 1
+    assert "argument --dataset" in capsys.readouterr().err
+    assert cli.main(["adversarial", "--out", str(tmp_path), "--epsilon", "0"]) == 1
+    assert "argument --epsilon" in capsys.readouterr().err
+    assert cli.main(["report", "--out", str(tmp_path / "empty")]) == 1
+    assert "no interpretability results" in capsys.readouterr().err
+
+
+# --- building blocks ------------------------------------------------------------------------------------------------
+
+
+def _tiny_model(normalizer="softmax", encoder="bilstm"):
+    torch.manual_seed(0)
+    return AttentionClassifier(30, 2, encoder=encoder, normalizer=normalizer, embed_dim=8, hidden_dim=8).eval()
+
+
+def _batch():
+    tokens = torch.tensor([[3, 5, 7, 9, 11], [4, 6, 8, 0, 0]])
+    return tokens, tokens != 0
+
+
+def test_gradient_importance_matches_autograd():
+    model = _tiny_model()
+    tokens, mask = _batch()
+    enc = interp.encode_batch(model, tokens, mask)
+    got = interp.gradient_importance(model, enc)
+    for i in range(2):
+        emb = model.embed(tokens[i:i + 1]).detach().requires_grad_(True)
+        out = model(tokens[i:i + 1], mask[i:i + 1], weights=enc.weights[i:i + 1], embeddings=emb)
+        torch.softmax(out.logits, -1)[0, enc.pred[i]].backward()
+        want = (emb.grad * emb).sum(-1).abs()[0] * mask[i]
+        assert torch.allclose(got[i], want, atol=1e-6)
+    assert (got[1, 3:] == 0).all()
+
+
+def test_leave_one_out_matches_explicit_removal():
+    model = _tiny_model()
+    tokens, mask = _batch()
+    enc = interp.encode_batch(model, tokens, mask)
+    loo = interp.leave_one_out_importance(model, enc)
+    assert [x.shape[0] for x in loo] == [5, 3]
+    x = tokens[1, :3]
+    for t in range(3):
+        rest = torch.cat([x[:t], x[t + 1:]]).unsqueeze(0)
+        p = interp.output_probs(model, rest, torch.ones_like(rest, dtype=torch.bool))
+        assert float(loo[1][t]) == pytest.approx(float(tvd(p[0], enc.probs[1])), abs=1e-6)
+
+
+def test_encoded_decode_reproduces_the_model():
+    model = _tiny_model("sparsemax", "cnn")
+    tokens, mask = _batch()
+    enc = interp.encode_batch(model, tokens, mask)
+    assert torch.allclose(enc.probs, interp.output_probs(model, tokens, mask), atol=1e-6)
+    assert (enc.weights[1, 3:] == 0).all()
+
+
+def test_permuting_uniform_attention_changes_nothing():
+    gen = torch.Generator().manual_seed(0)
+    relevance = torch.randn(6, 3)
+    bias = torch.zeros(3)
+    w = torch.full((6,), 1 / 6)
+    probs = interp.decode(w, relevance, bias)
+    assert median_change(w, relevance, bias, probs, 50, gen) == pytest.approx(0.0, abs=1e-7)
+    # one-hot attention on a decisive item: most permutations move the mass elsewhere
+    w = torch.tensor([1.0, 0, 0, 0, 0, 0])
+    relevance = torch.zeros(6, 2)
+    relevance[0] = torch.tensor([5.0, 0.0])
+    probs = interp.decode(w, relevance, torch.zeros(2))
+    assert median_change(w, relevance, torch.zeros(2), probs, 50, gen) > 0.4
+
+
+def _hand_encoded(model, weights, relevance):
+    scores = torch.log(weights).unsqueeze(0)
+    mask = torch.ones_like(scores, dtype=torch.bool)
+    w = weights.unsqueeze(0)
+    probs = interp.decode(w, relevance.unsqueeze(0), torch.zeros(relevance.shape[1]))
+    return interp.Encoded(torch.ones_like(mask, dtype=torch.long), mask, torch.zeros(1, 3, 8), scores, w,
+                          relevance.unsqueeze(0), torch.zeros(relevance.shape[1]), probs, probs.argmax(-1))
+
+
+def test_erasure_counts_items_and_mass_until_the_flip():
+    model = _tiny_model()
+    # logits: class 0 = 4·a_0, class 1 = a_1 + a_2; with a = (.5, .3, .2) the decision is class 0
+    relevance = torch.tensor([[4.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    enc = _hand_encoded(model, torch.tensor([0.5, 0.3, 0.2]), relevance)
+    assert int(enc.pred) == 0
+    items, mass = erase_until_flip(model, enc, torch.tensor([[0, 1, 2]]))
+    assert items.tolist() == [1] and mass.tolist() == pytest.approx([0.5])
+    # removing the two class-1 items never flips it, and the last item is never removed
+    items, mass = erase_until_flip(model, enc, torch.tensor([[2, 1, 0]]))
+    assert items.tolist() == [0] and mass.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
+def test_adversarial_candidates_stay_in_the_family(normalizer):
+    model = _tiny_model(normalizer)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tokens, mask = _batch()
+    enc = interp.encode_batch(model, tokens, mask)
+    alpha, change, dist = adversarial_attention(model, enc, k=3, epsilon=0.01, steps=60, penalty=100.0)
+    assert alpha.shape == (2, 3, 5)
+    assert torch.allclose(alpha.sum(-1), torch.ones(2, 3), atol=1e-5)
+    assert (alpha[1, :, 3:] == 0).all()  # padding gets nothing
+    assert (dist >= 0).all() and (dist <= math.log(2) + 1e-6).all()
+    assert change.shape == (2, 3)
+    # the search moves away from the original attention
+    assert float(dist.max()) > 0.01
