@@ -80,7 +80,7 @@ def test_kernel_applies_its_mask_exactly(backend, normalizer, alpha, masking):
     if alpha == 2.5:  # infinite slope at the support's edge (tests/test_attention.py)
         tol = {key: val * 100 for key, val in tol.items()}
     torch.testing.assert_close(out.double(), ref, **tol)
-    for name, mine, theirs in zip(["dq", "dk", "dv", "dalpha"], grads, rgrads, strict=True):
+    for name, mine, theirs in zip(["dq", "dk", "dv", "dalpha"][:len(grads)], grads, rgrads, strict=True):
         torch.testing.assert_close(mine.double(), theirs, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
