@@ -174,28 +174,39 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) 
   }
 }
 
+// Whether x[0 .. w) holds anything but zeros (NaN counts as non-zero).
+template <typename acc_t>
+inline bool any_nonzero(const acc_t* x, int64_t w) {
+  using V = Vec<acc_t>;
+  constexpr int kAll = (1 << V::size()) - 1;
+  int64_t j = 0;
+  for (; j + V::size() <= w; j += V::size())
+    if ((V::loadu(x + j).zero_mask() & kAll) != kAll) return true;
+  for (; j < w; ++j)
+    if (!(x[j] == acc_t(0))) return true;
+  return false;
+}
+
 // Dropout on rows [0, m) of y (m x n, row stride ld) of one block whose
 // first query row has global index row0: each weight times keep / (1 - p).
-// Chunks of kBlockN keys that hold only zeros are skipped (sparse rows). The
-// keep flags are left in keep (m x n) for a second use, where given.
+// Chunks of kBlockN keys where y holds only zeros are skipped (sparse rows):
+// only kept weights matter. `also`, when given (row stride ld), gets the same
+// factors on the same chunks (the backward's dP, whose entries outside the
+// support multiply g = 0).
 template <typename acc_t>
 void apply_dropout(const Dropout& d, acc_t* y, int64_t m, int64_t n, int64_t ld, int64_t row0, int64_t j_base,
-                   float* keep = nullptr) {
+                   acc_t* also = nullptr) {
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < kBlockN) scratch.resize(kBlockN);
+  float* kp = scratch.data();
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * ld;
     for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
       const int64_t w = std::min(kBlockN, n - j0);
-      float* kp = keep ? keep + r * n + j0 : scratch.data();
-      bool any = false;
-      for (int64_t j = 0; j < w && !any; ++j) any = !(row[j0 + j] == acc_t(0));
-      if (!any) {
-        if (keep) std::fill(kp, kp + w, 0.0f);
-        continue;
-      }
+      if (!any_nonzero(row + j0, w)) continue;
       dropout_keeps(d, row0 + r, j_base + j0, w, kp);
       apply_keep(row + j0, kp, w, d);
+      if (also) apply_keep(also + r * ld + j0, kp, w, d);
     }
   }
 }
@@ -723,7 +734,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
       {any_rows ? BM * P.S : 0, any_tiled ? BMs * std::min(softmax_block_keys(), round_up_panel<acc_t>(P.S)) : 0, 1});
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t Sb = std::max<int64_t>(P.S, 1);
-    std::vector<acc_t> ybuf(buf), dbuf(buf), dps, kept, pvals(std::max<int64_t>(Sb, 1)), lse(BMs);
+    std::vector<acc_t> ybuf(buf), dbuf(buf), dps, kept, pvals(std::max<int64_t>(Sb, 1)), lse(BMs), pvals_block;
     std::vector<float> keep;
     std::vector<int32_t> pidx(std::max<int64_t>(Sb, 1));
     FlushDenormals ftz;
@@ -810,16 +821,13 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
           for (auto [j0, j1] : runs)
             gemm<acc_t>(false, true, m, j1 - j0, P.Ev, acc_t(1), dob, P.Ev, vh + j0 * P.Ev, P.Ev, acc_t(0), d + j0,
                         n);
+          // With dropout: dP of the kept weights, times 1 / (1 - p), and P
+          // dropped for dV, on the support's key chunks (elsewhere g = 0 and
+          // p = 0); the normalizer's backward needs P whole, so it runs on a copy.
+          std::vector<acc_t>& pkept = pvals_block;
           if (P.drop.on) {
-            // dP of the kept weights, times 1 / (1 - p); P itself is dropped
-            // after the normalizer's backward, which needs it whole.
-            keep.resize(static_cast<size_t>(m * n));
-            for (int64_t r = 0; r < m; ++r)
-              for (auto [j0, j1] : runs) {
-                float* kp = keep.data() + r * n + j0;
-                dropout_keeps(P.drop, P.row_id(bi, h, i0) + r, j0, j1 - j0, kp);
-                apply_keep(d + r * n + j0, kp, j1 - j0, P.drop);
-              }
+            pkept.assign(y, y + m * n);
+            apply_dropout(P.drop, pkept.data(), m, n, n, P.row_id(bi, h, i0), 0, d);
           }
           switch (P.fam[h]) {
             case Family::kSoftmax:
@@ -834,9 +842,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
             default:
               backward_rows<acc_t, Family::kGeneric>(y, d, m, n, runs, b, P.scale, da);
           }
-          if (P.drop.on)
-            for (int64_t r = 0; r < m; ++r)
-              for (auto [j0, j1] : runs) apply_keep(y + r * n + j0, keep.data() + r * n + j0, j1 - j0, P.drop);
+          if (P.drop.on) std::copy(pkept.begin(), pkept.end(), y);
           bool first = true;
           for (auto [j0, j1] : runs) {
             const int64_t w = j1 - j0;
