@@ -18,12 +18,10 @@ import numpy as np
 import torch
 
 from attnkern.experiments import interp
-from attnkern.experiments.classifiers import DATASETS
-from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import failures_md, md_table, sweep_block, write_outputs
 from attnkern.experiments.metrics import jsd, tvd
 
 NAME = "adversarial"
-BINS = (0.0, 0.25, 0.5, 0.75, 1.0001)
 LN2 = math.log(2.0)
 
 
@@ -101,50 +99,14 @@ def summarize(per: dict) -> dict:
     out = {"instances": int(j.size), "max_jsd_mean": float(j.mean()), "max_jsd_median": float(np.median(j)),
            "frac_max_jsd_above_0.5": float((j > 0.5).mean()), "feasible_mean": float(feas.mean()),
            "frac_no_feasible": float((feas == 0).mean()), "max_attention_mean": float(mx.mean())}
-    bins = []
-    for lo, hi in zip(BINS[:-1], BINS[1:], strict=True):
-        sel = (mx >= lo) & (mx < hi)
-        bins.append({"max_attention_from": lo, "max_attention_to": min(hi, 1.0), "instances": int(sel.sum()),
-                     "max_jsd_mean": float(j[sel].mean()) if sel.any() else math.nan})
+    bins = interp.by_max_attention(mx, j, "max_jsd_mean")
     out["by_max_attention"] = bins
     return out
 
 
 def _plot(merged: dict, out) -> list[str]:
-    plt = pyplot()
-    files = []
-    for dataset in sorted({k[0] for k in merged}):
-        keys = sorted(k for k in merged if k[0] == dataset)
-        encoders = sorted({k[1] for k in keys})
-        normalizers = sorted({k[2] for k in keys})
-        fig, axes = plt.subplots(len(encoders), len(normalizers), figsize=(3.2 * len(normalizers),
-                                 2.6 * len(encoders)), squeeze=False, sharex=True, sharey=True)
-        for r, encoder in enumerate(encoders):
-            for c, normalizer in enumerate(normalizers):
-                ax = axes[r][c]
-                per = merged.get((dataset, encoder, normalizer))
-                if per is None:
-                    ax.axis("off")
-                    continue
-                preds = np.asarray(per["pred"])
-                for cls in sorted(set(preds.tolist())):
-                    sel = preds == cls
-                    ax.scatter(np.asarray(per["max_jsd"])[sel], np.asarray(per["max_attention"])[sel], s=6,
-                               alpha=0.6, label=f"pred {cls}")
-                ax.set_xlim(0, LN2 * 1.02)
-                ax.set_title(f"{encoder} / {normalizer}", fontsize=9)
-                if r == len(encoders) - 1:
-                    ax.set_xlabel("ε-max JSD")
-                if c == 0:
-                    ax.set_ylabel("max attention")
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{DATASETS[dataset].title}\nadversarial attention within ε of the output", fontsize=9)
-        fig.tight_layout()
-        name = f"adversarial_{dataset}.png"
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        files.append(name)
-    return files
+    return interp.scatter_grid(merged, out, "adversarial", "max_jsd", "ε-max JSD",
+                               "adversarial attention within ε of the output", xlim=(0, LN2 * 1.02))
 
 
 def run(args) -> dict:

@@ -237,3 +237,70 @@ def scale_note(result: dict) -> str:
     scale = "quick configuration (small models, few epochs)" if result.get("quick") else "full configuration"
     return (f"*{scale}; {result.get('seeds')} seed(s) per model; "
             f"{'all' if inst is None else f'at most {inst}'} test instances per model.*")
+
+
+# Bins of the largest attention weight of an instance, for the summaries of
+# the permutation and adversarial experiments.
+MAX_ATTENTION_BINS = (0.0, 0.25, 0.5, 0.75, 1.0001)
+
+
+def by_max_attention(max_attention, values, name: str) -> list[dict]:
+    """Mean of `values` (one per instance) within each bin of max attention."""
+    import math
+
+    import numpy as np
+
+    mx, vals = np.asarray(max_attention, dtype=float), np.asarray(values, dtype=float)
+    bins = []
+    for lo, hi in zip(MAX_ATTENTION_BINS[:-1], MAX_ATTENTION_BINS[1:], strict=True):
+        sel = (mx >= lo) & (mx < hi)
+        bins.append({"max_attention_from": lo, "max_attention_to": min(hi, 1.0), "instances": int(sel.sum()),
+                     name: float(vals[sel].mean()) if sel.any() else math.nan})
+    return bins
+
+
+def scatter_grid(merged: dict, out, experiment: str, x_key: str, x_label: str, title: str,
+                 xlim=None) -> list[str]:
+    """One figure per dataset: a panel per (encoder, normalizer) with each test
+    instance's `x_key` against its max attention, coloured by predicted class.
+    merged: {(dataset, encoder, normalizer): per-instance lists}. Returns the file names."""
+    import numpy as np
+
+    from attnkern.experiments.classifiers import DATASETS
+    from attnkern.experiments.common import pyplot
+
+    plt = pyplot()
+    files = []
+    for dataset in sorted({k[0] for k in merged}):
+        keys = sorted(k for k in merged if k[0] == dataset)
+        encoders = sorted({k[1] for k in keys})
+        normalizers = sorted({k[2] for k in keys})
+        fig, axes = plt.subplots(len(encoders), len(normalizers), figsize=(3.2 * len(normalizers),
+                                 2.6 * len(encoders)), squeeze=False, sharex=True, sharey=True)
+        for r, encoder in enumerate(encoders):
+            for c, normalizer in enumerate(normalizers):
+                ax = axes[r][c]
+                per = merged.get((dataset, encoder, normalizer))
+                if per is None:
+                    ax.axis("off")
+                    continue
+                preds = np.asarray(per["pred"])
+                for cls in sorted(set(preds.tolist())):
+                    sel = preds == cls
+                    ax.scatter(np.asarray(per[x_key])[sel], np.asarray(per["max_attention"])[sel], s=6,
+                               alpha=0.6, label=f"pred {cls}")
+                if xlim is not None:
+                    ax.set_xlim(*xlim)
+                ax.set_title(f"{encoder} / {normalizer}", fontsize=9)
+                if r == len(encoders) - 1:
+                    ax.set_xlabel(x_label)
+                if c == 0:
+                    ax.set_ylabel("max attention")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"{DATASETS[dataset].title}\n{title}", fontsize=9)
+        fig.tight_layout()
+        name = f"{experiment}_{dataset}.png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+    return files

@@ -8,18 +8,14 @@ permutation moves the support as well (the zeros are permuted with the rest).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from attnkern.experiments import interp
-from attnkern.experiments.classifiers import DATASETS
-from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import failures_md, md_table, sweep_block, write_outputs
 from attnkern.experiments.metrics import tvd
 
 NAME = "permutation"
-BINS = (0.0, 0.25, 0.5, 0.75, 1.0001)
 
 
 def add_arguments(parser) -> None:
@@ -59,49 +55,14 @@ def summarize(per: dict) -> dict:
     out = {"instances": int(dy.size), "median_change_mean": float(dy.mean()),
            "median_change_median": float(np.median(dy)), "frac_change_below_0.01": float((dy < 0.01).mean()),
            "frac_change_above_0.1": float((dy > 0.1).mean()), "max_attention_mean": float(mx.mean())}
-    bins = []
-    for lo, hi in zip(BINS[:-1], BINS[1:], strict=True):
-        sel = (mx >= lo) & (mx < hi)
-        bins.append({"max_attention_from": lo, "max_attention_to": min(hi, 1.0), "instances": int(sel.sum()),
-                     "median_change_mean": float(dy[sel].mean()) if sel.any() else math.nan})
+    bins = interp.by_max_attention(mx, dy, "median_change_mean")
     out["by_max_attention"] = bins
     return out
 
 
 def _plot(merged: dict, out) -> list[str]:
-    plt = pyplot()
-    files = []
-    for dataset in sorted({k[0] for k in merged}):
-        keys = sorted(k for k in merged if k[0] == dataset)
-        encoders = sorted({k[1] for k in keys})
-        normalizers = sorted({k[2] for k in keys})
-        fig, axes = plt.subplots(len(encoders), len(normalizers), figsize=(3.2 * len(normalizers),
-                                 2.6 * len(encoders)), squeeze=False, sharex=True, sharey=True)
-        for r, encoder in enumerate(encoders):
-            for c, normalizer in enumerate(normalizers):
-                ax = axes[r][c]
-                per = merged.get((dataset, encoder, normalizer))
-                if per is None:
-                    ax.axis("off")
-                    continue
-                preds = np.asarray(per["pred"])
-                for cls in sorted(set(preds.tolist())):
-                    sel = preds == cls
-                    ax.scatter(np.asarray(per["median_change"])[sel], np.asarray(per["max_attention"])[sel], s=6,
-                               alpha=0.6, label=f"pred {cls}")
-                ax.set_title(f"{encoder} / {normalizer}", fontsize=9)
-                if r == len(encoders) - 1:
-                    ax.set_xlabel("median output change (TVD)")
-                if c == 0:
-                    ax.set_ylabel("max attention")
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{DATASETS[dataset].title}\npermuted attention, encoder fixed", fontsize=9)
-        fig.tight_layout()
-        name = f"permutation_{dataset}.png"
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        files.append(name)
-    return files
+    return interp.scatter_grid(merged, out, "permutation", "median_change", "median output change (TVD)",
+                               "permuted attention, encoder fixed")
 
 
 def run(args) -> dict:
