@@ -33,7 +33,7 @@ test-fast: $(BUILT)
 	$(VPY) -m pytest -q -m "not slow" tests
 
 bench: $(BUILT)
-	$(VPY) -m pytest -q benchmarks --benchmark-only --benchmark-json=.benchmarks/latest.json \
+	$(VPY) -m pytest -q benchmarks -o python_files='bench_*.py' --benchmark-only --benchmark-json=.benchmarks/latest.json \
 	    --benchmark-columns=median,iqr,rounds --benchmark-sort=name
 	$(VPY) benchmarks/report.py .benchmarks/latest.json
 
