@@ -18,6 +18,7 @@ In every mode, `weights=` given to forward overrides the module's own.
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -45,7 +46,7 @@ def uniform_weights(mask: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tens
     return w
 
 
-class RNNAttention(nn.Module):
+class RNNAttention(nn.Module, abc.ABC):
     """Base class: normalization, masks and modes. Subclasses define `scores`.
 
     normalizer: "softmax", "sparsemax", "entmax15" or "entmax" (with alpha).
@@ -93,8 +94,10 @@ class RNNAttention(nn.Module):
             return self.fixed_alpha
         return {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5}[self.normalizer]
 
+    @abc.abstractmethod
     def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Raw scores (B, T) or (B, L, T) of query (B, Dq) or (B, L, Dq) against keys (B, T, Dk);
+        each attention kind defines its own."""
 
     def normalize(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Weights (same shape as scores, (B, T) or (B, L, T)) from raw scores, with
