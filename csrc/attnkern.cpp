@@ -28,6 +28,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "attnkern/family.h"
+
 TORCH_LIBRARY(attnkern, m) {
   m.def("softmax_fwd(Tensor x, int dim) -> Tensor");
   m.def("softmax_bwd(Tensor p, Tensor grad, int dim) -> Tensor");
@@ -65,8 +67,21 @@ TORCH_LIBRARY(attnkern, m) {
 }
 
 // A Python module so that `import attnkern._C` loads the library and runs the
-// registrations above.
+// registrations above; it also carries FAMILIES.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "attnkern compiled ops", -1, nullptr};
-  return PyModule_Create(&module);
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+  // FAMILIES: the normalizer names in the order of their codes (math::Family),
+  // checked against attnkern's Python table by tests/test_family.py.
+  PyObject* names = PyTuple_New(attnkern::math::kNumFamilies);
+  if (names == nullptr) return nullptr;
+  for (int f = 0; f < attnkern::math::kNumFamilies; ++f)
+    PyTuple_SET_ITEM(names, f, PyUnicode_FromString(attnkern::math::kFamilyNames[f]));
+  if (PyModule_AddObject(m, "FAMILIES", names) < 0) {
+    Py_DECREF(names);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }

@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "row_layout.h"
+#include "attnkern/row_layout.h"
 
 namespace attnkern {
 namespace cpu {

@@ -15,7 +15,7 @@
 
 #include "attnkern/entmax_math.h"
 #include "normalize_row.h"
-#include "row_layout.h"
+#include "attnkern/row_layout.h"
 
 namespace attnkern {
 namespace cpu {

@@ -82,19 +82,17 @@ template <typename acc_t, Family FAM>
 inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work,
                                 int32_t* idx) {
   if constexpr (FAM == Family::kGeneric) {
-    switch (math::family_of<acc_t>(b)) {
-      case Family::kSoftmax:
-        return normalize_row<acc_t, Family::kSoftmax>(x, n, acc_t(0), out, y, work, idx);
-      case Family::kSparsemax:
-        return normalize_row<acc_t, Family::kSparsemax>(x, n, acc_t(1), out, y, work, idx);
-      case Family::kEntmax15:
-        return normalize_row<acc_t, Family::kEntmax15>(x, n, acc_t(0.5), out, y, work, idx);
-      default:
+    math::with_family(math::family_of<acc_t>(b), [&](auto tag) {
+      constexpr Family F = decltype(tag)::value;
+      if constexpr (F == Family::kGeneric) {
         if constexpr (std::is_same_v<acc_t, float>) {
           if (b > 1.0f) return normalize_row_wide(x, n, b, out, idx);
         }
-        return normalize_row<acc_t, Family::kGeneric>(x, n, b, out, y, work, idx);
-    }
+        normalize_row<acc_t, F>(x, n, b, out, y, work, idx);
+      } else {
+        normalize_row<acc_t, F>(x, n, math::fixed_b<F, acc_t>(), out, y, work, idx);
+      }
+    });
   } else {
     normalize_row<acc_t, FAM>(x, n, b, out, y, work, idx);
   }

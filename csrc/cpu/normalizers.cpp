@@ -15,18 +15,13 @@
 #include "attnkern/entmax_math.h"
 #include "entmax_row.h"
 #include "normalize_row.h"
-#include "row_layout.h"
+#include "attnkern/row_layout.h"
 
 namespace attnkern {
 namespace cpu {
 namespace {
 
 using at::Tensor;
-
-template <Family FAM, typename acc_t>
-constexpr acc_t fixed_b() {
-  return FAM == Family::kSparsemax ? acc_t(1) : FAM == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
-}
 
 template <typename scalar_t, Family FAM>
 void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim) {
@@ -48,7 +43,7 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
     int32_t* idx = scratch.idx.data();
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : fixed_b<FAM, acc_t>();
+      const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : math::fixed_b<FAM, acc_t>();
       if (direct) {
         normalize_row_alpha<acc_t, FAM>(reinterpret_cast<const acc_t*>(xp + base), n, b,
                                         reinterpret_cast<acc_t*>(op + base), y, work, idx);
@@ -211,18 +206,14 @@ template <typename acc_t, Family FAM>
 inline acc_t backward_row_alpha(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
                                 acc_t b, bool want_alpha) {
   if constexpr (FAM == Family::kGeneric) {
-    switch (math::family_of<acc_t>(b)) {
-      case Family::kSoftmax:
-        // The forward used softmax; the α gradient uses the softmax-limit derivative.
-        return backward_row<acc_t, Family::kSoftmax>(p, dp, dx, gbuf, idx, n, b, want_alpha);
-      case Family::kSparsemax:
-        return backward_row<acc_t, Family::kSparsemax>(p, dp, dx, gbuf, idx, n, b, want_alpha);
-      case Family::kEntmax15:
-        return backward_row<acc_t, Family::kEntmax15>(p, dp, dx, gbuf, idx, n, b, want_alpha);
-      default:
+    // In the softmax band the forward used softmax; the α gradient uses the softmax-limit derivative.
+    return math::with_family(math::family_of<acc_t>(b), [&](auto tag) {
+      constexpr Family F = decltype(tag)::value;
+      if constexpr (F == Family::kGeneric) {
         if (b > acc_t(1)) return backward_row_edge<acc_t>(p, dp, dx, n, b, want_alpha);
-        return backward_row<acc_t, Family::kGeneric>(p, dp, dx, gbuf, idx, n, b, want_alpha);
-    }
+      }
+      return backward_row<acc_t, F>(p, dp, dx, gbuf, idx, n, b, want_alpha);
+    });
   } else {
     return backward_row<acc_t, FAM>(p, dp, dx, gbuf, idx, n, b, false);
   }
@@ -249,7 +240,7 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
     int32_t* idx = scratch.idx.data();
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : fixed_b<FAM, acc_t>();
+      const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : math::fixed_b<FAM, acc_t>();
       acc_t da;
       if (direct) {
         da = backward_row_alpha<acc_t, FAM>(reinterpret_cast<const acc_t*>(pp + base),

@@ -14,7 +14,7 @@
 #include <limits>
 #include <vector>
 
-#include "row_layout.h"
+#include "attnkern/row_layout.h"
 
 namespace attnkern {
 namespace cpu {

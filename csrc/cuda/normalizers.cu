@@ -37,7 +37,7 @@
 #include <limits>
 
 #include "attnkern/entmax_math.h"
-#include "row_layout.h"
+#include "attnkern/row_layout.h"
 
 namespace attnkern {
 namespace cuda {
@@ -409,11 +409,6 @@ __device__ __forceinline__ int64_t row_base(int64_t r, const RowsArgs& a) {
   return (r / a.inner) * a.n * a.inner + r % a.inner;
 }
 
-template <typename acc_t>
-__host__ __device__ __forceinline__ acc_t b_of(Family fam) {
-  return fam == Family::kSparsemax ? acc_t(1) : fam == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
-}
-
 template <typename scalar_t, typename acc_t, Strategy S>
 __device__ __forceinline__ void forward_rows(const scalar_t* __restrict__ x, scalar_t* __restrict__ out,
                                              const acc_t* __restrict__ alpha, Family fixed, RowsArgs a,
@@ -421,25 +416,18 @@ __device__ __forceinline__ void forward_rows(const scalar_t* __restrict__ x, sca
   const auto grp = make_group<S>(scratch);
   for (int64_t r = grp.first_row(); r < a.rows; r += grp.row_step()) {
     const int64_t base = row_base(r, a);
-    acc_t b = b_of<acc_t>(fixed);
+    acc_t b = math::fixed_b<acc_t>(fixed);
     Family fam = fixed;
     if (alpha != nullptr) {
       b = alpha[r] - acc_t(1);
       fam = math::family_of<acc_t>(b);
     }
-    switch (fam) {
-      case Family::kSoftmax:
-        forward_row<acc_t, Family::kSoftmax>(grp, x + base, out + base, a.n, a.inner, acc_t(0));
-        break;
-      case Family::kSparsemax:
-        forward_row<acc_t, Family::kSparsemax>(grp, x + base, out + base, a.n, a.inner, acc_t(1));
-        break;
-      case Family::kEntmax15:
-        forward_row<acc_t, Family::kEntmax15>(grp, x + base, out + base, a.n, a.inner, acc_t(0.5));
-        break;
-      default:
-        forward_row<acc_t, Family::kGeneric>(grp, x + base, out + base, a.n, a.inner, b);
-    }
+    // fixed b for the fixed families (the softmax band runs as softmax), b itself otherwise
+    math::with_family(fam, [&](auto tag) {
+      constexpr Family F = decltype(tag)::value;
+      const acc_t bf = F == Family::kGeneric ? b : math::fixed_b<F, acc_t>();
+      forward_row<acc_t, F>(grp, x + base, out + base, a.n, a.inner, bf);
+    });
   }
 }
 
@@ -452,30 +440,18 @@ __device__ __forceinline__ void backward_rows(const scalar_t* __restrict__ p, co
   const bool want_alpha = dalpha != nullptr;
   for (int64_t r = grp.first_row(); r < a.rows; r += grp.row_step()) {
     const int64_t base = row_base(r, a);
-    acc_t b = b_of<acc_t>(fixed);
+    acc_t b = math::fixed_b<acc_t>(fixed);
     Family fam = fixed;
     if (alpha != nullptr) {
       b = alpha[r] - acc_t(1);
       fam = math::family_of<acc_t>(b);
     }
-    acc_t da;
     // In the softmax band the forward was softmax; the α gradient still gets
     // the true b (and uses the softmax-limit derivative there).
-    switch (fam) {
-      case Family::kSoftmax:
-        da = backward_row<acc_t, Family::kSoftmax>(grp, p + base, dp + base, dx + base, a.n, a.inner, b, want_alpha);
-        break;
-      case Family::kSparsemax:
-        da = backward_row<acc_t, Family::kSparsemax>(grp, p + base, dp + base, dx + base, a.n, a.inner, b,
-                                                     want_alpha);
-        break;
-      case Family::kEntmax15:
-        da = backward_row<acc_t, Family::kEntmax15>(grp, p + base, dp + base, dx + base, a.n, a.inner, b,
-                                                    want_alpha);
-        break;
-      default:
-        da = backward_row<acc_t, Family::kGeneric>(grp, p + base, dp + base, dx + base, a.n, a.inner, b, want_alpha);
-    }
+    const acc_t da = math::with_family(fam, [&](auto tag) {
+      return backward_row<acc_t, decltype(tag)::value>(grp, p + base, dp + base, dx + base, a.n, a.inner, b,
+                                                         want_alpha);
+    });
     if (want_alpha && grp.leader()) dalpha[r] = da;
   }
 }

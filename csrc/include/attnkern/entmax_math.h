@@ -20,34 +20,15 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define AK_HD __host__ __device__ __forceinline__
-#else
-#define AK_HD inline
-#endif
+#include "attnkern/family.h"
 
 namespace attnkern {
 namespace math {
-
-// Below this |α - 1| the normalizer is treated as softmax in the forward pass
-// (the difference is O(|α - 1|), far below float32 resolution at this size).
-constexpr double kSoftmaxForwardBand = 1e-6;
 
 // Below this |α - 1| the gradient in α uses its softmax limit (truncation
 // error O(|α - 1|)); above it the general formula, evaluated in double on the
 // renormalized row (AlphaGradSums), is accurate for float32 and float64 input.
 constexpr double kAlphaGradLimitBand = kSoftmaxForwardBand;
-
-enum class Family : int { kSoftmax = 0, kSparsemax = 1, kEntmax15 = 2, kGeneric = 3 };
-
-// b = α - 1 classified into the family member with an exact algorithm.
-template <typename acc_t>
-AK_HD Family family_of(acc_t b) {
-  if (b == acc_t(1)) return Family::kSparsemax;
-  if (b == acc_t(0.5)) return Family::kEntmax15;
-  if (b > acc_t(-kSoftmaxForwardBand) && b < acc_t(kSoftmaxForwardBand)) return Family::kSoftmax;
-  return Family::kGeneric;
-}
 
 // d = 1 + b·y, the base of the power in φ_b; entries with d <= 0 (b > 0) are
 // outside the support.

@@ -1,0 +1,308 @@
+// The fused attention on the CPU: what its algorithms share. The problem
+// (Problem: pointers, shapes, per-head b and family, dropout), the block
+// sizes, the score GEMM of a block of query rows, the scans for non-zero key
+// blocks and supports, and the entry points of the two algorithms:
+//   attention_softmax.cpp  tiled softmax, forward and backward (FlashAttention)
+//   attention_rows.cpp     whole rows of scores: sparsemax, entmax15, α-entmax
+//                          (and softmax heads whose dα is wanted)
+// attention.cpp schedules the blocks over threads and holds the op glue.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "attnkern/entmax_math.h"
+#include "blas.h"
+#include "dropout.h"
+#include "entmax_row.h"
+#include "tile_gemm.h"
+
+namespace attnkern {
+namespace cpu {
+namespace attn {
+
+using at::Tensor;
+using math::Family;
+
+// Granularity of the zero-probability skipping, in keys.
+constexpr int64_t kBlockN = 64;
+// Below this fraction of non-zero probabilities in a block of rows, P·V and
+// the backward run entry by entry over the support (gathering rows of k and
+// v) instead of GEMMs over key blocks: a GEMM costs about 2·Ev flops per
+// (query, key) pair whatever p is, a support entry a few dozen vector ops.
+constexpr double kSparseDensity = 1.0 / 16;
+// The backward's work per call is split into at least this many tasks
+// (kv-heads x chunks of query blocks), whatever the thread count.
+constexpr int64_t kBackwardTasks = 8;
+// Target size of one score buffer (BM x S accumulation-type entries).
+constexpr int64_t kScoreBufferBytes = 512 * 1024;
+
+inline int64_t env_int(const char* name, int64_t fallback) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return fallback;
+  return std::max<int64_t>(1, std::atoll(s));
+}
+
+// Query rows per block: as many as keep the score buffer near
+// kScoreBufferBytes, between 8 and 64 (GEMM efficiency drops below 8 rows).
+// ATTNKERN_ATTN_BLOCK_M overrides it (for tuning).
+inline int64_t block_rows(int64_t S, int64_t L, size_t elem) {
+  int64_t bm = kScoreBufferBytes / (std::max<int64_t>(S, 1) * static_cast<int64_t>(elem));
+  bm = std::clamp<int64_t>(bm, 8, 64);
+  bm = env_int("ATTNKERN_ATTN_BLOCK_M", bm);
+  return std::max<int64_t>(1, std::min(bm, std::max<int64_t>(L, 1)));
+}
+
+// Block index of the t-th task of a head, in an order that interleaves the
+// early (cheap under a causal mask) and late blocks, so that at::parallel_for's
+// contiguous split hands every thread a similar amount of work.
+inline int64_t zigzag(int64_t t, int64_t nb) { return (t % 2 == 0) ? t / 2 : nb - 1 - t / 2; }
+
+template <typename acc_t>
+struct Problem {
+  const acc_t* q;  // (B, H, L, E) contiguous
+  const acc_t* k;  // (B, Hk, S, E) contiguous
+  const acc_t* v;  // (B, Hk, S, Ev) contiguous
+  const acc_t* mask = nullptr;  // (B, H, L, S) view with the strides below
+  int64_t msb = 0, msh = 0, msl = 0, mss = 0;
+  // E and Ev are multiples of kPanel<acc_t> (the op pads q, k, v with zeros).
+  int64_t B, H, Hk, L, S, E, Ev;
+  // K (and for the softmax backward V) of every (batch, kv-head) in key
+  // panels (pack_panels), round_up_panel(S) keys per head; null when unused.
+  const acc_t* kp = nullptr;
+  const acc_t* vp = nullptr;
+  acc_t scale;
+  bool causal;
+  // Per head: b = α - 1 and its family.
+  std::vector<acc_t> b;
+  std::vector<Family> fam;
+  // Dropout on the weights (off when dropout_p = 0).
+  Dropout drop;
+
+  int64_t group() const { return H / Hk; }
+  // The global index of query row i of (batch bi, head h): the dropout counter.
+  int64_t row_id(int64_t bi, int64_t h, int64_t i) const { return (bi * H + h) * L + i; }
+  // Keys a block of rows [i0, i0 + m) can see.
+  int64_t keys_for(int64_t i0, int64_t m) const { return causal ? std::min(S, i0 + m) : S; }
+  const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0) * E; }
+  const acc_t* k_head(int64_t bi, int64_t hk) const { return k + (bi * Hk + hk) * S * E; }
+  const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk) * S * Ev; }
+  const acc_t* kp_head(int64_t bi, int64_t hk) const { return kp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * E; }
+  const acc_t* vp_head(int64_t bi, int64_t hk) const { return vp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * Ev; }
+};
+
+template <typename acc_t>
+inline void add_row(acc_t* y, int64_t n, const acc_t* m, int64_t ms) {
+  using V = Vec<acc_t>;
+  if (ms == 1) {
+    int64_t j = 0;
+    for (; j + V::size() <= n; j += V::size()) (V::loadu(y + j) + V::loadu(m + j)).store(y + j);
+    for (; j < n; ++j) y[j] += m[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) y[j] += m[j * ms];
+  }
+}
+
+// y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
+// diagonal.
+template <typename acc_t>
+inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
+  gemm<acc_t>(false, true, m, n, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, h / P.group()), P.E,
+              acc_t(0), y, n);
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * n;
+    if (P.mask) add_row(row, n, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl, P.mss);
+    if (P.causal) {
+      for (int64_t j = i0 + r + 1; j < n; ++j) row[j] = -std::numeric_limits<acc_t>::infinity();
+    }
+  }
+}
+
+
+// Whether x[0 .. w) holds anything but zeros (NaN counts as non-zero).
+template <typename acc_t>
+inline bool any_nonzero(const acc_t* x, int64_t w) {
+  using V = Vec<acc_t>;
+  constexpr int kAll = (1 << V::size()) - 1;
+  int64_t j = 0;
+  for (; j + V::size() <= w; j += V::size())
+    if ((V::loadu(x + j).zero_mask() & kAll) != kAll) return true;
+  for (; j < w; ++j)
+    if (!(x[j] == acc_t(0))) return true;
+  return false;
+}
+
+// Dropout on rows [0, m) of y (m x n, row stride ld) of one block whose
+// first query row has global index row0: each weight times keep / (1 - p).
+// Chunks of kBlockN keys where y holds only zeros are skipped (sparse rows):
+// only kept weights matter. `also`, when given (row stride ld), gets the same
+// factors on the same chunks (the backward's dP, whose entries outside the
+// support multiply g = 0).
+template <typename acc_t>
+inline void apply_dropout(const Dropout& d, acc_t* y, int64_t m, int64_t n, int64_t ld, int64_t row0, int64_t j_base,
+                   acc_t* also = nullptr) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < kBlockN) scratch.resize(kBlockN);
+  float* kp = scratch.data();
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * ld;
+    for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
+      const int64_t w = std::min(kBlockN, n - j0);
+      if (!any_nonzero(row + j0, w)) continue;
+      dropout_keeps(d, row0 + r, j_base + j0, w, kp);
+      apply_keep(row + j0, kp, w, d);
+      if (also) apply_keep(also + r * ld + j0, kp, w, d);
+    }
+  }
+}
+
+// Runs of consecutive key blocks of y (m x n) holding any non-zero (or NaN)
+// entry, as [start, end) key ranges.
+template <typename acc_t>
+inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, std::vector<std::pair<int64_t, int64_t>>& runs) {
+  using V = Vec<acc_t>;
+  runs.clear();
+  for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
+    const int64_t j1 = std::min(n, j0 + kBlockN);
+    bool any = false;
+    for (int64_t r = 0; r < m && !any; ++r) {
+      const acc_t* row = y + r * n;
+      int64_t j = j0;
+      if (j1 - j0 >= V::size()) {
+        V vm = V::loadu(row + j);
+        for (j += V::size(); j + V::size() <= j1; j += V::size()) vm = at::vec::maximum(vm, V::loadu(row + j));
+        const acc_t mx =
+            at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, vm);
+        any = !(mx == acc_t(0));
+      }
+      for (; j < j1 && !any; ++j) any = !(row[j] == acc_t(0));
+    }
+    if (!any) continue;
+    if (!runs.empty() && runs.back().second == j0) {
+      runs.back().second = j1;
+    } else {
+      runs.emplace_back(j0, j1);
+    }
+  }
+}
+
+// The support of each row of y (m x n) as CSR: the indices of the non-zero
+// (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]]. Gives up (returns
+// false) once there are more than `limit` entries.
+template <typename acc_t>
+inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit, std::vector<int32_t>& idx,
+                     std::vector<int64_t>& ptr) {
+  idx.clear();
+  ptr.assign(m + 1, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* row = y + r * n;
+    int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<acc_t, float> && Vec<float>::size() == 8) {
+      const Vec<float> zero(0.f);
+      for (; j + 8 <= n; j += 8) {
+        int bits = _mm256_movemask_ps(static_cast<__m256>(Vec<float>::loadu(row + j) != zero));
+        while (bits) {
+          idx.push_back(static_cast<int32_t>(j + __builtin_ctz(bits)));
+          bits &= bits - 1;
+        }
+      }
+    }
+#endif
+    for (; j < n; ++j)
+      if (!(row[j] == acc_t(0))) idx.push_back(static_cast<int32_t>(j));
+    ptr[r + 1] = static_cast<int64_t>(idx.size());
+    if (ptr[r + 1] > limit) return false;
+  }
+  return true;
+}
+
+template <typename acc_t>
+inline void axpy(acc_t* y, const acc_t* x, acc_t a, int64_t n) {
+  using V = Vec<acc_t>;
+  const V va(a);
+  int64_t e = 0;
+  for (; e + V::size() <= n; e += V::size()) (V::loadu(y + e) + va * V::loadu(x + e)).store(y + e);
+  for (; e < n; ++e) y[e] += a * x[e];
+}
+
+template <typename acc_t>
+inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
+  using V = Vec<acc_t>;
+  V s(0);
+  int64_t e = 0;
+  for (; e + V::size() <= n; e += V::size()) s += V::loadu(x + e) * V::loadu(y + e);
+  acc_t r = hsum(s);
+  for (; e < n; ++e) r += x[e] * y[e];
+  return r;
+}
+
+// Keys per tile of the softmax forward and backward (a multiple of
+// kPanel). ATTNKERN_ATTN_SOFTMAX_BLOCK_N overrides it (for tuning).
+// Query rows per softmax block, forward and backward.
+// ATTNKERN_ATTN_SOFTMAX_BLOCK_M overrides it (for tuning).
+inline int64_t softmax_block_rows(int64_t L) {
+  static const int64_t bm = env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_M", 128);
+  return std::max<int64_t>(1, std::min(bm, L));
+}
+
+inline int64_t softmax_block_keys() {
+  // A float panel is a whole number of double panels.
+  static const int64_t bn = round_up_panel<float>(env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_N", 256));
+  return bn;
+}
+
+using Runs = std::vector<std::pair<int64_t, int64_t>>;
+
+// Per-thread scratch of the block functions (sized by the schedulers in
+// attention.cpp).
+template <typename acc_t>
+struct Workspace {
+  std::vector<acc_t> y, d;          // scores / probabilities and dP of a block
+  std::vector<acc_t> work;          // one row: shift candidates, support values
+  std::vector<acc_t> mrow, lsum;    // softmax forward: running max and sum per row
+  std::vector<acc_t> lse;           // softmax backward: the shift per row
+  std::vector<acc_t> dps, kept, pkept;
+  std::vector<float> keep;
+  std::vector<int32_t> pidx, idx;
+  std::vector<int64_t> ptr;
+  Runs runs;
+};
+
+// attention_softmax.cpp: one block of m query rows from i0 of (batch bi, head
+// h) against its n allowed keys. Forward: o (m x Ev) and the log-sum-exp c.
+// Backward: dQ of the block (dqb), dK/dV into the chunk's accumulators.
+template <typename acc_t>
+void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                           acc_t* y, acc_t* o, float* c, acc_t* mrow, acc_t* lrow);
+template <typename acc_t>
+void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                            const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
+                            acc_t* dv, acc_t* y, acc_t* d, acc_t* lse, std::vector<float>& keep);
+
+// attention_rows.cpp: the same for a head of a sparse family (whole rows of
+// scores in ws.y); the backward adds the head's dα into *da when da is given.
+template <typename acc_t>
+void rows_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
+                        float* c, Workspace<acc_t>& ws);
+template <typename acc_t>
+void rows_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                         const float* c, const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* da,
+                         Workspace<acc_t>& ws);
+
+}  // namespace attn
+}  // namespace cpu
+}  // namespace attnkern

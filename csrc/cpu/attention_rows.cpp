@@ -1,0 +1,348 @@
+// Attention over whole rows of scores on the CPU: sparsemax, entmax15 and
+// α-entmax (and softmax heads whose gradient in α is wanted).
+//
+// The scores of a block of BM query rows against every allowed key are
+// computed with one GEMM into a buffer of BM x S floats that stays in L2,
+// since the shift needs the whole row (find_shift in entmax_row.h).
+// Probabilities are written in place, and P·V runs only over the key blocks
+// (kBlockN keys) where some probability of the block is non-zero, or entry
+// by entry over the support when it is small: sparsity turns into skipped
+// work. The backward recomputes the scores from q and k and the saved shift,
+// and skips the same key blocks in all of its GEMMs.
+#include "attention_problem.h"
+
+namespace attnkern {
+namespace cpu {
+namespace attn {
+namespace {
+
+// Scores of one row in, probabilities out (sparse families; softmax goes
+// through softmax_forward_block); returns the shift c with p = φ_b(s - c).
+// No allowed key: zeros and c = +inf.
+template <typename acc_t, Family FAM>
+acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const acc_t m = row_max(y, n);
+  if (m == -inf) {
+    std::fill(y, y + n, acc_t(0));
+    return inf;
+  }
+  if (m != m || m == inf) {
+    std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
+    return std::numeric_limits<acc_t>::quiet_NaN();
+  }
+  subtract(y, n, m);
+  {
+    acc_t norm;
+    const acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
+    if constexpr (FAM == Family::kGeneric) {
+      // Powers only over the support (work and idx are free again).
+      write_probs_sparse<acc_t>(y, n, c, b, norm, y, work, idx);
+    } else {
+      write_probs<acc_t, FAM>(y, n, c, b, norm, y);
+    }
+    return m + c;
+  }
+}
+
+// p = φ_b(s - c) for one row of scores (in place). In double, the float32
+// shift is refined by one Newton step so that p matches the forward to
+// double precision (c is stored in float32 by the contract).
+template <typename acc_t, Family FAM>
+void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t* idx) {
+  if (!(c < std::numeric_limits<acc_t>::infinity())) {
+    if (c != c) {
+      std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
+    } else {
+      std::fill(y, y + n, acc_t(0));
+    }
+    return;
+  }
+  if constexpr (FAM == Family::kSoftmax && std::is_same_v<acc_t, float>) {
+    exp_shifted(y, n, c, y);
+    return;
+  }
+  if constexpr (FAM == Family::kGeneric) {
+    if (b > acc_t(1)) {
+      // α > 2: a Newton step from the float32 shift is not enough near the
+      // edge of the support (infinite slope there); solve the row again.
+      normalize_scores<acc_t, Family::kGeneric>(y, n, b, vals, idx);
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<acc_t, double>) {
+    if constexpr (FAM == Family::kSoftmax) {
+      acc_t sum_p = 0;
+      for (int64_t j = 0; j < n; ++j) sum_p += std::exp(y[j] - c);
+      if (sum_p > 0) c += std::log(sum_p);
+    } else {
+      acc_t sum_p = 0, sum_g = 0;
+      eval_shift<acc_t, FAM>(y, n, c, b, sum_p, sum_g);
+      if (sum_g > 0) c += (sum_p - acc_t(1)) / sum_g;
+    }
+  }
+  if constexpr (FAM == Family::kGeneric) {
+    write_probs_sparse<acc_t>(y, n, c, b, acc_t(1), y, vals, idx);
+  } else {
+    write_probs<acc_t, FAM>(y, n, c, b, acc_t(1), y);
+  }
+}
+
+// Σ g and Σ g·dp over [j0, j1) of one row (g = p^(2-α) on the support).
+template <typename acc_t, Family FAM>
+inline Vec<acc_t> g_of(const Vec<acc_t>& p, acc_t b) {
+  using V = Vec<acc_t>;
+  if constexpr (FAM == Family::kSoftmax) {
+    return p;
+  } else if constexpr (FAM == Family::kSparsemax) {
+    return V::blendv(V(acc_t(0)), V(acc_t(1)), p > V(acc_t(0)));
+  } else if constexpr (FAM == Family::kEntmax15) {
+    return p.sqrt();
+  } else {
+    // g = p^(1-b), p in (0, 1] on the support.
+    V g = b < acc_t(1) ? pow_unit<acc_t>(p, acc_t(1) - b) : (V(acc_t(1) - b) * p.log()).exp();
+    return V::blendv(V(acc_t(0)), g, p > V(acc_t(0)));
+  }
+}
+
+template <typename acc_t, Family FAM>
+void reduce_g(const acc_t* p, const acc_t* dp, int64_t n, acc_t b, acc_t& gsum, acc_t& gdp) {
+  using V = Vec<acc_t>;
+  V vs(0), vd(0);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V g = g_of<acc_t, FAM>(V::loadu(p + j), b);
+    vs += g;
+    vd += g * V::loadu(dp + j);
+  }
+  acc_t s = hsum(vs), d = hsum(vd);
+  for (; j < n; ++j) {
+    acc_t g = math::entmax_g_from_p<acc_t>(p[j], b, FAM);
+    s += g;
+    d += g * dp[j];
+  }
+  gsum += s;
+  gdp += d;
+}
+
+// dp ← scale · g · (dp - mean), in place.
+template <typename acc_t, Family FAM>
+void apply_g(const acc_t* p, acc_t* dp, int64_t n, acc_t b, acc_t mean, acc_t scale) {
+  using V = Vec<acc_t>;
+  const V vmean(mean), vscale(scale);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    V g = g_of<acc_t, FAM>(V::loadu(p + j), b);
+    (vscale * g * (V::loadu(dp + j) - vmean)).store(dp + j);
+  }
+  for (; j < n; ++j) dp[j] = scale * math::entmax_g_from_p<acc_t>(p[j], b, FAM) * (dp[j] - mean);
+}
+
+// One row's contribution to dα (AlphaGradSums: every sum in double).
+template <typename acc_t>
+double alpha_grad_row(const acc_t* p, const acc_t* dp, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                      acc_t b) {
+  math::AlphaGradSums sums;
+  for (auto [j0, j1] : runs)
+    for (int64_t j = j0; j < j1; ++j) sums.add(static_cast<double>(p[j]), static_cast<double>(dp[j]), b);
+  return sums.grad(static_cast<double>(b));
+}
+
+template <typename acc_t, Family FAM>
+void backward_rows(acc_t* y, acc_t* d, int64_t m, int64_t n, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                   acc_t b, acc_t scale, double* dalpha) {
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* p = y + r * n;
+    acc_t* dp = d + r * n;
+    acc_t gsum = 0, gdp = 0;
+    for (auto [j0, j1] : runs) reduce_g<acc_t, FAM>(p + j0, dp + j0, j1 - j0, b, gsum, gdp);
+    if (dalpha) *dalpha += alpha_grad_row<acc_t>(p, dp, runs, b);
+    const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+    for (auto [j0, j1] : runs) apply_g<acc_t, FAM>(p + j0, dp + j0, j1 - j0, b, mean, scale);
+  }
+}
+
+// Backward of a block of rows over their supports (CSR idx/ptr), entry by
+// entry: dp = dO·v_j, ds = scale·g·(dp - Σg dp/Σg), dq = Σ ds k_j,
+// dk_j += ds q, dv_j += p dO.
+template <typename acc_t, Family FAM>
+void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, int64_t n,
+                          const std::vector<int32_t>& idx, const std::vector<int64_t>& ptr, acc_t b,
+                          const acc_t* qb, const acc_t* dob, const acc_t* kh, const acc_t* vh, acc_t* dqb,
+                          acc_t* dk, acc_t* dv, double* dalpha, std::vector<acc_t>& dps, int64_t row0,
+                          std::vector<acc_t>& kept) {
+  const Dropout& drop = P.drop;
+  const acc_t dscale = static_cast<acc_t>(drop.scale);
+  std::vector<acc_t> gs;
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* prow = y + r * n;
+    const acc_t* qr = qb + r * P.E;
+    const acc_t* dor = dob + r * P.Ev;
+    acc_t* dqr = dqb + r * P.E;
+    std::fill(dqr, dqr + P.E, acc_t(0));
+    const int64_t t0 = ptr[r], t1 = ptr[r + 1];
+    if (t0 == t1) continue;
+    dps.resize(t1 - t0);
+    kept.resize(t1 - t0);
+    acc_t gsum = 0, gdp = 0;
+    math::AlphaGradSums asums;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = idx[t];
+      // With dropout, dp_j = dO·v_j · keep_j / (1 - p).
+      const acc_t kj = drop.on ? static_cast<acc_t>(dropout_keep(drop, row0 + r, j)) * dscale : acc_t(1);
+      kept[t - t0] = kj;
+      const acc_t dpj = kj == acc_t(0) ? acc_t(0) : kj * dot(dor, vh + j * P.Ev, P.Ev);
+      dps[t - t0] = dpj;
+      const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
+      gsum += g;
+      gdp += g * dpj;
+      if (dalpha) asums.add(static_cast<double>(prow[j]), static_cast<double>(dpj), b);
+    }
+    if (dalpha) *dalpha += asums.grad(static_cast<double>(b));
+    acc_t pivot = 0, mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+    if (FAM == Family::kGeneric && b > acc_t(1)) {
+      // α > 2: the mean measured from a pivot (entmax_pivoted_mean says why).
+      gs.resize(t1 - t0);
+      for (int64_t t = t0; t < t1; ++t) gs[t - t0] = math::entmax_g_from_p<acc_t>(prow[idx[t]], b, FAM);
+      const auto pm = math::entmax_pivoted_mean<acc_t>(gs.data(), dps.data(), t1 - t0);
+      pivot = pm.pivot;
+      mean = pm.shift;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = idx[t];
+      const acc_t pj = prow[j];
+      const acc_t ds = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * ((dps[t - t0] - pivot) - mean);
+      axpy(dqr, kh + j * P.E, ds, P.E);
+      axpy(dk + j * P.E, qr, ds, P.E);
+      if (kept[t - t0] != acc_t(0)) axpy(dv + j * P.Ev, dor, pj * kept[t - t0], P.Ev);
+    }
+  }
+}
+
+}  // namespace
+
+// Forward of a block of rows of one head, of family FAM (not softmax: its
+// heads take the tiled path).
+template <typename acc_t, Family FAM>
+void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
+                  float* c, Workspace<acc_t>& ws) {
+  acc_t* y = ws.y.data();
+  score_block(P, bi, h, i0, m, n, y);
+  const acc_t b = P.b[h];
+  for (int64_t r = 0; r < m; ++r)
+    c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * n, n, b, ws.work.data(), ws.pidx.data()));
+  if (P.drop.on) apply_dropout(P.drop, y, m, n, n, P.row_id(bi, h, i0), 0);
+  const acc_t* vh = P.v_head(bi, h / P.group());
+  if (collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), ws.idx, ws.ptr)) {
+    std::fill(o, o + m * P.Ev, acc_t(0));
+    for (int64_t r = 0; r < m; ++r) {
+      const acc_t* prow = y + r * n;
+      for (int64_t t = ws.ptr[r]; t < ws.ptr[r + 1]; ++t)
+        axpy(o + r * P.Ev, vh + ws.idx[t] * P.Ev, prow[ws.idx[t]], P.Ev);
+    }
+    return;
+  }
+  nonzero_runs(y, m, n, ws.runs);
+  if (ws.runs.empty()) {
+    std::fill(o, o + m * P.Ev, acc_t(0));
+    return;
+  }
+  bool first = true;
+  for (auto [j0, j1] : ws.runs) {
+    gemm<acc_t>(false, false, m, P.Ev, j1 - j0, acc_t(1), y + j0, n, vh + j0 * P.Ev, P.Ev, first ? acc_t(0) : acc_t(1),
+                o, P.Ev);
+    first = false;
+  }
+}
+
+template <typename acc_t>
+void rows_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
+                        float* c, Workspace<acc_t>& ws) {
+  // Softmax heads never come here (they are tiled); were one to, it would be
+  // solved as α-entmax at b = 0.
+  const Family fam = P.fam[h] == Family::kSoftmax ? Family::kGeneric : P.fam[h];
+  math::with_family(fam, [&](auto tag) {
+    if constexpr (decltype(tag)::value != Family::kSoftmax)
+      rows_forward<acc_t, decltype(tag)::value>(P, bi, h, i0, m, n, o, c, ws);
+  });
+}
+
+// Backward of a block of rows of one head, of family FAM: P recomputed from
+// the scores and the saved shift, then entry by entry over the supports when
+// they are small, else GEMMs over the key blocks that hold probability.
+template <typename acc_t, Family FAM>
+void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, const float* c,
+                   const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* da, Workspace<acc_t>& ws) {
+  const int64_t hk = h / P.group();
+  const acc_t* kh = P.k_head(bi, hk);
+  const acc_t* vh = P.v_head(bi, hk);
+  const acc_t* qb = P.q_rows(bi, h, i0);
+  acc_t* y = ws.y.data();
+  acc_t* d = ws.d.data();
+  score_block(P, bi, h, i0, m, n, y);
+  const acc_t b = P.b[h];
+  for (int64_t r = 0; r < m; ++r)
+    recompute_probs<acc_t, FAM>(y + r * n, n, static_cast<acc_t>(c[r]), b, ws.work.data(), ws.pidx.data());
+  if constexpr (FAM != Family::kSoftmax) {
+    // α > 2 always goes entry by entry, where its mean is pivoted.
+    const int64_t max_entries = b > acc_t(1) ? m * n : static_cast<int64_t>(kSparseDensity * m * n);
+    if (collect_support(y, m, n, max_entries, ws.idx, ws.ptr)) {
+      backward_sparse_rows<acc_t, FAM>(P, y, m, n, ws.idx, ws.ptr, b, qb, dob, kh, vh, dqb, dk, dv, da, ws.dps,
+                                       P.row_id(bi, h, i0), ws.kept);
+      return;
+    }
+  }
+  Runs& runs = ws.runs;
+  if (FAM == Family::kSoftmax && !P.mask) {
+    runs.assign(1, {0, n});
+  } else {
+    nonzero_runs(y, m, n, runs);
+  }
+  if (runs.empty()) {
+    std::fill(dqb, dqb + m * P.E, acc_t(0));
+    return;
+  }
+  // dP = dO · Vᵀ on the runs.
+  for (auto [j0, j1] : runs)
+    gemm<acc_t>(false, true, m, j1 - j0, P.Ev, acc_t(1), dob, P.Ev, vh + j0 * P.Ev, P.Ev, acc_t(0), d + j0, n);
+  // With dropout: dP of the kept weights, times 1 / (1 - p), and P dropped
+  // for dV, on the support's key chunks (elsewhere g = 0 and p = 0); the
+  // normalizer's backward needs P whole, so it runs on a copy.
+  if (P.drop.on) {
+    ws.pkept.assign(y, y + m * n);
+    apply_dropout(P.drop, ws.pkept.data(), m, n, n, P.row_id(bi, h, i0), 0, d);
+  }
+  backward_rows<acc_t, FAM>(y, d, m, n, runs, b, P.scale, da);
+  if (P.drop.on) std::copy(ws.pkept.begin(), ws.pkept.end(), y);
+  bool first = true;
+  for (auto [j0, j1] : runs) {
+    const int64_t w = j1 - j0;
+    // dQ = dS · K, dK += dSᵀ · Q, dV += Pᵀ · dO.
+    gemm<acc_t>(false, false, m, P.E, w, acc_t(1), d + j0, n, kh + j0 * P.E, P.E, first ? acc_t(0) : acc_t(1), dqb,
+                P.E);
+    gemm<acc_t>(true, false, w, P.E, m, acc_t(1), d + j0, n, qb, P.E, acc_t(1), dk + j0 * P.E, P.E);
+    gemm<acc_t>(true, false, w, P.Ev, m, acc_t(1), y + j0, n, dob, P.Ev, acc_t(1), dv + j0 * P.Ev, P.Ev);
+    first = false;
+  }
+}
+
+template <typename acc_t>
+void rows_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                         const float* c, const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* da,
+                         Workspace<acc_t>& ws) {
+  math::with_family(P.fam[h], [&](auto tag) {
+    rows_backward<acc_t, decltype(tag)::value>(P, bi, h, i0, m, n, c, dob, dqb, dk, dv, da, ws);
+  });
+}
+
+#define AK_INSTANTIATE_ROWS(T)                                                                                  \
+  template void rows_forward_block<T>(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t, T*, float*, \
+                                      Workspace<T>&);                                                          \
+  template void rows_backward_block<T>(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t,          \
+                                       const float*, const T*, T*, T*, T*, double*, Workspace<T>&);
+AK_INSTANTIATE_ROWS(float)
+AK_INSTANTIATE_ROWS(double)
+
+}  // namespace attn
+}  // namespace cpu
+}  // namespace attnkern

@@ -1,0 +1,181 @@
+// Softmax attention on the CPU, tiled as FlashAttention: a block of query
+// rows meets the keys tile by tile; the forward keeps a running max and sum
+// and rescales the output, the backward recomputes P from the saved
+// log-sum-exp and uses δ = dO·O per row, so no row is ever held whole. Every
+// product runs on the register-blocked kernel of tile_gemm.h over K and V
+// packed once per head, not on BLAS calls that would repack their operands at
+// every tile.
+#include "attention_problem.h"
+
+namespace attnkern {
+namespace cpu {
+namespace attn {
+
+
+// Scores of a tile: y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys
+// [j0, j0 + w) through the packed key panels, plus the mask, -inf above the
+// causal diagonal. Columns [w, ldy) hold scores against zero padding keys.
+template <typename acc_t>
+void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
+                acc_t* y, int64_t ldy) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
+                   kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
+  if (!P.mask && !P.causal) return;
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * ldy;
+    if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
+    if (P.causal) {
+      for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j) row[j] = -inf;
+    }
+  }
+}
+
+// Softmax forward of one block of query rows, online over key tiles (as
+// FlashAttention): the scores of a tile stay in L2 and the output is
+// rescaled when the running max grows; o (m x Ev) accumulates P·V in place.
+// y: m x softmax_block_keys() scratch; mrow, lrow: m entries.
+template <typename acc_t>
+void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                           acc_t* y, acc_t* o, float* c, acc_t* mrow, acc_t* lrow) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+  const acc_t* vh = P.v_head(bi, h / P.group());
+  const int64_t BN = softmax_block_keys();
+  std::fill(mrow, mrow + m, -inf);
+  std::fill(lrow, lrow + m, acc_t(0));
+  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+    const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+    score_tile(P, bi, h, i0, m, j0, w, y, ldy);
+    for (int64_t r = 0; r < m; ++r) {
+      acc_t* row = y + r * ldy;
+      const acc_t bm = row_max(row, w);
+      const acc_t old = mrow[r];
+      if (bm != bm || old != old) {
+        std::fill(row, row + w, nan);
+        mrow[r] = nan;
+        continue;
+      }
+      const acc_t mx = std::max(old, bm);
+      if (mx == -inf) {  // nothing allowed yet in this row
+        std::fill(row, row + w, acc_t(0));
+        continue;
+      }
+      const acc_t sum = exp_shifted(row, w, mx, row);  // exp_u20, in place
+      if (mx != old) {
+        const acc_t corr = std::exp(old - mx);  // 0 when old = -inf
+        lrow[r] *= corr;
+        if (old != -inf) {
+          acc_t* orow = o + r * P.Ev;
+          for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= corr;
+        }
+        mrow[r] = mx;
+      }
+      lrow[r] += sum;
+    }
+    if (P.drop.on) apply_dropout(P.drop, y, m, w, ldy, P.row_id(bi, h, i0), j0);
+    // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
+    tile_gemm<acc_t>(m, P.Ev, w, acc_t(1), y, ldy, 1, vh + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev, j0 > 0);
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* orow = o + r * P.Ev;
+    if (mrow[r] != mrow[r]) {
+      std::fill(orow, orow + P.Ev, nan);
+      c[r] = std::numeric_limits<float>::quiet_NaN();
+    } else if (mrow[r] == -inf || !(lrow[r] > acc_t(0))) {
+      std::fill(orow, orow + P.Ev, acc_t(0));
+      c[r] = std::numeric_limits<float>::infinity();
+    } else {
+      const acc_t f = acc_t(1) / lrow[r];
+      for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= f;
+      c[r] = static_cast<float>(mrow[r] + std::log(lrow[r]));
+    }
+  }
+}
+
+// Softmax backward of one block of query rows over its key tiles, as
+// FlashAttention: P is recomputed from the saved log-sum-exp c, δ = dO·O per
+// row (delta) replaces Σ_j p_j dp_j, and dS = scale · P ⊙ (dO·Vᵀ − δ).
+// dQ (dqb, m x E) = Σ over tiles of dS·K; dK += dSᵀ·Q and dV += Pᵀ·dO go
+// into the chunk's accumulators dk, dv (S x E, S x Ev of this kv-head).
+// y, d: m x softmax_block_keys() scratch; lse: m entries.
+template <typename acc_t>
+void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                            const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
+                            acc_t* dv, acc_t* y, acc_t* d, acc_t* lse, std::vector<float>& keep) {
+  using V = Vec<acc_t>;
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const int64_t hk = h / P.group();
+  const acc_t* qb = P.q_rows(bi, h, i0);
+  const acc_t* kh = P.k_head(bi, hk);
+  const acc_t* vp = P.vp_head(bi, hk);
+  const int64_t BN = softmax_block_keys();
+  for (int64_t r = 0; r < m; ++r) lse[r] = static_cast<acc_t>(c[r]);
+  if constexpr (std::is_same_v<acc_t, double>) {
+    // The shift is stored in float32: one pass over the row's tiles sums
+    // exp(s - c) and corrects c to double precision.
+    std::vector<acc_t> sums(m, acc_t(0));
+    for (int64_t j0 = 0; j0 < n; j0 += BN) {
+      const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+      score_tile(P, bi, h, i0, m, j0, w, y, ldy);
+      for (int64_t r = 0; r < m; ++r)
+        if (std::isfinite(lse[r])) sums[r] += exp_shifted(y + r * ldy, w, lse[r], y + r * ldy);
+    }
+    for (int64_t r = 0; r < m; ++r)
+      if (std::isfinite(lse[r]) && sums[r] > 0) lse[r] += std::log(sums[r]);
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+    const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+    score_tile(P, bi, h, i0, m, j0, w, y, ldy);
+    for (int64_t r = 0; r < m; ++r) {
+      acc_t* row = y + r * ldy;
+      if (lse[r] != lse[r]) {
+        std::fill(row, row + w, std::numeric_limits<acc_t>::quiet_NaN());
+      } else if (lse[r] == inf) {  // no allowed key
+        std::fill(row, row + w, acc_t(0));
+      } else {
+        exp_shifted(row, w, lse[r], row);
+      }
+    }
+    // dP = dO·Vᵀ, then dS in place.
+    tile_gemm<acc_t>(m, ldy, P.Ev, acc_t(1), dob, P.Ev, 1, vp + j0 * P.Ev, kPanel<acc_t>, P.Ev * kPanel<acc_t>, d,
+                     ldy, false);
+    if (P.drop.on) {
+      // dP of the kept weights, times 1 / (1 - p); the same flags drop P for dV below.
+      keep.resize(static_cast<size_t>(m * w));
+      for (int64_t r = 0; r < m; ++r) {
+        dropout_keeps(P.drop, P.row_id(bi, h, i0) + r, j0, w, keep.data() + r * w);
+        apply_keep(d + r * ldy, keep.data() + r * w, w, P.drop);
+      }
+    }
+    const V vscale(P.scale);
+    for (int64_t r = 0; r < m; ++r) {
+      const acc_t* prow = y + r * ldy;
+      acc_t* drow = d + r * ldy;
+      const V vdelta(delta[r]);
+      int64_t j = 0;
+      for (; j + V::size() <= w; j += V::size())
+        (vscale * V::loadu(prow + j) * (V::loadu(drow + j) - vdelta)).store(drow + j);
+      for (; j < w; ++j) drow[j] = P.scale * prow[j] * (drow[j] - delta[r]);
+    }
+    if (P.drop.on)
+      for (int64_t r = 0; r < m; ++r) apply_keep(y + r * ldy, keep.data() + r * w, w, P.drop);
+    // dV += Pᵀ·dO, dK += dSᵀ·Q (A read transposed), dQ (+)= dS·K.
+    tile_gemm<acc_t>(w, P.Ev, m, acc_t(1), y, 1, ldy, dob, P.Ev, kPanel<acc_t>, dv + j0 * P.Ev, P.Ev, true);
+    tile_gemm<acc_t>(w, P.E, m, acc_t(1), d, 1, ldy, qb, P.E, kPanel<acc_t>, dk + j0 * P.E, P.E, true);
+    tile_gemm<acc_t>(m, P.E, w, acc_t(1), d, ldy, 1, kh + j0 * P.E, P.E, kPanel<acc_t>, dqb, P.E, j0 > 0);
+  }
+}
+
+#define AK_INSTANTIATE_SOFTMAX(T)                                                                              \
+  template void softmax_forward_block<T>(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t, T*, T*, \
+                                         float*, T*, T*);                                                     \
+  template void softmax_backward_block<T>(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t,      \
+                                          const float*, const T*, const T*, T*, T*, T*, T*, T*, T*,             \
+                                          std::vector<float>&);
+AK_INSTANTIATE_SOFTMAX(float)
+AK_INSTANTIATE_SOFTMAX(double)
+
+}  // namespace attn
+}  // namespace cpu
+}  // namespace attnkern

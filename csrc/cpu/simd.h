@@ -1,0 +1,225 @@
+// SIMD building blocks of the CPU kernels (ATen's Vectorized, plus
+// hand-written AVX2 forms where they pay): horizontal sums, stream
+// compaction (left-packing), fast reciprocals and powers, the row max and
+// shifts, and a scope guard that flushes denormals.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace attnkern {
+namespace cpu {
+
+template <typename acc_t>
+using Vec = at::vec::Vectorized<acc_t>;
+
+// Flushes denormal results and inputs to zero while in scope (restores the
+// thread's mode after). Probabilities below the smallest normal float are
+// zeros for every purpose here, and denormal arithmetic costs ~100 cycles an
+// operation on the tails of the powers.
+struct FlushDenormals {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned int saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
+template <typename acc_t>
+inline acc_t hsum(const Vec<acc_t>& v) {
+  return at::vec::vec_reduce_all<acc_t>([](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, v);
+}
+
+// Stores the lanes of v selected by `mask` (bit l = lane l) contiguously at
+// dst and returns how many: branch-free stream compaction. dst must have
+// room for a whole vector (it may alias the lanes just loaded: the store never
+// runs ahead of the read position).
+template <typename acc_t>
+inline int left_pack(acc_t* dst, const Vec<acc_t>& v, int mask) {
+  alignas(64) acc_t lanes[Vec<acc_t>::size()];
+  v.store(lanes);
+  int k = 0;
+  for (int l = 0; l < Vec<acc_t>::size(); ++l) {
+    dst[k] = lanes[l];
+    k += (mask >> l) & 1;
+  }
+  return k;
+}
+
+#if !defined(CPU_CAPABILITY_AVX2)
+inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
+  int k = 0;
+  for (int l = 0; l < 8; ++l) {
+    dst[k] = j + l;
+    k += (mask >> l) & 1;
+  }
+  return k;
+}
+#endif
+
+// Lane-index mask of a comparison result (bit l set where lane l is true).
+template <typename acc_t>
+inline int lane_mask(const Vec<acc_t>& cmp) {
+  return ~cmp.zero_mask() & ((1 << Vec<acc_t>::size()) - 1);
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+struct LeftPackTable {
+  alignas(32) int32_t idx[256][8];
+  constexpr LeftPackTable() : idx() {
+    for (int m = 0; m < 256; ++m) {
+      int k = 0;
+      for (int l = 0; l < 8; ++l)
+        if ((m >> l) & 1) idx[m][k++] = l;
+    }
+  }
+};
+inline constexpr LeftPackTable kLeftPack{};
+
+template <>
+inline int left_pack<float>(float* dst, const Vec<float>& v, int mask) {
+  __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLeftPack.idx[mask]));
+  _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(__m256(v), perm));
+  return __builtin_popcount(mask);
+}
+
+// The positions j..j+7 of the lanes selected by mask, stored at dst.
+inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
+  __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLeftPack.idx[mask]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_add_epi32(perm, _mm256_set1_epi32(j)));
+  return __builtin_popcount(mask);
+}
+#define ATTNKERN_HAS_LEFT_PACK_INDEX 1
+
+template <>
+inline int lane_mask<float>(const Vec<float>& cmp) {
+  return _mm256_movemask_ps(__m256(cmp));
+}
+#endif
+
+// 1/d: exact division in general; on AVX2 float, the hardware estimate with
+// one Newton-Raphson step (~2 ulp), which keeps the divider (one ymm division
+// per 5 cycles) off the critical path of the power passes.
+template <typename acc_t>
+inline Vec<acc_t> recip(const Vec<acc_t>& d) {
+  return Vec<acc_t>(acc_t(1)) / d;
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vec<float> recip<float>(const Vec<float>& dv) {
+  __m256 d = __m256(dv);
+  __m256 r = _mm256_rcp_ps(d);
+  return Vec<float>(_mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.0f))));
+}
+#endif
+
+// d^e for 0 < d <= 1 (lanes outside are the caller's to mask), e > 0.
+// These powers are the cost of every α-entmax pass; Sleef's u10 log1p/exp
+// spend ~250 instructions a vector on them. For float on AVX2 this computes
+// 2^(e·log2 d) with short polynomials instead: log via atanh series on the
+// mantissa in [1/√2, √2) (|s| <= 0.172, 5 terms, ~1e-9), 2^f via Taylor
+// around f = 1/2 (7 terms, ~5e-9); relative error a few float ulps times e.
+// Denormal d are flushed to the smallest normal and results below 2^-126 to
+// zero (they are below any probability that matters, and denormal arithmetic
+// is slow).
+template <typename acc_t>
+inline Vec<acc_t> pow_unit(const Vec<acc_t>& d, acc_t e) {
+  return (d.log() * Vec<acc_t>(e)).exp();
+}
+
+// Smallest b = α - 1 for which pow_unit's error (a few ulps times 1/b) stays
+// near float32 resolution; below it the exact log1p/exp path is used.
+template <typename acc_t>
+constexpr acc_t kFastPowMinB = acc_t(1.0 / 32);
+
+#if defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vec<float> pow_unit<float>(const Vec<float>& dv, float e) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  __m256 d = _mm256_max_ps(__m256(dv), _mm256_set1_ps(1.17549435e-38f));
+  __m256i bits = _mm256_castps_si256(d);
+  __m256i ex = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+  __m256 m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+  // m in [1, 2): fold to [1/√2, √2).
+  __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  __m256 exf = _mm256_add_ps(_mm256_cvtepi32_ps(ex), _mm256_and_ps(big, one));
+  __m256 sv = _mm256_mul_ps(_mm256_sub_ps(m, one), __m256(recip<float>(Vec<float>(_mm256_add_ps(m, one)))));
+  __m256 s2 = _mm256_mul_ps(sv, sv);
+  __m256 q = _mm256_fmadd_ps(s2, _mm256_set1_ps(1.0f / 9), _mm256_set1_ps(1.0f / 7));
+  q = _mm256_fmadd_ps(q, s2, _mm256_set1_ps(1.0f / 5));
+  q = _mm256_fmadd_ps(q, s2, _mm256_set1_ps(1.0f / 3));
+  q = _mm256_fmadd_ps(q, s2, one);
+  // log2 d = ex + 2 s q / ln 2
+  __m256 l2 = _mm256_fmadd_ps(_mm256_mul_ps(sv, q), _mm256_set1_ps(2.88539008f), exf);
+  __m256 z = _mm256_mul_ps(l2, _mm256_set1_ps(e));
+  __m256 tiny = _mm256_cmp_ps(z, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
+  z = _mm256_max_ps(z, _mm256_set1_ps(-126.0f));
+  __m256 n = _mm256_floor_ps(z);
+  __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_sub_ps(z, n), _mm256_set1_ps(0.5f)),
+                           _mm256_set1_ps(0.693147181f));
+  __m256 r = _mm256_fmadd_ps(x, _mm256_set1_ps(1.0f / 5040), _mm256_set1_ps(1.0f / 720));
+  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 120));
+  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 24));
+  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 6));
+  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(0.5f));
+  r = _mm256_fmadd_ps(r, x, one);
+  r = _mm256_fmadd_ps(r, x, one);
+  r = _mm256_mul_ps(r, _mm256_set1_ps(1.41421356f));
+  __m256i sc = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return Vec<float>(_mm256_andnot_ps(tiny, _mm256_mul_ps(r, _mm256_castsi256_ps(sc))));
+}
+#endif
+
+template <typename acc_t>
+inline acc_t row_max(const acc_t* y, int64_t n) {
+  using V = Vec<acc_t>;
+  int64_t j = 0;
+  acc_t m = -std::numeric_limits<acc_t>::infinity();
+  if (n >= V::size()) {
+    V vm = V::loadu(y);
+    for (j = V::size(); j + V::size() <= n; j += V::size()) vm = at::vec::maximum(vm, V::loadu(y + j));
+    m = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, vm);
+  }
+  for (; j < n; ++j) {
+    acc_t v = y[j];
+    m = (v > m || v != v) ? v : m;
+  }
+  return m;
+}
+
+template <typename acc_t>
+inline void subtract(acc_t* y, int64_t n, acc_t m) {
+  using V = Vec<acc_t>;
+  const V vm(m);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) (V::loadu(y + j) - vm).store(y + j);
+  for (; j < n; ++j) y[j] -= m;
+}
+
+// dst = src - m.
+template <typename acc_t>
+inline void subtract_into(const acc_t* src, int64_t n, acc_t m, acc_t* dst) {
+  using V = Vec<acc_t>;
+  const V vm(m);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) (V::loadu(src + j) - vm).store(dst + j);
+  for (; j < n; ++j) dst[j] = src[j] - m;
+}
+
+// Σ φ(y - c), Σ g and Σ g/d over y[0:n] for the family FAM (b = α - 1);
+// g = p/d = -∂p/∂c and g/d = ∂²p/∂c² / (1 - b) feed Newton and Halley steps.
+
+}  // namespace cpu
+}  // namespace attnkern

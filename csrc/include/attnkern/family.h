@@ -1,0 +1,73 @@
+// The α-entmax family members with an algorithm of their own, shared by every
+// kernel (CPU and CUDA): their codes and names, b = α - 1 of the fixed ones,
+// the classification of a runtime b, and the one switch that turns a runtime
+// family into a compile-time one.
+//
+// The Python side keeps the same table in attnkern/_family.py;
+// tests/test_family.py checks the two agree through attnkern._C.FAMILIES.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define AK_HD __host__ __device__ __forceinline__
+#else
+#define AK_HD inline
+#endif
+
+namespace attnkern {
+namespace math {
+
+// Below this |α - 1| the normalizer is treated as softmax in the forward pass
+// (the difference is O(|α - 1|), far below float32 resolution at this size).
+constexpr double kSoftmaxForwardBand = 1e-6;
+
+// kGeneric is the op name "entmax": α given per row or per head.
+enum class Family : int { kSoftmax = 0, kSparsemax = 1, kEntmax15 = 2, kGeneric = 3 };
+constexpr int kNumFamilies = 4;
+
+// The op-level name of each family, indexed by its code.
+constexpr const char* kFamilyNames[kNumFamilies] = {"softmax", "sparsemax", "entmax15", "entmax"};
+
+// b = α - 1 of a fixed family (0 for softmax; kGeneric has no fixed b and gets 0).
+template <Family FAM, typename acc_t>
+AK_HD constexpr acc_t fixed_b() {
+  return FAM == Family::kSparsemax ? acc_t(1) : FAM == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
+}
+
+template <typename acc_t>
+AK_HD constexpr acc_t fixed_b(Family fam) {
+  return fam == Family::kSparsemax ? acc_t(1) : fam == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
+}
+
+// b = α - 1 classified into the family member with an exact algorithm.
+template <typename acc_t>
+AK_HD Family family_of(acc_t b) {
+  if (b == acc_t(1)) return Family::kSparsemax;
+  if (b == acc_t(0.5)) return Family::kEntmax15;
+  if (b > acc_t(-kSoftmaxForwardBand) && b < acc_t(kSoftmaxForwardBand)) return Family::kSoftmax;
+  return Family::kGeneric;
+}
+
+template <Family FAM>
+using FamilyTag = std::integral_constant<Family, FAM>;
+
+// fn(FamilyTag<FAM>{}) for the runtime family `fam`: the one place a runtime
+// family becomes a template argument (read it as `decltype(tag)::value`).
+template <typename F>
+AK_HD decltype(auto) with_family(Family fam, F&& fn) {
+  switch (fam) {
+    case Family::kSoftmax:
+      return fn(FamilyTag<Family::kSoftmax>{});
+    case Family::kSparsemax:
+      return fn(FamilyTag<Family::kSparsemax>{});
+    case Family::kEntmax15:
+      return fn(FamilyTag<Family::kEntmax15>{});
+    default:
+      return fn(FamilyTag<Family::kGeneric>{});
+  }
+}
+
+}  // namespace math
+}  // namespace attnkern
