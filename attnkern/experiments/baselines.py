@@ -23,6 +23,7 @@ from attnkern.experiments.metrics import jsd, tvd
 
 NAME = "baselines"
 DEFAULT_LAMBDAS = (0.001, 0.01, 0.1, 1.0)
+QUICK_DECEPTIVE_EPOCHS = 2
 _FLOOR = 1e-12  # keeps log q finite where float32 softmax underflows to 0
 
 
@@ -86,10 +87,14 @@ def deceptive_stats(model, base_targets, split, normalizer: str, lam: float, bat
             "divergence": float(dv.mean()), "objective": float(tv.mean() - lam * dv.mean())}
 
 
-def get_deceptive(base: classifiers.Trained, lam: float, out) -> tuple[classifiers.TrainConfig, dict]:
-    """Trains (or loads) the deceptive model for ``base`` and λ; returns its config and test statistics."""
+def get_deceptive(base: classifiers.Trained, lam: float, out, epochs: int | None = None
+                  ) -> tuple[classifiers.TrainConfig, dict]:
+    """Trains (or loads) the deceptive model for ``base`` and λ, fine-tuning the base model for ``epochs`` epochs
+    (default: the base model's); returns its config and test statistics."""
     cfg = base.config
-    path = classifiers.model_path(cfg, out).with_name(f"{cfg.name()}-deceive{lam:g}-{cfg.key()}.pt")
+    epochs = cfg.epochs if epochs is None else epochs
+    tag = "" if epochs == cfg.epochs else f"-e{epochs}"
+    path = classifiers.model_path(cfg, out).with_name(f"{cfg.name()}-deceive{lam:g}{tag}-{cfg.key()}.pt")
     if path.exists():
         return cfg, torch.load(path, map_location="cpu", weights_only=True)["stats"]
     data = base.data
@@ -103,7 +108,7 @@ def get_deceptive(base: classifiers.Trained, lam: float, out) -> tuple[classifie
     rng = np.random.default_rng(cfg.seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     best, best_state = -math.inf, None
-    for _ in range(cfg.epochs):
+    for _ in range(epochs):
         model.train()
         for idx in classifiers.batches(len(seqs), cfg.batch_size, rng):
             tokens, mask = classifiers.pad_batch([seqs[i] for i in idx])
@@ -139,7 +144,7 @@ def analyse(config: dict, seed: int) -> dict:
                                  cfg.normalizer, 0.0)
     result["deceptive"] = []
     for lam in config["lambdas"]:
-        _, stats = get_deceptive(learned, lam, out)
+        _, stats = get_deceptive(learned, lam, out, config.get("deceptive_epochs"))
         result["deceptive"].append({"lambda": lam, **stats})
     result["base_self"] = base_stats  # sanity: TVD and JSD of the base model against itself are 0
     return result
@@ -150,7 +155,9 @@ def run(args) -> dict:
     lambdas = args.lambdas if args.lambdas is not None else ([0.01, 1.0] if args.quick else list(DEFAULT_LAMBDAS))
     if any(not (lam >= 0 and math.isfinite(lam)) for lam in lambdas):
         raise ValueError(f"argument --lambdas: must be finite and >= 0, got {lambdas}")
-    jobs = interp.model_jobs(args, NAME, extra={"lambdas": lambdas})
+    # --quick: the deceptive models start from the trained base model, so two epochs already move the attention
+    deceptive_epochs = QUICK_DECEPTIVE_EPOCHS if args.quick else None
+    jobs = interp.model_jobs(args, NAME, extra={"lambdas": lambdas, "deceptive_epochs": deceptive_epochs})
     sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
     rows = []
     for key, results in sorted(interp.group_runs(sweep).items()):
@@ -168,7 +175,8 @@ def run(args) -> dict:
         rows.append(row)
     plots = _plot(rows, args.out)
     result = {"experiment": NAME, "quick": args.quick, "instances": None, "seeds": interp.n_seeds(args),
-              "lambdas": lambdas, "rows": rows, "plots": plots, "sweep": sweep_block(sweep)}
+              "lambdas": lambdas, "deceptive_epochs": deceptive_epochs, "rows": rows, "plots": plots,
+              "sweep": sweep_block(sweep)}
     write_outputs(args.out, NAME, result, markdown(result))
     return result
 
@@ -208,7 +216,9 @@ def markdown(result: dict) -> str:
               "Initialised from the base model and trained to keep its predictions (TVD) while pushing its "
               "attention away (−λ · divergence; KL(a_base ‖ a_adv) for softmax, JSD for sparsemax/entmax, "
               "whose KL is infinite across different supports). Test split: accuracy, mean TVD to the base "
-              "predictions, mean JSD between the attentions (nats, ≤ 0.693).", ""]
+              "predictions, mean JSD between the attentions (nats, ≤ 0.693). Fine-tuning epochs: "
+              + (f"{result['deceptive_epochs']} (quick configuration)." if result.get("deceptive_epochs")
+                 else "as many as the base model's."), ""]
     body = []
     for r in result["rows"]:
         for d in r["deceptive"]:

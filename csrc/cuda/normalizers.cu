@@ -409,6 +409,18 @@ __device__ __forceinline__ int64_t row_base(int64_t r, const RowsArgs& a) {
   return (r / a.inner) * a.n * a.inner + r % a.inner;
 }
 
+// b = α - 1 of row r and its family: from alpha[r] when alpha is given, else
+// the fixed family of the op.
+template <typename acc_t>
+__device__ __forceinline__ Family row_family(const acc_t* __restrict__ alpha, int64_t r, Family fixed, acc_t& b) {
+  if (alpha == nullptr) {
+    b = math::fixed_b<acc_t>(fixed);
+    return fixed;
+  }
+  b = alpha[r] - acc_t(1);
+  return math::family_of<acc_t>(b);
+}
+
 template <typename scalar_t, typename acc_t, Strategy S>
 __device__ __forceinline__ void forward_rows(const scalar_t* __restrict__ x, scalar_t* __restrict__ out,
                                              const acc_t* __restrict__ alpha, Family fixed, RowsArgs a,
@@ -416,12 +428,8 @@ __device__ __forceinline__ void forward_rows(const scalar_t* __restrict__ x, sca
   const auto grp = make_group<S>(scratch);
   for (int64_t r = grp.first_row(); r < a.rows; r += grp.row_step()) {
     const int64_t base = row_base(r, a);
-    acc_t b = math::fixed_b<acc_t>(fixed);
-    Family fam = fixed;
-    if (alpha != nullptr) {
-      b = alpha[r] - acc_t(1);
-      fam = math::family_of<acc_t>(b);
-    }
+    acc_t b;
+    const Family fam = row_family(alpha, r, fixed, b);
     // fixed b for the fixed families (the softmax band runs as softmax), b itself otherwise
     math::with_family(fam, [&](auto tag) {
       constexpr Family F = decltype(tag)::value;
@@ -440,12 +448,8 @@ __device__ __forceinline__ void backward_rows(const scalar_t* __restrict__ p, co
   const bool want_alpha = dalpha != nullptr;
   for (int64_t r = grp.first_row(); r < a.rows; r += grp.row_step()) {
     const int64_t base = row_base(r, a);
-    acc_t b = math::fixed_b<acc_t>(fixed);
-    Family fam = fixed;
-    if (alpha != nullptr) {
-      b = alpha[r] - acc_t(1);
-      fam = math::family_of<acc_t>(b);
-    }
+    acc_t b;
+    const Family fam = row_family(alpha, r, fixed, b);
     // In the softmax band the forward was softmax; the α gradient still gets
     // the true b (and uses the softmax-limit derivative there).
     const acc_t da = math::with_family(fam, [&](auto tag) {
