@@ -97,6 +97,14 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, out: Path, name: str, dpi: int = 110) -> str:
+    """Lays the figure out, writes it as OUT/<name> and closes it; returns the name."""
+    fig.tight_layout()
+    fig.savefig(Path(out) / name, dpi=dpi)
+    pyplot().close(fig)
+    return name
+
+
 def run_sweep(args, fn, jobs: list[runner.Job], desc: str | None = None, namespace: str | None = None) -> runner.Sweep:
     """Runs jobs with the CLI's executor options, caching under OUT/cache/<namespace>/ (the
     experiment's name by default; experiments that run the same jobs share a namespace)."""
