@@ -17,7 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from attnkern.experiments import ktiw, runner
-from attnkern.experiments.common import common_config, failures_md, md_table, run_sweep, sweep_block, write_outputs
+from attnkern.experiments.common import (
+    common_config,
+    failures_md,
+    fmt_mean_std,
+    md_table,
+    run_sweep,
+    sweep_block,
+    write_outputs,
+)
 
 NAME = "ibm1"
 DATASETS = ktiw.DATASETS
@@ -80,7 +88,7 @@ def reading(summary) -> str:
 
 def markdown(result) -> str:
     cfg, s = result["config"], result["summary"]
-    f = ktiw.fmt
+    f = fmt_mean_std
     lines = ["# ibm1: IBM Model 1 alignments vs attention and β", "",
              f"Configuration: {'--quick' if cfg['quick'] else 'full scale'}; {cfg['ibm1_iterations']} EM iterations; "
              f"models as ktiw (hidden {cfg['scale']['hidden_dim']}, {cfg['scale']['steps']} steps, {cfg['seeds']} "

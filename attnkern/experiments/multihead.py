@@ -20,8 +20,10 @@ from attnkern.experiments.common import (
     common_config,
     failures_md,
     md_table,
+    override_scale,
     pyplot,
     run_sweep,
+    save_figure,
     write_outputs,
 )
 from attnkern.experiments.seq2seq_train import copy_config, train_copy, train_multihead
@@ -44,15 +46,8 @@ def add_arguments(p) -> None:
 
 
 def scale_for(args) -> tuple[dict, dict]:
-    scale = dict(QUICK if args.quick else FULL)
-    for opt, key in (("heads", "heads"), ("single_seeds", "single_seeds"), ("steps", "steps")):
-        v = getattr(args, opt)
-        if v is not None:
-            if v < 1:
-                raise ValueError(f"--{opt.replace('_', '-')} must be a positive int, got {v}")
-            scale[key] = v
-            if key == "steps":
-                scale["eval_every"] = max(1, min(scale["eval_every"], v // 4 or 1))
+    scale = override_scale(dict(QUICK if args.quick else FULL), args,
+                           {"heads": ("heads",), "single_seeds": ("single_seeds",), "steps": ("steps",)})
     if args.seeds is not None:
         scale["repeats"] = args.seeds
     meta = {k: scale.pop(k) for k in ("single_seeds", "heads", "repeats")}
@@ -147,10 +142,7 @@ def plot(out, summary) -> str:
         ax.set_ylabel("token accuracy")
         ax.set_ylim(0, 1.02)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / f"{NAME}.png", dpi=90)
-    plt.close(fig)
-    return f"{NAME}.png"
+    return save_figure(fig, out, f"{NAME}.png", dpi=90)
 
 
 def markdown(result) -> str:
