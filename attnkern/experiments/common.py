@@ -197,6 +197,15 @@ def collect_cells(sweep: runner.Sweep, cells, normalizers, seeds: int, keys, per
     return out
 
 
+def write_dynamics_result(args, experiment: str, config: dict, markdown, **fields) -> dict:
+    """A dynamics experiment's result: its name, ``config``, the run's metadata (:func:`runner.metadata`) and
+    ``fields`` (paper, summary, sweep, reading, plots, ...), written as OUT/<experiment>.json and .md
+    (``markdown(result)``)."""
+    result = {"experiment": experiment, "config": config, "meta": runner.metadata(config), **fields}
+    write_outputs(args.out, experiment, result, markdown(result))
+    return result
+
+
 def fmt_mean_std(ms) -> str:
     """A (mean, std) pair as "0.123 ± 0.045" ("n/a" for None)."""
     return "n/a" if ms is None else f"{ms[0]:.3f} ± {ms[1]:.3f}"

@@ -28,6 +28,7 @@ from attnkern.experiments.common import (
     save_figure,
     scale_and_seeds,
     sweep_block,
+    write_dynamics_result,
     write_outputs,
 )
 from attnkern.experiments.data.synthetic import COPY_DISTRIBUTIONS
@@ -213,9 +214,7 @@ def run(args) -> dict:
     summary = summarize(args, sweep, scale, seeds)
     config = {**common_config(args), "distributions": list(args.distributions), "seeds": seeds,
               "scale": copy_config(**scale), "calibration": CALIBRATION}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config),
-              "paper": PAPER, "success_rate": summary["success_rate"], "summary": summary, "sweep": sweep_block(sweep),
-              "reading": reading(summary, args.distributions, args.normalizers)}
-    result["plots"] = plot(args.out, summary, args)
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, success_rate=summary["success_rate"],
+                                 summary=summary, sweep=sweep_block(sweep),
+                                 reading=reading(summary, args.distributions, args.normalizers),
+                                 plots=plot(args.out, summary, args))

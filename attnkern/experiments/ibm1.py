@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkern.experiments import ktiw, runner
+from attnkern.experiments import ktiw
 from attnkern.experiments.common import (
     common_config,
     failures_md,
@@ -24,7 +24,7 @@ from attnkern.experiments.common import (
     md_table,
     run_sweep,
     sweep_block,
-    write_outputs,
+    write_dynamics_result,
 )
 
 NAME = "ibm1"
@@ -60,14 +60,12 @@ def run(args) -> dict:
                     cell["random_alignment_token_accuracy"] = float(np.mean(
                         [i["alignment_token_accuracy_random"] for i in infos]))
     config = {**common_config(args), "datasets": list(args.datasets), "seeds": seeds, "scale": scale, **extra}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
-              "summary": summary, "sweep": sweep_block(sweep), "reading": reading(summary)}
-    result["plots"] = [ktiw.plot(args.out, summary, "ibm1_vs_attention_top1", "top-1 IBM1 = a(standard)",
-                                 f"{NAME}_vs_attention.png"),
-                       ktiw.plot(args.out, summary, "ibm1_vs_beta_uniform_top1", "top-1 IBM1 = β(uniform)",
-                                 f"{NAME}_vs_beta.png")]
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    plots = [ktiw.plot(args.out, summary, "ibm1_vs_attention_top1", "top-1 IBM1 = a(standard)",
+                       f"{NAME}_vs_attention.png"),
+             ktiw.plot(args.out, summary, "ibm1_vs_beta_uniform_top1", "top-1 IBM1 = β(uniform)",
+                       f"{NAME}_vs_beta.png")]
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, summary=summary, sweep=sweep_block(sweep),
+                                 reading=reading(summary), plots=plots)
 
 
 def reading(summary) -> str:

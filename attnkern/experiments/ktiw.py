@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnkern.experiments import runner
 from attnkern.experiments.common import (
     cell_jobs,
     collect_cells,
@@ -36,7 +35,7 @@ from attnkern.experiments.common import (
     shuffle_rows,
     sweep_block,
     train_side_by_side,
-    write_outputs,
+    write_dynamics_result,
 )
 from attnkern.experiments.data.synthetic import CopyTask
 from attnkern.experiments.models import Seq2Seq
@@ -275,11 +274,8 @@ def run(args) -> dict:
     sweep = run_sweep(args, train_pair, jobs, namespace=NAMESPACE)
     summary = collect(args, sweep, seeds, KEYS)
     config = {**common_config(args), "datasets": list(args.datasets), "seeds": seeds, "scale": scale}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
-              "summary": summary, "sweep": sweep_block(sweep), "reading": reading(summary)}
-    result["plots"] = [plot(args.out, summary, "beta_uniform_vs_attention_top1",
-                            "top-1 β(uniform) = a(standard)", f"{NAME}_top1.png"),
-                       plot(args.out, summary, "beta_uniform_vs_attention_tau", "τ(β uniform, a standard)",
-                            f"{NAME}_tau.png")]
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    plots = [plot(args.out, summary, "beta_uniform_vs_attention_top1", "top-1 β(uniform) = a(standard)",
+                  f"{NAME}_top1.png"),
+             plot(args.out, summary, "beta_uniform_vs_attention_tau", "τ(β uniform, a standard)", f"{NAME}_tau.png")]
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, summary=summary, sweep=sweep_block(sweep),
+                                 reading=reading(summary), plots=plots)

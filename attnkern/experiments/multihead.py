@@ -24,7 +24,7 @@ from attnkern.experiments.common import (
     pyplot,
     run_sweep,
     save_figure,
-    write_outputs,
+    write_dynamics_result,
 )
 from attnkern.experiments.seq2seq_train import copy_config, train_copy, train_multihead
 
@@ -112,12 +112,9 @@ def run(args) -> dict:
         total += len(singles) + len(jobs)
     config = {**common_config(args), "scale": copy_config(distribution="permutation", rnn="gru", **scale), **meta,
               "good_threshold": GOOD, "bad_threshold": BAD}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
-              "summary": summary, "sweep": {"runs_total": total, "runs_cached": cached, "failures": all_failures},
-              "reading": reading(summary)}
-    result["plots"] = [plot(args.out, summary)]
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, summary=summary,
+                                 sweep={"runs_total": total, "runs_cached": cached, "failures": all_failures},
+                                 reading=reading(summary), plots=[plot(args.out, summary)])
 
 
 def reading(summary) -> str:

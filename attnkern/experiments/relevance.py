@@ -19,7 +19,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnkern.experiments import runner
 from attnkern.experiments.common import (
     cell_jobs,
     collect_cells,
@@ -38,7 +37,7 @@ from attnkern.experiments.common import (
     shuffle_rows,
     sweep_block,
     train_side_by_side,
-    write_outputs,
+    write_dynamics_result,
 )
 from attnkern.experiments.data.synthetic import KeywordTask
 from attnkern.experiments.models import AttentionClassifier
@@ -264,8 +263,5 @@ def run(args) -> dict:
     summary = summarize(args, sweep, seeds)
     config = {**common_config(args), "datasets": list(args.datasets), "encoder": args.encoder,
               "attention": args.attention, "seeds": seeds, "scale": scale}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
-              "summary": summary, "sweep": sweep_block(sweep), "reading": reading(summary)}
-    result["plots"] = plot(args.out, summary)
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, summary=summary, sweep=sweep_block(sweep),
+                                 reading=reading(summary), plots=plot(args.out, summary))
