@@ -387,3 +387,67 @@ def scatter_grid(merged: dict, out, experiment: str, x_key: str, x_label: str, t
             ax.set_xlim(*xlim)
 
     return panel_grid(merged, out, experiment, title, draw, x_label, "max attention")
+
+
+# A panel gets kernel-density contours from this many instances on; fewer give a 2-D histogram.
+KDE_MIN_POINTS = 20
+
+
+def _spread_in_2d(x, y) -> bool:
+    """Whether points (x, y) vary in two directions (not all on one line), as a 2-D kernel density needs."""
+    import numpy as np
+
+    if np.ptp(x) == 0 or np.ptp(y) == 0:
+        return False
+    r = np.corrcoef(x, y)[0, 1]
+    return bool(np.isfinite(r) and 1 - r * r > 1e-6)
+
+
+def draw_density(ax, x, y, xlim: tuple[float, float], ylim: tuple[float, float], bins: int = 20) -> str:
+    """The density of the points (x, y) in one panel over ``xlim`` × ``ylim``: filled contours of a Gaussian
+    kernel density estimate (scipy.stats.gaussian_kde, Scott's bandwidth; the lowest twentieth of the peak left
+    blank) when there are at least KDE_MIN_POINTS finite points not all on one line, else a 2-D histogram of
+    ``bins`` × ``bins`` cells (empty cells blank). Returns "kde" or "histogram"."""
+    import numpy as np
+    from scipy.stats import gaussian_kde
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y = x[ok], y[ok]
+    if x.size >= KDE_MIN_POINTS and _spread_in_2d(x, y):
+        try:
+            kde = gaussian_kde(np.vstack([x, y]))
+        except np.linalg.LinAlgError:  # numerically singular covariance after all
+            kde = None
+        if kde is not None:
+            gx, gy = np.meshgrid(np.linspace(*xlim, 100), np.linspace(*ylim, 100))
+            z = kde(np.vstack([gx.ravel(), gy.ravel()])).reshape(gx.shape)
+            if z.max() > 0:
+                ax.contourf(gx, gy, z, levels=np.linspace(z.max() / 20, z.max(), 10), cmap="viridis")
+                ax.set_xlim(*xlim)
+                ax.set_ylim(*ylim)
+                return "kde"
+    ax.hist2d(x, y, bins=bins, range=[list(xlim), list(ylim)], cmap="viridis", cmin=1)
+    return "histogram"
+
+
+def density_grid(merged: dict, out, experiment: str, x_key: str, y_key: str, x_label: str, y_label: str,
+                 title: str, xlim: tuple[float, float] = (0.0, 1.0)) -> list[str]:
+    """One figure per dataset: a panel per (encoder, normalizer) with the density (:func:`draw_density`) of the
+    test instances over (`x_key`, `y_key`) and their number; the y range, from 0 to just above the largest value
+    in the dataset's panels, is the same in every panel of a figure. merged: {(dataset, encoder, normalizer):
+    per-instance lists}. Returns the file names."""
+    import numpy as np
+
+    top: dict = {}
+    for key, per in merged.items():
+        y = np.asarray(per[y_key], dtype=float)
+        y = y[np.isfinite(y)]
+        top[key[0]] = max(top.get(key[0], 0.0), float(y.max()) if y.size else 0.0)
+
+    def draw(ax, key, per):
+        draw_density(ax, per[x_key], per[y_key], xlim, (0.0, max(top[key[0]], 1e-3) * 1.05))
+        ax.text(0.03, 0.95, f"n = {len(per[y_key])}", transform=ax.transAxes, fontsize=7, va="top",
+                bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0})
+
+    return panel_grid(merged, out, experiment, title, draw, x_label, y_label, legend=False)

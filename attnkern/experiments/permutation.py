@@ -2,8 +2,9 @@
 
 For every test instance, the encoder states stay fixed and the attention weights over the real tokens are permuted
 100 times; the output change of each permutation is TVD(ŷ^p, ŷ), and the instance's statistic is the median over
-permutations. Plotted against the instance's maximum attention, as the paper's Figure 6. With sparse attention a
-permutation moves the support as well (the zeros are permuted with the rest).
+permutations. As in the paper's Figure 6, the plot is a density: per model, of the test instances over their maximum
+attention and median output change (kernel-density contours, or a 2-D histogram for few instances). With sparse
+attention a permutation moves the support as well (the zeros are permuted with the rest).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def summarize(per: dict) -> dict:
 
 
 def _plot(merged: dict, out) -> list[str]:
-    return interp.scatter_grid(merged, out, "permutation", "median_change", "median output change (TVD)",
-                               "permuted attention, encoder fixed")
+    return interp.density_grid(merged, out, NAME, "max_attention", "median_change", "max attention",
+                               "median output change (TVD)", "permuted attention, encoder fixed: density of instances")
 
 
 def run(args) -> dict:
@@ -78,9 +79,10 @@ def markdown(result: dict) -> str:
         f"Each test instance's attention is permuted {result['permutations']} times with the encoder fixed; "
         "the statistic is the median output change TVD(ŷ^p, ŷ). The paper gives no table for this test, only "
         "density plots of the median change against the maximum attention, and concludes that such "
-        "counterfactual attention often leaves the output unchanged. Our plots show one point per instance "
-        "(median change against maximum attention, coloured by predicted class). Embeddings are trained "
-        "from scratch.", result)
+        "counterfactual attention often leaves the output unchanged. Our plots show, per model, the density "
+        "of the test instances over maximum attention (x) and median change (y): Gaussian kernel-density "
+        f"contours from {interp.KDE_MIN_POINTS} instances on, a 2-D histogram below that. Embeddings are "
+        "trained from scratch.", result)
     body = []
     for r in result["rows"]:
         bins = interp.max_attention_cell(r["by_max_attention"], "median_change_mean")
