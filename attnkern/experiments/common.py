@@ -206,6 +206,18 @@ def write_dynamics_result(args, experiment: str, config: dict, markdown, **field
     return result
 
 
+def markdown_end(lines: list[str], result: dict, paper: str | None = None, notes=(), plots_label: str = "Plots") -> str:
+    """A dynamics experiment's markdown: its ``lines``, then what the paper says (when given), the reading, the
+    ``notes`` (one paragraph each), the list of plots and the failed runs, as one text."""
+    if paper is not None:
+        lines = lines + ["## The paper", "", paper, ""]
+    lines = lines + ["## Reading", "", result["reading"], ""]
+    for note in notes:
+        lines += [note, ""]
+    lines += [f"{plots_label}: " + ", ".join(f"`{p}`" for p in result["plots"]), ""]
+    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+
+
 def fmt_mean_std(ms) -> str:
     """A (mean, std) pair as "0.123 ± 0.045" ("n/a" for None)."""
     return "n/a" if ms is None else f"{ms[0]:.3f} ± {ms[1]:.3f}"

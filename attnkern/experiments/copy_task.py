@@ -21,7 +21,7 @@ from attnkern.experiments.common import (
     cell_jobs,
     cell_results,
     common_config,
-    failures_md,
+    markdown_end,
     md_table,
     pyplot,
     run_sweep,
@@ -149,9 +149,7 @@ def markdown(result) -> str:
     med = s["median_first_step_above_threshold"]
     rows = [[d] + [("never" if med.get(d, {}).get(n) is None else f"{med[d][n]:.0f}") for n in norms] for d in dists]
     lines.append(md_table(["distribution"] + norms, rows))
-    lines += ["## Reading", "", result["reading"], "", f"Budget: {CALIBRATION}.", "",
-              "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]), ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    return markdown_end(lines, result, notes=[f"Budget: {CALIBRATION}."])
 
 
 def reading(summary, dists, norms) -> str:

@@ -19,8 +19,8 @@ import numpy as np
 from attnkern.experiments import ktiw
 from attnkern.experiments.common import (
     common_config,
-    failures_md,
     fmt_mean_std,
+    markdown_end,
     md_table,
     run_sweep,
     sweep_block,
@@ -112,6 +112,4 @@ def markdown(result) -> str:
                   "output to is the right one", ""]
         lines.append(md_table(["data", "IBM1 alignment token accuracy", "random position",
                                "EM log-likelihood per word (first → last iteration)"], rows))
-    lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
-              "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]), ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    return markdown_end(lines, result, paper=PAPER)

@@ -22,10 +22,10 @@ from attnkern.experiments.common import (
     cell_jobs,
     collect_cells,
     common_config,
-    failures_md,
     fmt_mean_std,
     forward_eval,
     kendall_tau_rows,
+    markdown_end,
     md_table,
     parse_normalizer,
     pyplot,
@@ -254,9 +254,7 @@ def markdown(result) -> str:
     lines.append(md_table(["data", "normalizer", "token acc standard", "token acc uniform",
                            "top-1 β(uniform) = a(standard)", "shuffled", "τ(β uniform, a standard)", "shuffled",
                            "top-1 β(standard) = a(standard)"], rows))
-    lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
-              "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]), ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    return markdown_end(lines, result, paper=PAPER)
 
 
 def reading(summary) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 from attnkern.experiments import runner
 from attnkern.experiments.common import (
     common_config,
-    failures_md,
+    markdown_end,
     md_table,
     override_scale,
     pyplot,
@@ -159,6 +159,4 @@ def markdown(result) -> str:
             rows.append([norm, name, "n/a" if m["success_rate"] is None else f"{m['success_rate']:.2f}",
                          f"{len(m['final_acc'])} models"])
     lines.append(md_table(["normalizer", "heads", "success rate", "runs"], rows))
-    lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
-              f"Plot: `{result['plots'][0]}`", ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    return markdown_end(lines, result, paper=PAPER, plots_label="Plot")

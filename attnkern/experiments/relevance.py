@@ -23,10 +23,10 @@ from attnkern.experiments.common import (
     cell_jobs,
     collect_cells,
     common_config,
-    failures_md,
     fmt_mean_std,
     forward_eval,
     kendall_tau_rows,
+    markdown_end,
     md_table,
     mean_std,
     parse_normalizer,
@@ -236,10 +236,8 @@ def markdown(result) -> str:
                     for norm, c in cells.items()]
             lines.append(md_table(["normalizer", "attention on keyword (standard)", "r' at keywords (uniform)",
                                    "r' elsewhere (uniform)", "r' keyword − other, first evaluation"], rows))
-    lines += ["## The paper's claims", ""] + [f"- {v}" for v in PAPER.values()]
-    lines += ["", "## Reading", "", result["reading"], "", "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]),
-              ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    lines += ["## The paper's claims", ""] + [f"- {v}" for v in PAPER.values()] + [""]
+    return markdown_end(lines, result)
 
 
 def reading(summary) -> str:
