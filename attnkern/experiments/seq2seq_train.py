@@ -94,7 +94,7 @@ def _fit(model, task: CopyTask, cfg: dict, seed: int, evaluate, metrics: tuple[s
 
 
 def _final_generator(seed: int) -> torch.Generator:
-    """The samples a run's final evaluation draws (apart from its training and evaluation samples)."""
+    """The generator of a run's final evaluation samples (seeded apart from its training and evaluation ones)."""
     return torch.Generator().manual_seed(30_000 + seed)
 
 
