@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 from _interp_data import make_cache
@@ -67,6 +68,8 @@ def test_permutation_end_to_end(out):
     for r in result["rows"]:
         assert 0 <= r["median_change_mean"] <= 1
         assert sum(b["instances"] for b in r["by_max_attention"]) == 6
+    # one density figure per dataset, under the name the report links
+    assert result["plots"] == ["permutation_tweets.png"]
 
 
 def test_adversarial_end_to_end(out):
@@ -214,3 +217,35 @@ def test_adversarial_candidates_stay_in_the_family(normalizer):
     assert change.shape == (2, 3)
     # the search moves away from the original attention
     assert float(dist.max()) > 0.01
+
+
+def test_density_panel_is_a_kde_with_enough_spread_points_else_a_histogram():
+    from attnkern.experiments.common import pyplot
+
+    plt = pyplot()
+    rng = np.random.default_rng(0)
+    x, y = rng.uniform(0, 1, 200), rng.uniform(0, 0.3, 200)
+    cases = [(x, y, "kde"),
+             (x[:interp.KDE_MIN_POINTS - 1], y[:interp.KDE_MIN_POINTS - 1], "histogram"),  # too few instances
+             (np.ones(200), y, "histogram"),  # one-hot attention everywhere: no spread in max attention
+             (x, 0.2 * x, "histogram")]  # all on one line: no 2-D density
+    for xs, ys, kind in cases:
+        fig, ax = plt.subplots()
+        assert interp.draw_density(ax, xs, ys, (0.0, 1.0), (0.0, 0.3)) == kind
+        assert ax.collections, kind
+        if kind == "histogram":  # every instance falls in one cell
+            assert ax.collections[-1].get_array().sum() == len(xs)
+        plt.close(fig)
+
+
+def test_density_grid_writes_one_figure_per_dataset(tmp_path):
+    rng = np.random.default_rng(1)
+    per = {"max_attention": rng.uniform(0, 1, 50).tolist(), "median_change": rng.uniform(0, 0.2, 50).tolist()}
+    few = {"max_attention": [1.0, 1.0, 0.5], "median_change": [0.0, 0.1, 0.05]}
+    merged = {("tweets", "average", "softmax"): per, ("tweets", "average", "sparsemax"): few,
+              ("tweets", "cnn", "softmax"): per, ("bbc", "average", "softmax"): per}
+    files = interp.density_grid(merged, tmp_path, "permutation", "max_attention", "median_change", "max attention",
+                                "median output change", "test")
+    assert files == ["permutation_bbc.png", "permutation_tweets.png"]
+    for name in files:
+        assert (tmp_path / name).stat().st_size > 1000

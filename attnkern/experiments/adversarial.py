@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from attnkern.experiments import interp
-from attnkern.experiments.common import failures_md, md_table, sweep_block, write_outputs
+from attnkern.experiments.common import md_table
 from attnkern.experiments.metrics import jsd, tvd
 
 NAME = "adversarial"
@@ -71,10 +71,8 @@ def adversarial_attention(model, enc: interp.Encoded, k: int = 5, epsilon: float
 
 
 def analyse(config: dict, seed: int) -> dict:
-    trained = interp.trained_from_config(config)
+    trained = interp.trained_from_config(config, frozen=True)
     model = trained.model
-    for p in model.parameters():
-        p.requires_grad_(False)
     per = {"pred": [], "max_attention": [], "max_jsd": [], "feasible": [], "length": []}
     # one large batch: each Adam step costs mostly fixed overhead, so instances are nearly free to add
     for b, (enc, _) in enumerate(interp.test_batches(trained, config["instances"], batch_size=128)):
@@ -83,10 +81,7 @@ def analyse(config: dict, seed: int) -> dict:
         ok = change <= config["epsilon"]
         best = torch.where(ok, dist, torch.zeros_like(dist)).max(1).values
         for i in range(enc.tokens.shape[0]):
-            n = int(enc.lengths[i])
-            per["pred"].append(int(enc.pred[i]))
-            per["length"].append(n)
-            per["max_attention"].append(float(enc.weights[i, :n].max()))
+            interp.instance_record(per, enc, i)
             per["max_jsd"].append(float(best[i]))
             per["feasible"].append(int(ok[i].sum()))
     return {"per_instance": per, "test_accuracy": trained.info["test_accuracy"]}
@@ -99,8 +94,7 @@ def summarize(per: dict) -> dict:
     out = {"instances": int(j.size), "max_jsd_mean": float(j.mean()), "max_jsd_median": float(np.median(j)),
            "frac_max_jsd_above_0.5": float((j > 0.5).mean()), "feasible_mean": float(feas.mean()),
            "frac_no_feasible": float((feas == 0).mean()), "max_attention_mean": float(mx.mean())}
-    bins = interp.by_max_attention(mx, j, "max_jsd_mean")
-    out["by_max_attention"] = bins
+    out["by_max_attention"] = interp.by_max_attention(mx, j, "max_jsd_mean")
     return out
 
 
@@ -119,40 +113,28 @@ def run(args) -> dict:
     extra = {"k": args.k, "epsilon": args.epsilon, "steps": args.steps, "lr": args.lr, "penalty": args.penalty}
     jobs = interp.model_jobs(args, NAME, extra=extra)
     sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
-    rows, merged = [], {}
-    for key, results in sorted(interp.group_runs(sweep).items()):
-        per = {k: sum((r["per_instance"][k] for r in results), []) for k in results[0]["per_instance"]}
-        merged[key] = per
-        rows.append({"dataset": key[0], "encoder": key[1], "normalizer": key[2],
-                     "accuracy": float(np.mean([r["test_accuracy"] for r in results])), "seeds": len(results),
-                     **summarize(per)})
-    plots = _plot(merged, args.out)
-    result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
-              "seeds": interp.n_seeds(args), **extra, "rows": rows, "plots": plots, "sweep": sweep_block(sweep)}
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    rows, merged = interp.model_rows(sweep, lambda key, per: summarize(per))
+    return interp.write_result(args, NAME, sweep, markdown, **extra, rows=rows, plots=_plot(merged, args.out))
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Adversarial attention (Jain & Wallace 2019, Eq. 2 and Figure 8)", "",
-             f"Per test instance, {result['k']} attention distributions optimised for JSD from the model's "
-             f"attention (plus diversity among them) with the output change held within ε = {result['epsilon']} "
-             f"(TVD; relaxed with penalty {result['penalty']}, Adam step {result['lr']}, {result['steps']} steps). "
-             "ε-max JSD: the largest JSD of a candidate that stays within ε (nats; at most ln 2 = 0.693). "
-             "The paper gives this as density plots only and finds, for most instances, adversarial attention "
-             "far from the original with an unchanged prediction. For sparsemax and entmax models the adversary's "
-             "scores pass through the same normalizer, so its distributions are sparse too. Embeddings are "
-             "trained from scratch.", "", interp.scale_note(result), ""]
+    lines = interp.markdown_head(
+        "Adversarial attention (Jain & Wallace 2019, Eq. 2 and Figure 8)",
+        f"Per test instance, {result['k']} attention distributions optimised for JSD from the model's "
+        f"attention (plus diversity among them) with the output change held within ε = {result['epsilon']} "
+        f"(TVD; relaxed with penalty {result['penalty']}, Adam step {result['lr']}, {result['steps']} steps). "
+        "ε-max JSD: the largest JSD of a candidate that stays within ε (nats; at most ln 2 = 0.693). "
+        "The paper gives this as density plots only and finds, for most instances, adversarial attention "
+        "far from the original with an unchanged prediction. For sparsemax and entmax models the adversary's "
+        "scores pass through the same normalizer, so its distributions are sparse too. Embeddings are "
+        "trained from scratch.", result)
     body = []
     for r in result["rows"]:
-        bins = " / ".join("–" if b["instances"] == 0 else f"{b['max_jsd_mean']:.3f} ({b['instances']})"
-                          for b in r["by_max_attention"])
+        bins = interp.max_attention_cell(r["by_max_attention"], "max_jsd_mean")
         body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['accuracy']:.3f}",
                      f"{r['max_jsd_mean']:.3f}", f"{r['max_jsd_median']:.3f}", f"{r['frac_max_jsd_above_0.5']:.2f}",
                      f"{r['feasible_mean']:.2f}", f"{r['frac_no_feasible']:.2f}", bins])
     lines.append(md_table(["dataset", "encoder", "normalizer", "acc", "mean ε-max JSD", "median", "JSD > 0.5",
                            f"candidates within ε (of {result['k']})", "none within ε",
-                           "mean ε-max JSD (n) by max a in [0,.25) / [.25,.5) / [.5,.75) / [.75,1]"], body))
-    for p in result["plots"]:
-        lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])
+                           interp.max_attention_header("mean ε-max JSD")], body))
+    return interp.markdown_tail(lines, result)

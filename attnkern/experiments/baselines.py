@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from attnkern.experiments import classifiers, interp
-from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import md_table, pyplot, save_figure, sweep_block, write_outputs
 from attnkern.experiments.metrics import jsd, tvd
 
 NAME = "baselines"
@@ -194,11 +194,7 @@ def _plot(rows, out) -> list[str]:
     ax.set_ylabel("deceptive model test accuracy")
     ax.set_title("Deceptive models over λ")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    name = "baselines.png"
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
-    return [name]
+    return [save_figure(fig, out, "baselines.png")]
 
 
 def markdown(result: dict) -> str:
@@ -226,6 +222,4 @@ def markdown(result: dict) -> str:
                          f"{d['accuracy']:.3f}", f"{d['tvd']:.3f}", f"{d['jsd']:.3f}"])
     lines.append(md_table(["dataset", "encoder", "normalizer", "divergence", "λ", "acc", "TVD to base",
                            "JSD of attention"], body))
-    for p in result["plots"]:
-        lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])
+    return interp.markdown_tail(lines, result)

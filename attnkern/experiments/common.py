@@ -1,4 +1,5 @@
-"""Helpers shared by the experiment modules: normalizer names, output files, summaries."""
+"""Helpers shared by the experiment modules: normalizer names, output files, summaries, the dynamics
+experiments' scale, jobs and side-by-side training."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from attnkern.experiments import runner
 
@@ -97,6 +99,14 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, out: Path, name: str, dpi: int = 110) -> str:
+    """Lays the figure out, writes it as OUT/<name> and closes it; returns the name."""
+    fig.tight_layout()
+    fig.savefig(Path(out) / name, dpi=dpi)
+    pyplot().close(fig)
+    return name
+
+
 def run_sweep(args, fn, jobs: list[runner.Job], desc: str | None = None, namespace: str | None = None) -> runner.Sweep:
     """Runs jobs with the CLI's executor options, caching under OUT/cache/<namespace>/ (the
     experiment's name by default; experiments that run the same jobs share a namespace)."""
@@ -110,6 +120,144 @@ def common_config(args) -> dict:
     """The CLI options every experiment records."""
     return {"quick": bool(args.quick), "backend": args.backend, "device": args.device,
             "normalizers": list(args.normalizers), "jobs": args.jobs, "executor": args.executor}
+
+
+# --- the dynamics experiments (copy, multihead, ktiw, ibm1, relevance): scale, jobs, twin training, summaries ---
+
+
+def override_scale(scale: dict, args, options: dict, cap_eval_every: bool = True) -> dict:
+    """``scale`` with the positive-int CLI options the user gave: ``options`` maps an argument's attribute name
+    to the scale keys it sets (e.g. {"hidden": ("hidden_dim", "embed_dim")}). With ``cap_eval_every``, a --steps
+    override also caps eval_every at a quarter of the steps, so a short run still has a curve.
+    ValueError naming the option for a value < 1."""
+    for opt, keys in options.items():
+        v = getattr(args, opt, None)
+        if v is None:
+            continue
+        if v < 1:
+            raise ValueError(f"--{opt.replace('_', '-')} must be a positive int, got {v}")
+        for key in keys:
+            scale[key] = v
+        if opt == "steps" and cap_eval_every:
+            scale["eval_every"] = max(1, min(scale["eval_every"], v // 4 or 1))
+    return scale
+
+
+def scale_and_seeds(args, quick: dict, full: dict, options: dict, cap_eval_every: bool = True) -> tuple[dict, int]:
+    """The --quick or full scale (without its "seeds") with :func:`override_scale` applied, and the number of
+    seeds per cell: --seeds when given, else the scale's."""
+    scale = dict(quick if args.quick else full)
+    seeds = args.seeds or scale.pop("seeds")
+    scale.pop("seeds", None)
+    return override_scale(scale, args, options, cap_eval_every), seeds
+
+
+def cell_jobs(cells, normalizers, seeds: int, config_for) -> list[runner.Job]:
+    """One job per (cell, normalizer, seed) named "<cell>/<normalizer>/seed<s>" (the names :func:`cell_results`
+    reads back), with the config ``config_for(cell, normalizer)``."""
+    jobs = []
+    for cell in cells:
+        for norm in normalizers:
+            cfg = config_for(cell, norm)
+            jobs += [runner.Job(f"{cell}/{norm}/seed{s}", cfg, s) for s in range(seeds)]
+    return jobs
+
+
+def cell_results(sweep: runner.Sweep, cell: str, normalizer: str, seeds: int) -> dict:
+    """{"seed<s>": result} of the completed runs of one (cell, normalizer) of :func:`cell_jobs`, in seed order."""
+    out = {}
+    for s in range(seeds):
+        rec = sweep.results.get(f"{cell}/{normalizer}/seed{s}")
+        if rec is not None:
+            out[f"seed{s}"] = rec["result"]
+    return out
+
+
+def collect_cells(sweep: runner.Sweep, cells, normalizers, seeds: int, keys, per_seed=()) -> dict:
+    """{cell: {normalizer: summary}} over the completed runs whose results hold a curve and its "final" values:
+    "runs", (mean, std) over seeds of each of ``keys`` found in "final", "curves" {"seed<s>": curve}, and each
+    result entry named in ``per_seed`` as {"seed<s>": entry}. A (cell, normalizer) without runs is left out."""
+    out = {}
+    for cell in cells:
+        out[cell] = {}
+        for norm in normalizers:
+            res = cell_results(sweep, cell, norm, seeds)
+            if not res:
+                continue
+            first = next(iter(res.values()))
+            summary = {"runs": len(res)}
+            for k in keys:
+                if k in first["final"]:
+                    summary[k] = mean_std([r["final"][k] for r in res.values()])
+            summary["curves"] = {s: r["curve"] for s, r in res.items()}
+            for name in per_seed:
+                if name in first:
+                    summary[name] = {s: r[name] for s, r in res.items()}
+            out[cell][norm] = summary
+    return out
+
+
+def write_dynamics_result(args, experiment: str, config: dict, markdown, **fields) -> dict:
+    """A dynamics experiment's result: its name, ``config``, the run's metadata (:func:`runner.metadata`) and
+    ``fields`` (paper, summary, sweep, reading, plots, ...), written as OUT/<experiment>.json and .md
+    (``markdown(result)``)."""
+    result = {"experiment": experiment, "config": config, "meta": runner.metadata(config), **fields}
+    write_outputs(args.out, experiment, result, markdown(result))
+    return result
+
+
+def markdown_end(lines: list[str], result: dict, paper: str | None = None, notes=(), plots_label: str = "Plots") -> str:
+    """A dynamics experiment's markdown: its ``lines``, then what the paper says (when given), the reading, the
+    ``notes`` (one paragraph each), the list of plots and the failed runs, as one text."""
+    if paper is not None:
+        lines = lines + ["## The paper", "", paper, ""]
+    lines = lines + ["## Reading", "", result["reading"], ""]
+    for note in notes:
+        lines += [note, ""]
+    lines += [f"{plots_label}: " + ", ".join(f"`{p}`" for p in result["plots"]), ""]
+    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+
+
+def fmt_mean_std(ms) -> str:
+    """A (mean, std) pair as "0.123 ± 0.045" ("n/a" for None)."""
+    return "n/a" if ms is None else f"{ms[0]:.3f} ± {ms[1]:.3f}"
+
+
+def forward_eval(models, *inputs) -> list:
+    """Each model's output for ``inputs``, computed in eval mode; the models are left in training mode."""
+    for m in models:
+        m.eval()
+    outs = [m(*inputs) for m in models]
+    for m in models:
+        m.train()
+    return outs
+
+
+def train_side_by_side(std, uni, config: dict, measure, next_batch, loss_fn) -> dict:
+    """Trains a standard model ``std`` and its uniform-attention twin ``uni`` (which starts from std's parameters)
+    on the same batches, one Adam (lr config["lr"]) each, for config["steps"] steps: ``next_batch()`` draws a
+    batch, ``loss_fn(model, batch)`` is a model's loss on it. ``measure(std, uni)`` (a dict of numbers) at step 0,
+    every config["eval_every"] steps and after the last step makes the curve.
+    Returns {"curve": {"step": [...], name: [...]}, "final": {name: value after the last step}}."""
+    uni.load_state_dict(std.state_dict())  # the same starting point
+    models = (std, uni)
+    opts = [torch.optim.Adam(m.parameters(), lr=config["lr"]) for m in models]
+    curve = {"step": []}
+    for step in range(config["steps"] + 1):
+        if step % config["eval_every"] == 0 or step == config["steps"]:
+            rec = measure(std, uni)
+            curve["step"].append(step)
+            for k, v in rec.items():
+                curve.setdefault(k, []).append(v)
+        if step == config["steps"]:
+            break
+        batch = next_batch()
+        for model, opt in zip(models, opts, strict=True):
+            loss = loss_fn(model, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return {"curve": curve, "final": {k: v[-1] for k, v in curve.items() if k != "step"}}
 
 
 def kendall_tau_rows(x: np.ndarray, y: np.ndarray, mask: np.ndarray) -> np.ndarray:

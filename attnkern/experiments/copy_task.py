@@ -18,12 +18,17 @@ import numpy as np
 
 from attnkern.experiments import runner
 from attnkern.experiments.common import (
+    cell_jobs,
+    cell_results,
     common_config,
-    failures_md,
+    markdown_end,
     md_table,
     pyplot,
     run_sweep,
+    save_figure,
+    scale_and_seeds,
     sweep_block,
+    write_dynamics_result,
     write_outputs,
 )
 from attnkern.experiments.data.synthetic import COPY_DISTRIBUTIONS
@@ -59,28 +64,16 @@ def add_arguments(p) -> None:
 
 
 def configs(args) -> tuple[dict, int]:
-    scale = dict(QUICK if args.quick else FULL)
-    seeds = args.seeds or scale.pop("seeds")
-    scale.pop("seeds", None)
-    for opt, key in (("steps", "steps"), ("hidden", "hidden_dim"), ("batch", "batch")):
-        v = getattr(args, opt, None)
-        if v is not None:
-            if v < 1:
-                raise ValueError(f"--{opt} must be a positive int, got {v}")
-            scale[key] = v
-            if key == "hidden_dim":
-                scale["embed_dim"] = v
-    return scale, seeds
+    # a --steps override keeps the evaluation interval: budgets are read off the evaluation grid
+    return scale_and_seeds(args, QUICK, FULL, {"steps": ("steps",), "hidden": ("hidden_dim", "embed_dim"),
+                                               "batch": ("batch",)}, cap_eval_every=False)
 
 
 def jobs_for(args) -> tuple[list[runner.Job], dict, int]:
     scale, seeds = configs(args)
-    jobs = []
-    for dist in args.distributions:
-        for norm in args.normalizers:
-            cfg = copy_config(distribution=dist, normalizer=norm, backend=args.backend, device=args.device, **scale)
-            for s in range(seeds):
-                jobs.append(runner.Job(f"{dist}/{norm}/seed{s}", cfg, s))
+    jobs = cell_jobs(args.distributions, args.normalizers, seeds,
+                     lambda dist, norm: copy_config(distribution=dist, normalizer=norm, backend=args.backend,
+                                                    device=args.device, **scale))
     return jobs, scale, seeds
 
 
@@ -91,8 +84,8 @@ def summarize(args, sweep, scale, seeds) -> dict:
         for key in (success, acc, attn, first, curves):
             key[dist] = {}
         for norm in args.normalizers:
-            recs = [sweep.results.get(f"{dist}/{norm}/seed{s}") for s in range(seeds)]
-            res = [r["result"] for r in recs if r is not None]
+            by_seed = cell_results(sweep, dist, norm, seeds)
+            res = list(by_seed.values())
             if not res:
                 continue
             success[dist][norm] = float(np.mean([r["success"] for r in res]))
@@ -100,7 +93,7 @@ def summarize(args, sweep, scale, seeds) -> dict:
             attn[dist][norm] = float(np.mean([r["final_attn_acc"] for r in res]))
             steps = [r["first_step_above_threshold"] for r in res if r["first_step_above_threshold"] is not None]
             first[dist][norm] = float(np.median(steps)) if steps else None
-            curves[dist][norm] = {f"seed{s}": recs[s]["result"]["curve"] for s in range(seeds) if recs[s]}
+            curves[dist][norm] = {s: r["curve"] for s, r in by_seed.items()}
     return {"success_rate": success, "final_token_acc": acc, "final_attn_acc": attn,
             "median_first_step_above_threshold": first, "curves": curves,
             "runs_per_cell": seeds}
@@ -124,11 +117,7 @@ def plot(out, summary, args) -> list[str]:
                     ax.set_xlabel("step")
                 if j == 0:
                     ax.set_ylabel(label)
-        fig.tight_layout()
-        name = f"{NAME}_{metric}.png"
-        fig.savefig(out / name, dpi=90)
-        plt.close(fig)
-        files.append(name)
+        files.append(save_figure(fig, out, f"{NAME}_{metric}.png", dpi=90))
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(dists) * len(norms) / 2, 3))
     width = 0.8 / max(len(norms), 1)
     for k, norm in enumerate(norms):
@@ -138,10 +127,7 @@ def plot(out, summary, args) -> list[str]:
     ax.set_ylabel("success rate")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / f"{NAME}_success.png", dpi=90)
-    plt.close(fig)
-    return files + [f"{NAME}_success.png"]
+    return files + [save_figure(fig, out, f"{NAME}_success.png", dpi=90)]
 
 
 def markdown(result) -> str:
@@ -163,9 +149,7 @@ def markdown(result) -> str:
     med = s["median_first_step_above_threshold"]
     rows = [[d] + [("never" if med.get(d, {}).get(n) is None else f"{med[d][n]:.0f}") for n in norms] for d in dists]
     lines.append(md_table(["distribution"] + norms, rows))
-    lines += ["## Reading", "", result["reading"], "", f"Budget: {CALIBRATION}.", "",
-              "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]), ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    return markdown_end(lines, result, notes=[f"Budget: {CALIBRATION}."])
 
 
 def reading(summary, dists, norms) -> str:
@@ -228,9 +212,7 @@ def run(args) -> dict:
     summary = summarize(args, sweep, scale, seeds)
     config = {**common_config(args), "distributions": list(args.distributions), "seeds": seeds,
               "scale": copy_config(**scale), "calibration": CALIBRATION}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config),
-              "paper": PAPER, "success_rate": summary["success_rate"], "summary": summary, "sweep": sweep_block(sweep),
-              "reading": reading(summary, args.distributions, args.normalizers)}
-    result["plots"] = plot(args.out, summary, args)
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, success_rate=summary["success_rate"],
+                                 summary=summary, sweep=sweep_block(sweep),
+                                 reading=reading(summary, args.distributions, args.normalizers),
+                                 plots=plot(args.out, summary, args))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from attnkern.experiments import interp
-from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import md_table, pyplot, save_figure
 
 NAME = "erasure"
 ORDERS = ("attention", "random", "gradient", "gradient_x_attention")
@@ -78,10 +78,8 @@ def erase_until_flip(model, enc: interp.Encoded, order: torch.Tensor) -> tuple[n
 
 
 def analyse(config: dict, seed: int) -> dict:
-    trained = interp.trained_from_config(config)
+    trained = interp.trained_from_config(config, frozen=True)
     model = trained.model
-    for p in model.parameters():
-        p.requires_grad_(False)
     gen = torch.Generator().manual_seed(2000 + seed)
     per = {"length": [], "support": [], **{f"{o}_items": [] for o in ORDERS}, **{f"{o}_mass": [] for o in ORDERS}}
     for enc, _ in interp.test_batches(trained, config["instances"], batch_size=64):
@@ -128,40 +126,28 @@ def _plot(rows: list[dict], out) -> list[str]:
     ax.set_ylabel("fraction of items removed at first flip")
     ax.set_title("Erasure until the decision flips (instances that flip)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    name = "erasure.png"
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
-    return [name]
+    return [save_figure(fig, out, "erasure.png")]
 
 
 def run(args) -> dict:
     interp.check_model_arguments(args)
     jobs = interp.model_jobs(args, NAME)
     sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
-    rows = []
-    for key, results in sorted(interp.group_runs(sweep).items()):
-        per = {k: sum((r["per_instance"][k] for r in results), []) for k in results[0]["per_instance"]}
-        rows.append({"dataset": key[0], "encoder": key[1], "normalizer": key[2],
-                     "accuracy": float(np.mean([r["test_accuracy"] for r in results])), "seeds": len(results),
-                     **summarize(per)})
-    plots = _plot(rows, args.out)
-    result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
-              "seeds": interp.n_seeds(args), "orders": list(ORDERS), "rows": rows, "plots": plots,
-              "sweep": sweep_block(sweep)}
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    rows, _ = interp.model_rows(sweep, lambda key, per: summarize(per))
+    return interp.write_result(args, NAME, sweep, markdown, orders=list(ORDERS), rows=rows,
+                               plots=_plot(rows, args.out))
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Erasure until the decision flips (Serrano & Smith 2019)", "",
-             "Items are removed in each order with the encoder fixed and the remaining attention renormalised "
-             "by the model's normalizer. Per order: fraction of instances whose decision flips before one item "
-             "is left, and over those, the mean fraction of the items removed and of the original attention mass "
-             "removed at the first flip. Serrano & Smith found that removing the most attended item seldom flips "
-             "the decision and that the set of items to erase before a flip is often too large to serve as an "
-             "explanation, with gradient-based orders finding smaller sets. "
-             "Embeddings are trained from scratch.", "", interp.scale_note(result), ""]
+    lines = interp.markdown_head(
+        "Erasure until the decision flips (Serrano & Smith 2019)",
+        "Items are removed in each order with the encoder fixed and the remaining attention renormalised "
+        "by the model's normalizer. Per order: fraction of instances whose decision flips before one item "
+        "is left, and over those, the mean fraction of the items removed and of the original attention mass "
+        "removed at the first flip. Serrano & Smith found that removing the most attended item seldom flips "
+        "the decision and that the set of items to erase before a flip is often too large to serve as an "
+        "explanation, with gradient-based orders finding smaller sets. "
+        "Embeddings are trained from scratch.", result)
     body = []
     for r in result["rows"]:
         cells = []
@@ -173,6 +159,4 @@ def markdown(result: dict) -> str:
                      f"{r['support_mean']:.1f}", *cells])
     lines.append(md_table(["dataset", "encoder", "normalizer", "acc", "length", "support",
                            *[f"{n.replace('_', ' ')}: flips / items / mass" for n in ORDERS]], body))
-    for p in result["plots"]:
-        lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])
+    return interp.markdown_tail(lines, result)

@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkern.experiments import ktiw, runner
-from attnkern.experiments.common import common_config, failures_md, md_table, run_sweep, sweep_block, write_outputs
+from attnkern.experiments import ktiw
+from attnkern.experiments.common import (
+    common_config,
+    fmt_mean_std,
+    markdown_end,
+    md_table,
+    run_sweep,
+    sweep_block,
+    write_dynamics_result,
+)
 
 NAME = "ibm1"
 DATASETS = ktiw.DATASETS
@@ -52,14 +60,12 @@ def run(args) -> dict:
                     cell["random_alignment_token_accuracy"] = float(np.mean(
                         [i["alignment_token_accuracy_random"] for i in infos]))
     config = {**common_config(args), "datasets": list(args.datasets), "seeds": seeds, "scale": scale, **extra}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
-              "summary": summary, "sweep": sweep_block(sweep), "reading": reading(summary)}
-    result["plots"] = [ktiw.plot(args.out, summary, "ibm1_vs_attention_top1", "top-1 IBM1 = a(standard)",
-                                 f"{NAME}_vs_attention.png"),
-                       ktiw.plot(args.out, summary, "ibm1_vs_beta_uniform_top1", "top-1 IBM1 = β(uniform)",
-                                 f"{NAME}_vs_beta.png")]
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    plots = [ktiw.plot(args.out, summary, "ibm1_vs_attention_top1", "top-1 IBM1 = a(standard)",
+                       f"{NAME}_vs_attention.png"),
+             ktiw.plot(args.out, summary, "ibm1_vs_beta_uniform_top1", "top-1 IBM1 = β(uniform)",
+                       f"{NAME}_vs_beta.png")]
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, summary=summary, sweep=sweep_block(sweep),
+                                 reading=reading(summary), plots=plots)
 
 
 def reading(summary) -> str:
@@ -80,7 +86,7 @@ def reading(summary) -> str:
 
 def markdown(result) -> str:
     cfg, s = result["config"], result["summary"]
-    f = ktiw.fmt
+    f = fmt_mean_std
     lines = ["# ibm1: IBM Model 1 alignments vs attention and β", "",
              f"Configuration: {'--quick' if cfg['quick'] else 'full scale'}; {cfg['ibm1_iterations']} EM iterations; "
              f"models as ktiw (hidden {cfg['scale']['hidden_dim']}, {cfg['scale']['steps']} steps, {cfg['seeds']} "
@@ -106,6 +112,4 @@ def markdown(result) -> str:
                   "output to is the right one", ""]
         lines.append(md_table(["data", "IBM1 alignment token accuracy", "random position",
                                "EM log-likelihood per word (first → last iteration)"], rows))
-    lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
-              "Plots: " + ", ".join(f"`{p}`" for p in result["plots"]), ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    return markdown_end(lines, result, paper=PAPER)

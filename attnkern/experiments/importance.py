@@ -19,7 +19,7 @@ import numpy as np
 
 from attnkern.experiments import interp
 from attnkern.experiments.classifiers import DATASETS
-from attnkern.experiments.common import failures_md, md_table, pyplot, sweep_block, write_outputs
+from attnkern.experiments.common import md_table
 from attnkern.experiments.metrics import KendallResult, kendall_tau, summarize_kendall, topk_agreement
 
 NAME = "importance"
@@ -102,14 +102,6 @@ def summarize(per: dict, select=None) -> dict:
     return out
 
 
-def _merge(results: list[dict]) -> dict:
-    merged: dict = {k: [] for k in results[0]["per_instance"]}
-    for r in results:
-        for k, v in r["per_instance"].items():
-            merged[k].extend(v)
-    return merged
-
-
 def _fmt(mean, std=None, frac=None) -> str:
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "–"
@@ -138,78 +130,46 @@ def _paper_cells(dataset: str, encoder: str, cls: int | None) -> tuple[str, str]
 
 
 def _plot(merged_by_key: dict, out) -> list[str]:
-    plt = pyplot()
-    files = []
-    datasets = sorted({k[0] for k in merged_by_key})
-    for dataset in datasets:
-        keys = sorted(k for k in merged_by_key if k[0] == dataset)
-        encoders = sorted({k[1] for k in keys})
-        normalizers = sorted({k[2] for k in keys})
-        fig, axes = plt.subplots(len(encoders), len(normalizers), figsize=(3.2 * len(normalizers),
-                                 2.4 * len(encoders)), squeeze=False, sharex=True)
-        for r, encoder in enumerate(encoders):
-            for c, normalizer in enumerate(normalizers):
-                ax = axes[r][c]
-                per = merged_by_key.get((dataset, encoder, normalizer))
-                if per is None:
-                    ax.axis("off")
-                    continue
-                preds = np.asarray(per["pred"])
-                taus = np.asarray([np.nan if t is None else t for t, _ in per["grad"]], dtype=float)
-                for cls in sorted(set(preds.tolist())):
-                    vals = taus[(preds == cls) & ~np.isnan(taus)]
-                    if len(vals):
-                        ax.hist(vals, bins=20, range=(-1, 1), alpha=0.6, label=f"pred {cls}")
-                ax.set_title(f"{encoder} / {normalizer}", fontsize=9)
-                if r == len(encoders) - 1:
-                    ax.set_xlabel("Kendall τ (attention, gradient)")
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{DATASETS[dataset].title}\nτ(attention, gradient importance) by predicted class", fontsize=9)
-        fig.tight_layout()
-        name = f"importance_{dataset}.png"
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        files.append(name)
-    return files
+    def draw(ax, key, per):
+        preds = np.asarray(per["pred"])
+        taus = np.asarray([np.nan if t is None else t for t, _ in per["grad"]], dtype=float)
+        for cls in sorted(set(preds.tolist())):
+            vals = taus[(preds == cls) & ~np.isnan(taus)]
+            if len(vals):
+                ax.hist(vals, bins=20, range=(-1, 1), alpha=0.6, label=f"pred {cls}")
+
+    return interp.panel_grid(merged_by_key, out, NAME, "τ(attention, gradient importance) by predicted class", draw,
+                             "Kendall τ (attention, gradient)", sharey=False, panel_height=2.4)
 
 
 def run(args) -> dict:
     interp.check_model_arguments(args)
     jobs = interp.model_jobs(args, NAME)
     sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
-    groups = interp.group_runs(sweep)
-    rows, merged_by_key = [], {}
-    for key, results in sorted(groups.items()):
-        dataset, encoder, normalizer = key
-        per = _merge(results)
-        merged_by_key[key] = per
-        stats = summarize(per)
+
+    def fields(key, per):
         preds = np.asarray(per["pred"])
         by_class = {str(c): summarize(per, preds == c) for c in sorted(set(preds.tolist()))}
-        rows.append({"dataset": dataset, "encoder": encoder, "normalizer": normalizer,
-                     "accuracy": float(np.mean([r["test_accuracy"] for r in results])),
-                     "seeds": len(results), **stats, "by_class": by_class,
-                     "paper_rows": list(DATASETS[dataset].paper_rows)})
-    plots = _plot(merged_by_key, args.out)
-    result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
-              "seeds": interp.n_seeds(args), "rows": rows, "plots": plots, "sweep": sweep_block(sweep),
-              "notes": ["embeddings trained from scratch (the paper used pretrained word vectors)",
-                        "Kendall tau-b from scipy.stats; undefined tau (fewer than 2 tokens, constant vector) "
-                        "counted in *_undefined and left out of means and significant fractions",
-                        "top-k: ties broken by position; k clipped to the document length"]}
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+        return {**summarize(per), "by_class": by_class, "paper_rows": list(DATASETS[key[0]].paper_rows)}
+
+    rows, merged_by_key = interp.model_rows(sweep, fields)
+    return interp.write_result(
+        args, NAME, sweep, markdown, rows=rows, plots=_plot(merged_by_key, args.out),
+        notes=["embeddings trained from scratch (the paper used pretrained word vectors)",
+               "Kendall tau-b from scipy.stats; undefined tau (fewer than 2 tokens, constant vector) "
+               "counted in *_undefined and left out of means and significant fractions",
+               "top-k: ties broken by position; k clipped to the document length"])
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Attention vs. gradient and leave-one-out importance (Jain & Wallace 2019, Table 2)", "",
-             "Kendall τ-b between attention and each importance per test instance: mean ± std over instances, "
-             "(fraction significant at p ≤ 0.05). Our datasets stand beside the paper's nearest rows: Rotten "
-             "Tomatoes snippets beside SST, rated tweets beside ADR Tweets, BBC News beside AG News / 20News. "
-             "Embeddings are trained from scratch (the paper used pretrained vectors). Paper cells are per "
-             "predicted class (c0, c1), shown on our softmax rows (the paper studied softmax attention only); "
-             "the paper reports no CNN column and no leave-one-out column for the average encoder.", ""]
-    lines += [interp.scale_note(result), ""]
+    lines = interp.markdown_head(
+        "Attention vs. gradient and leave-one-out importance (Jain & Wallace 2019, Table 2)",
+        "Kendall τ-b between attention and each importance per test instance: mean ± std over instances, "
+        "(fraction significant at p ≤ 0.05). Our datasets stand beside the paper's nearest rows: Rotten "
+        "Tomatoes snippets beside SST, rated tweets beside ADR Tweets, BBC News beside AG News / 20News. "
+        "Embeddings are trained from scratch (the paper used pretrained vectors). Paper cells are per "
+        "predicted class (c0, c1), shown on our softmax rows (the paper studied softmax attention only); "
+        "the paper reports no CNN column and no leave-one-out column for the average encoder.", result)
     header = ["dataset", "encoder", "normalizer", "acc", "τ_g ours", "τ_g paper", "τ_loo ours", "τ_loo paper"]
     body = []
     for r in result["rows"]:
@@ -243,6 +203,4 @@ def markdown(result: dict) -> str:
                      " / ".join(f"{r['loo_topk'][str(k)]:.2f}" for k in TOPK)])
     lines.append(md_table(["dataset", "encoder", "normalizer", "length", "support", "support/len",
                            "τ_g support", "τ_loo support", "no τ", "top-1…5 gradient", "top-1…5 loo"], body))
-    for p in result["plots"]:
-        lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])
+    return interp.markdown_tail(lines, result)

@@ -202,10 +202,16 @@ def run_model_jobs(fn, jobs, args, experiment: str):
     return run_sweep(args, fn, jobs, desc=experiment, namespace=experiment)
 
 
-def trained_from_config(config: dict):
+def trained_from_config(config: dict, frozen: bool = False):
+    """The trained classifier of a job's config (trained now, or loaded from the model cache); with ``frozen``,
+    its parameters no longer require grad (for analyses that differentiate through attention only)."""
     from attnkern.experiments.classifiers import TrainConfig, get_classifier
 
-    return get_classifier(TrainConfig(**config["train"]), config["out"])
+    trained = get_classifier(TrainConfig(**config["train"]), config["out"])
+    if frozen:
+        for p in trained.model.parameters():
+            p.requires_grad_(False)
+    return trained
 
 
 def test_batches(trained, instances: int | None, batch_size: int = 32):
@@ -259,15 +265,82 @@ def by_max_attention(max_attention, values, name: str) -> list[dict]:
     return bins
 
 
-def scatter_grid(merged: dict, out, experiment: str, x_key: str, x_label: str, title: str,
-                 xlim=None) -> list[str]:
-    """One figure per dataset: a panel per (encoder, normalizer) with each test
-    instance's `x_key` against its max attention, coloured by predicted class.
-    merged: {(dataset, encoder, normalizer): per-instance lists}. Returns the file names."""
+def max_attention_header(label: str) -> str:
+    """Column header for :func:`max_attention_cell` of a statistic called ``label``."""
+    return f"{label} (n) by max a in [0,.25) / [.25,.5) / [.5,.75) / [.75,1]"
+
+
+def max_attention_cell(bins: list[dict], name: str) -> str:
+    """The ``name`` means of :func:`by_max_attention`'s bins with their instance counts, one table cell."""
+    return " / ".join("–" if b["instances"] == 0 else f"{b[name]:.3f} ({b['instances']})" for b in bins)
+
+
+def instance_record(per: dict, enc: Encoded, i: int) -> int:
+    """Appends instance ``i`` of a batch's predicted class, length and largest attention weight to the lists
+    ``per["pred"]``, ``per["length"]`` and ``per["max_attention"]``; returns its length."""
+    n = int(enc.lengths[i])
+    per["pred"].append(int(enc.pred[i]))
+    per["length"].append(n)
+    per["max_attention"].append(float(enc.weights[i, :n].max()))
+    return n
+
+
+def merge_instances(results: list[dict]) -> dict:
+    """The per-instance lists of one model's seeds (``result["per_instance"]``), concatenated in seed order."""
+    merged: dict = {k: [] for k in results[0]["per_instance"]}
+    for r in results:
+        for k, v in r["per_instance"].items():
+            merged[k].extend(v)
+    return merged
+
+
+def model_rows(sweep, fields) -> tuple[list[dict], dict]:
+    """One table row per (dataset, encoder, normalizer) model of a sweep, in sorted order: the key, the mean test
+    accuracy over seeds, the number of seeds, then ``fields(key, per)`` (the experiment's statistics of the merged
+    per-instance lists). Returns (rows, {key: merged per-instance lists}) for the plots."""
     import numpy as np
 
+    rows, merged = [], {}
+    for key, results in sorted(group_runs(sweep).items()):
+        per = merge_instances(results)
+        merged[key] = per
+        rows.append({"dataset": key[0], "encoder": key[1], "normalizer": key[2],
+                     "accuracy": float(np.mean([r["test_accuracy"] for r in results])), "seeds": len(results),
+                     **fields(key, per)})
+    return rows, merged
+
+
+def write_result(args, experiment: str, sweep, markdown, **fields) -> dict:
+    """The experiment's result: its name, scale (--quick, instances, seeds per model), ``fields`` (options, rows,
+    plots, ...) and the sweep's bookkeeping, written as OUT/<experiment>.json and .md (``markdown(result)``)."""
+    from attnkern.experiments.common import sweep_block, write_outputs
+
+    result = {"experiment": experiment, "quick": args.quick, "instances": n_instances(args), "seeds": n_seeds(args),
+              **fields, "sweep": sweep_block(sweep)}
+    write_outputs(args.out, experiment, result, markdown(result))
+    return result
+
+
+def markdown_head(title: str, intro: str, result: dict) -> list[str]:
+    """The first lines of an experiment's markdown: heading, what was measured, at which scale."""
+    return [f"# {title}", "", intro, "", scale_note(result), ""]
+
+
+def markdown_tail(lines: list[str], result: dict) -> str:
+    """The markdown's lines, the result's plots and the list of failed runs, as one text."""
+    from attnkern.experiments.common import failures_md
+
+    lines = lines + [f"![{p}]({p})" for p in result["plots"]]
+    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])
+
+
+def panel_grid(merged: dict, out, experiment: str, title: str, draw, x_label: str, y_label: str | None = None,
+               sharey: bool = True, panel_height: float = 2.6, legend: bool = True) -> list[str]:
+    """One figure per dataset, OUT/<experiment>_<dataset>.png, with a panel per (encoder, normalizer) (rows:
+    encoders, columns: normalizers; a missing model leaves its panel empty) drawn by ``draw(ax, key, per)``.
+    merged: {(dataset, encoder, normalizer): per-instance lists}. Returns the file names."""
     from attnkern.experiments.classifiers import DATASETS
-    from attnkern.experiments.common import pyplot
+    from attnkern.experiments.common import pyplot, save_figure
 
     plt = pyplot()
     files = []
@@ -276,7 +349,7 @@ def scatter_grid(merged: dict, out, experiment: str, x_key: str, x_label: str, t
         encoders = sorted({k[1] for k in keys})
         normalizers = sorted({k[2] for k in keys})
         fig, axes = plt.subplots(len(encoders), len(normalizers), figsize=(3.2 * len(normalizers),
-                                 2.6 * len(encoders)), squeeze=False, sharex=True, sharey=True)
+                                 panel_height * len(encoders)), squeeze=False, sharex=True, sharey=sharey)
         for r, encoder in enumerate(encoders):
             for c, normalizer in enumerate(normalizers):
                 ax = axes[r][c]
@@ -284,23 +357,97 @@ def scatter_grid(merged: dict, out, experiment: str, x_key: str, x_label: str, t
                 if per is None:
                     ax.axis("off")
                     continue
-                preds = np.asarray(per["pred"])
-                for cls in sorted(set(preds.tolist())):
-                    sel = preds == cls
-                    ax.scatter(np.asarray(per[x_key])[sel], np.asarray(per["max_attention"])[sel], s=6,
-                               alpha=0.6, label=f"pred {cls}")
-                if xlim is not None:
-                    ax.set_xlim(*xlim)
+                draw(ax, (dataset, encoder, normalizer), per)
                 ax.set_title(f"{encoder} / {normalizer}", fontsize=9)
                 if r == len(encoders) - 1:
                     ax.set_xlabel(x_label)
-                if c == 0:
-                    ax.set_ylabel("max attention")
-        axes[0][0].legend(fontsize=7)
+                if c == 0 and y_label is not None:
+                    ax.set_ylabel(y_label)
+        if legend:
+            axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{DATASETS[dataset].title}\n{title}", fontsize=9)
-        fig.tight_layout()
-        name = f"{experiment}_{dataset}.png"
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        files.append(name)
+        files.append(save_figure(fig, out, f"{experiment}_{dataset}.png"))
     return files
+
+
+def scatter_grid(merged: dict, out, experiment: str, x_key: str, x_label: str, title: str,
+                 xlim=None) -> list[str]:
+    """One figure per dataset: a panel per (encoder, normalizer) with each test
+    instance's `x_key` against its max attention, coloured by predicted class.
+    merged: {(dataset, encoder, normalizer): per-instance lists}. Returns the file names."""
+    import numpy as np
+
+    def draw(ax, key, per):
+        preds = np.asarray(per["pred"])
+        for cls in sorted(set(preds.tolist())):
+            sel = preds == cls
+            ax.scatter(np.asarray(per[x_key])[sel], np.asarray(per["max_attention"])[sel], s=6, alpha=0.6,
+                       label=f"pred {cls}")
+        if xlim is not None:
+            ax.set_xlim(*xlim)
+
+    return panel_grid(merged, out, experiment, title, draw, x_label, "max attention")
+
+
+# A panel gets kernel-density contours from this many instances on; fewer give a 2-D histogram.
+KDE_MIN_POINTS = 20
+
+
+def _spread_in_2d(x, y) -> bool:
+    """Whether points (x, y) vary in two directions (not all on one line), as a 2-D kernel density needs."""
+    import numpy as np
+
+    if np.ptp(x) == 0 or np.ptp(y) == 0:
+        return False
+    r = np.corrcoef(x, y)[0, 1]
+    return bool(np.isfinite(r) and 1 - r * r > 1e-6)
+
+
+def draw_density(ax, x, y, xlim: tuple[float, float], ylim: tuple[float, float], bins: int = 20) -> str:
+    """The density of the points (x, y) in one panel over ``xlim`` × ``ylim``: filled contours of a Gaussian
+    kernel density estimate (scipy.stats.gaussian_kde, Scott's bandwidth; the lowest twentieth of the peak left
+    blank) when there are at least KDE_MIN_POINTS finite points not all on one line, else a 2-D histogram of
+    ``bins`` × ``bins`` cells (empty cells blank). Returns "kde" or "histogram"."""
+    import numpy as np
+    from scipy.stats import gaussian_kde
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y = x[ok], y[ok]
+    if x.size >= KDE_MIN_POINTS and _spread_in_2d(x, y):
+        try:
+            kde = gaussian_kde(np.vstack([x, y]))
+        except np.linalg.LinAlgError:  # numerically singular covariance after all
+            kde = None
+        if kde is not None:
+            gx, gy = np.meshgrid(np.linspace(*xlim, 100), np.linspace(*ylim, 100))
+            z = kde(np.vstack([gx.ravel(), gy.ravel()])).reshape(gx.shape)
+            if z.max() > 0:
+                ax.contourf(gx, gy, z, levels=np.linspace(z.max() / 20, z.max(), 10), cmap="viridis")
+                ax.set_xlim(*xlim)
+                ax.set_ylim(*ylim)
+                return "kde"
+    ax.hist2d(x, y, bins=bins, range=[list(xlim), list(ylim)], cmap="viridis", cmin=1)
+    return "histogram"
+
+
+def density_grid(merged: dict, out, experiment: str, x_key: str, y_key: str, x_label: str, y_label: str,
+                 title: str, xlim: tuple[float, float] = (0.0, 1.0)) -> list[str]:
+    """One figure per dataset: a panel per (encoder, normalizer) with the density (:func:`draw_density`) of the
+    test instances over (`x_key`, `y_key`) and their number; the y range, from 0 to just above the largest value
+    in the dataset's panels, is the same in every panel of a figure. merged: {(dataset, encoder, normalizer):
+    per-instance lists}. Returns the file names."""
+    import numpy as np
+
+    top: dict = {}
+    for key, per in merged.items():
+        y = np.asarray(per[y_key], dtype=float)
+        y = y[np.isfinite(y)]
+        top[key[0]] = max(top.get(key[0], 0.0), float(y.max()) if y.size else 0.0)
+
+    def draw(ax, key, per):
+        draw_density(ax, per[x_key], per[y_key], xlim, (0.0, max(top[key[0]], 1e-3) * 1.05))
+        ax.text(0.03, 0.95, f"n = {len(per[y_key])}", transform=ax.transAxes, fontsize=7, va="top",
+                bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0})
+
+    return panel_grid(merged, out, experiment, title, draw, x_label, y_label, legend=False)

@@ -18,19 +18,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnkern.experiments import runner
 from attnkern.experiments.common import (
+    cell_jobs,
+    collect_cells,
     common_config,
-    failures_md,
+    fmt_mean_std,
+    forward_eval,
     kendall_tau_rows,
+    markdown_end,
     md_table,
-    mean_std,
     parse_normalizer,
     pyplot,
     run_sweep,
+    save_figure,
+    scale_and_seeds,
     shuffle_rows,
     sweep_block,
-    write_outputs,
+    train_side_by_side,
+    write_dynamics_result,
 )
 from attnkern.experiments.data.synthetic import CopyTask
 from attnkern.experiments.models import Seq2Seq
@@ -112,11 +117,7 @@ def build(config, data, mode):
 def measure(std, uni, probe, rng, ibm1_post=None) -> dict:
     dev = next(std.parameters()).device
     s, sm, t_in, t, tm = (x.to(dev) for x in probe)
-    std.eval()
-    uni.eval()
-    o_s, o_u = std(s, sm, t_in), uni(s, sm, t_in)
-    std.train()
-    uni.train()
+    o_s, o_u = forward_eval((std, uni), s, sm, t_in)
     beta_u = uni.probe(o_u, t).masked_fill(~sm.unsqueeze(1), -1e9).cpu().numpy()
     beta_s = std.probe(o_s, t).masked_fill(~sm.unsqueeze(1), -1e9).cpu().numpy()
     a_s = o_s.weights.cpu().numpy()
@@ -140,8 +141,6 @@ def train_pair(config: dict, seed: int) -> dict:
     torch.manual_seed(seed)
     std = build(config, data, "learned")
     uni = build(config, data, "uniform")
-    uni.load_state_dict(std.state_dict())
-    opts = [torch.optim.Adam(m.parameters(), lr=config["lr"]) for m in (std, uni)]
     rng = np.random.default_rng(1000 + seed)
     ibm1_post, ibm1_info = None, None
     if config.get("ibm1"):
@@ -150,22 +149,13 @@ def train_pair(config: dict, seed: int) -> dict:
         ibm1_post, ibm1_info = fit_ibm1(data, config)
         s, sm, _, t, _ = data.probe
         ibm1_post = ibm1_posteriors(ibm1_info.pop("t"), s.numpy(), sm.numpy(), t.numpy())
-    curve = {"step": []}
-    for step in range(config["steps"] + 1):
-        if step % config["eval_every"] == 0 or step == config["steps"]:
-            rec = measure(std, uni, data.probe, rng, ibm1_post)
-            curve["step"].append(step)
-            for k, v in rec.items():
-                curve.setdefault(k, []).append(v)
-        if step == config["steps"]:
-            break
-        s, sm, t_in, t, _ = (x.to(config["device"]) for x in data.batch(config["batch"]))
-        for model, opt in zip((std, uni), opts, strict=True):
-            loss = model.loss(model(s, sm, t_in), t)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    out = {"curve": curve, "final": {k: v[-1] for k, v in curve.items() if k != "step"}}
+
+    def loss(model, batch):
+        s, sm, t_in, t, _ = batch
+        return model.loss(model(s, sm, t_in), t)
+
+    out = train_side_by_side(std, uni, config, lambda std, uni: measure(std, uni, data.probe, rng, ibm1_post),
+                             lambda: tuple(x.to(config["device"]) for x in data.batch(config["batch"])), loss)
     if ibm1_info is not None:
         out["ibm1"] = ibm1_info
     return out
@@ -193,26 +183,6 @@ def fit_ibm1(data: PairData, config: dict):
     return None, info
 
 
-def scale_for(args, quick, full):
-    scale = dict(quick if args.quick else full)
-    seeds = args.seeds or scale.pop("seeds")
-    scale.pop("seeds", None)
-    if getattr(args, "steps", None) is not None:
-        if args.steps < 1:
-            raise ValueError(f"--steps must be a positive int, got {args.steps}")
-        scale["steps"] = args.steps
-        scale["eval_every"] = max(1, min(scale["eval_every"], args.steps // 4 or 1))
-    if getattr(args, "probe", None) is not None:
-        if args.probe < 1:
-            raise ValueError(f"--probe must be a positive int, got {args.probe}")
-        scale["probe"] = args.probe
-    if getattr(args, "hidden", None) is not None:
-        if args.hidden < 1:
-            raise ValueError(f"--hidden must be a positive int, got {args.hidden}")
-        scale["hidden_dim"] = scale["embed_dim"] = args.hidden
-    return scale, seeds
-
-
 def add_arguments(p) -> None:
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
     p.add_argument("--steps", type=int, default=None, help="override the number of training steps")
@@ -227,45 +197,23 @@ NAMESPACE = "seq2seq-pairs"
 
 
 def jobs_for(args, extra=None):
-    scale, seeds = scale_for(args, QUICK, FULL)
+    scale, seeds = scale_and_seeds(args, QUICK, FULL, {"steps": ("steps",), "probe": ("probe",),
+                                                       "hidden": ("hidden_dim", "embed_dim")})
     extra = {**IBM1_DEFAULTS, **(extra or {})}
-    jobs = []
-    for ds in args.datasets:
-        for norm in args.normalizers:
-            cfg = dict(dataset=ds, normalizer=norm, lr=1e-3, backend=args.backend, device=args.device, **scale,
-                       **(extra or {}))
-            jobs += [runner.Job(f"{ds}/{norm}/seed{s}", cfg, s) for s in range(seeds)]
+    jobs = cell_jobs(args.datasets, args.normalizers, seeds,
+                     lambda ds, norm: dict(dataset=ds, normalizer=norm, lr=1e-3, backend=args.backend,
+                                           device=args.device, **scale, **extra))
     return jobs, scale, seeds
 
 
 def collect(args, sweep, seeds, keys) -> dict:
-    out = {}
-    for ds in args.datasets:
-        out[ds] = {}
-        for norm in args.normalizers:
-            names = [f"{ds}/{norm}/seed{s}" for s in range(seeds)]
-            res = {n.rsplit("/", 1)[1]: sweep.results[n]["result"] for n in names if n in sweep.results}
-            if not res:
-                continue
-            first = next(iter(res.values()))
-            cell = {"runs": len(res)}
-            for k in keys:
-                if k in first["final"]:
-                    cell[k] = mean_std([r["final"][k] for r in res.values()])
-            cell["curves"] = {s: r["curve"] for s, r in res.items()}
-            if "ibm1" in first:
-                cell["ibm1"] = {s: r["ibm1"] for s, r in res.items()}
-            out[ds][norm] = cell
-    return out
+    """{dataset: {normalizer: summary}} (see :func:`common.collect_cells`), with each seed's IBM 1 fit."""
+    return collect_cells(sweep, args.datasets, args.normalizers, seeds, keys, per_seed=("ibm1",))
 
 
 KEYS = ("acc_standard", "acc_uniform", "beta_uniform_vs_attention_top1", "beta_uniform_vs_attention_top1_shuffled",
         "beta_uniform_vs_attention_tau", "beta_uniform_vs_attention_tau_shuffled",
         "beta_standard_vs_attention_top1", "beta_standard_vs_attention_tau")
-
-
-def fmt(ms) -> str:
-    return "n/a" if ms is None else f"{ms[0]:.3f} ± {ms[1]:.3f}"
 
 
 def plot(out, summary, key, title, name) -> str:
@@ -283,10 +231,7 @@ def plot(out, summary, key, title, name) -> str:
         ax.set_xlabel("step")
         ax.set_ylabel(title, fontsize=8)
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=90)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out, name, dpi=90)
 
 
 def markdown(result) -> str:
@@ -300,18 +245,16 @@ def markdown(result) -> str:
     rows = []
     for ds, cells in s.items():
         for norm, c in cells.items():
-            rows.append([ds, norm, fmt(c.get("acc_standard")), fmt(c.get("acc_uniform")),
-                         fmt(c.get("beta_uniform_vs_attention_top1")),
-                         fmt(c.get("beta_uniform_vs_attention_top1_shuffled")),
-                         fmt(c.get("beta_uniform_vs_attention_tau")),
-                         fmt(c.get("beta_uniform_vs_attention_tau_shuffled")),
-                         fmt(c.get("beta_standard_vs_attention_top1"))])
+            rows.append([ds, norm, fmt_mean_std(c.get("acc_standard")), fmt_mean_std(c.get("acc_uniform")),
+                         fmt_mean_std(c.get("beta_uniform_vs_attention_top1")),
+                         fmt_mean_std(c.get("beta_uniform_vs_attention_top1_shuffled")),
+                         fmt_mean_std(c.get("beta_uniform_vs_attention_tau")),
+                         fmt_mean_std(c.get("beta_uniform_vs_attention_tau_shuffled")),
+                         fmt_mean_std(c.get("beta_standard_vs_attention_top1"))])
     lines.append(md_table(["data", "normalizer", "token acc standard", "token acc uniform",
                            "top-1 β(uniform) = a(standard)", "shuffled", "τ(β uniform, a standard)", "shuffled",
                            "top-1 β(standard) = a(standard)"], rows))
-    lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
-              "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]), ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    return markdown_end(lines, result, paper=PAPER)
 
 
 def reading(summary) -> str:
@@ -329,11 +272,8 @@ def run(args) -> dict:
     sweep = run_sweep(args, train_pair, jobs, namespace=NAMESPACE)
     summary = collect(args, sweep, seeds, KEYS)
     config = {**common_config(args), "datasets": list(args.datasets), "seeds": seeds, "scale": scale}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
-              "summary": summary, "sweep": sweep_block(sweep), "reading": reading(summary)}
-    result["plots"] = [plot(args.out, summary, "beta_uniform_vs_attention_top1",
-                            "top-1 β(uniform) = a(standard)", f"{NAME}_top1.png"),
-                       plot(args.out, summary, "beta_uniform_vs_attention_tau", "τ(β uniform, a standard)",
-                            f"{NAME}_tau.png")]
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    plots = [plot(args.out, summary, "beta_uniform_vs_attention_top1", "top-1 β(uniform) = a(standard)",
+                  f"{NAME}_top1.png"),
+             plot(args.out, summary, "beta_uniform_vs_attention_tau", "τ(β uniform, a standard)", f"{NAME}_tau.png")]
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, summary=summary, sweep=sweep_block(sweep),
+                                 reading=reading(summary), plots=plots)

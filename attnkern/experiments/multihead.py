@@ -18,11 +18,13 @@ import numpy as np
 from attnkern.experiments import runner
 from attnkern.experiments.common import (
     common_config,
-    failures_md,
+    markdown_end,
     md_table,
+    override_scale,
     pyplot,
     run_sweep,
-    write_outputs,
+    save_figure,
+    write_dynamics_result,
 )
 from attnkern.experiments.seq2seq_train import copy_config, train_copy, train_multihead
 
@@ -44,15 +46,8 @@ def add_arguments(p) -> None:
 
 
 def scale_for(args) -> tuple[dict, dict]:
-    scale = dict(QUICK if args.quick else FULL)
-    for opt, key in (("heads", "heads"), ("single_seeds", "single_seeds"), ("steps", "steps")):
-        v = getattr(args, opt)
-        if v is not None:
-            if v < 1:
-                raise ValueError(f"--{opt.replace('_', '-')} must be a positive int, got {v}")
-            scale[key] = v
-            if key == "steps":
-                scale["eval_every"] = max(1, min(scale["eval_every"], v // 4 or 1))
+    scale = override_scale(dict(QUICK if args.quick else FULL), args,
+                           {"heads": ("heads",), "single_seeds": ("single_seeds",), "steps": ("steps",)})
     if args.seeds is not None:
         scale["repeats"] = args.seeds
     meta = {k: scale.pop(k) for k in ("single_seeds", "heads", "repeats")}
@@ -117,12 +112,9 @@ def run(args) -> dict:
         total += len(singles) + len(jobs)
     config = {**common_config(args), "scale": copy_config(distribution="permutation", rnn="gru", **scale), **meta,
               "good_threshold": GOOD, "bad_threshold": BAD}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
-              "summary": summary, "sweep": {"runs_total": total, "runs_cached": cached, "failures": all_failures},
-              "reading": reading(summary)}
-    result["plots"] = [plot(args.out, summary)]
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, summary=summary,
+                                 sweep={"runs_total": total, "runs_cached": cached, "failures": all_failures},
+                                 reading=reading(summary), plots=[plot(args.out, summary)])
 
 
 def reading(summary) -> str:
@@ -147,10 +139,7 @@ def plot(out, summary) -> str:
         ax.set_ylabel("token accuracy")
         ax.set_ylim(0, 1.02)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / f"{NAME}.png", dpi=90)
-    plt.close(fig)
-    return f"{NAME}.png"
+    return save_figure(fig, out, f"{NAME}.png", dpi=90)
 
 
 def markdown(result) -> str:
@@ -170,6 +159,4 @@ def markdown(result) -> str:
             rows.append([norm, name, "n/a" if m["success_rate"] is None else f"{m['success_rate']:.2f}",
                          f"{len(m['final_acc'])} models"])
     lines.append(md_table(["normalizer", "heads", "success rate", "runs"], rows))
-    lines += ["## The paper", "", PAPER, "", "## Reading", "", result["reading"], "",
-              f"Plot: `{result['plots'][0]}`", ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    return markdown_end(lines, result, paper=PAPER, plots_label="Plot")

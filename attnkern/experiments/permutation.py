@@ -2,8 +2,9 @@
 
 For every test instance, the encoder states stay fixed and the attention weights over the real tokens are permuted
 100 times; the output change of each permutation is TVD(ŷ^p, ŷ), and the instance's statistic is the median over
-permutations. Plotted against the instance's maximum attention, as the paper's Figure 6. With sparse attention a
-permutation moves the support as well (the zeros are permuted with the rest).
+permutations. As in the paper's Figure 6, the plot is a density: per model, of the test instances over their maximum
+attention and median output change (kernel-density contours, or a 2-D histogram for few instances). With sparse
+attention a permutation moves the support as well (the zeros are permuted with the rest).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from attnkern.experiments import interp
-from attnkern.experiments.common import failures_md, md_table, sweep_block, write_outputs
+from attnkern.experiments.common import md_table
 from attnkern.experiments.metrics import tvd
 
 NAME = "permutation"
@@ -40,10 +41,7 @@ def analyse(config: dict, seed: int) -> dict:
     per = {"pred": [], "max_attention": [], "median_change": [], "length": []}
     for enc, _ in interp.test_batches(trained, config["instances"]):
         for i in range(enc.tokens.shape[0]):
-            n = int(enc.lengths[i])
-            per["pred"].append(int(enc.pred[i]))
-            per["length"].append(n)
-            per["max_attention"].append(float(enc.weights[i, :n].max()))
+            n = interp.instance_record(per, enc, i)
             per["median_change"].append(median_change(enc.weights[i, :n], enc.relevance[i, :n], enc.bias,
                                                       enc.probs[i], config["permutations"], gen))
     return {"per_instance": per, "test_accuracy": trained.info["test_accuracy"]}
@@ -55,14 +53,13 @@ def summarize(per: dict) -> dict:
     out = {"instances": int(dy.size), "median_change_mean": float(dy.mean()),
            "median_change_median": float(np.median(dy)), "frac_change_below_0.01": float((dy < 0.01).mean()),
            "frac_change_above_0.1": float((dy > 0.1).mean()), "max_attention_mean": float(mx.mean())}
-    bins = interp.by_max_attention(mx, dy, "median_change_mean")
-    out["by_max_attention"] = bins
+    out["by_max_attention"] = interp.by_max_attention(mx, dy, "median_change_mean")
     return out
 
 
 def _plot(merged: dict, out) -> list[str]:
-    return interp.scatter_grid(merged, out, "permutation", "median_change", "median output change (TVD)",
-                               "permuted attention, encoder fixed")
+    return interp.density_grid(merged, out, NAME, "max_attention", "median_change", "max attention",
+                               "median output change (TVD)", "permuted attention, encoder fixed: density of instances")
 
 
 def run(args) -> dict:
@@ -71,41 +68,29 @@ def run(args) -> dict:
         raise ValueError(f"argument --permutations: must be a positive int, got {args.permutations}")
     jobs = interp.model_jobs(args, NAME, extra={"permutations": args.permutations})
     sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
-    rows, merged = [], {}
-    for key, results in sorted(interp.group_runs(sweep).items()):
-        per = {k: sum((r["per_instance"][k] for r in results), []) for k in results[0]["per_instance"]}
-        merged[key] = per
-        rows.append({"dataset": key[0], "encoder": key[1], "normalizer": key[2],
-                     "accuracy": float(np.mean([r["test_accuracy"] for r in results])), "seeds": len(results),
-                     **summarize(per)})
-    plots = _plot(merged, args.out)
-    result = {"experiment": NAME, "quick": args.quick, "instances": interp.n_instances(args),
-              "seeds": interp.n_seeds(args), "permutations": args.permutations, "rows": rows, "plots": plots,
-              "sweep": sweep_block(sweep)}
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    rows, merged = interp.model_rows(sweep, lambda key, per: summarize(per))
+    return interp.write_result(args, NAME, sweep, markdown, permutations=args.permutations, rows=rows,
+                               plots=_plot(merged, args.out))
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Permuting attention (Jain & Wallace 2019, Algorithm 2 and Figure 6)", "",
-             f"Each test instance's attention is permuted {result['permutations']} times with the encoder fixed; "
-             "the statistic is the median output change TVD(ŷ^p, ŷ). The paper gives no table for this test, only "
-             "density plots of the median change against the maximum attention, and concludes that such "
-             "counterfactual attention often leaves the output unchanged. Our plots show one point per instance "
-             "(median change against maximum attention, coloured by predicted class). Embeddings are trained "
-             "from scratch.", "",
-             interp.scale_note(result), ""]
+    lines = interp.markdown_head(
+        "Permuting attention (Jain & Wallace 2019, Algorithm 2 and Figure 6)",
+        f"Each test instance's attention is permuted {result['permutations']} times with the encoder fixed; "
+        "the statistic is the median output change TVD(ŷ^p, ŷ). The paper gives no table for this test, only "
+        "density plots of the median change against the maximum attention, and concludes that such "
+        "counterfactual attention often leaves the output unchanged. Our plots show, per model, the density "
+        "of the test instances over maximum attention (x) and median change (y): Gaussian kernel-density "
+        f"contours from {interp.KDE_MIN_POINTS} instances on, a 2-D histogram below that. Embeddings are "
+        "trained from scratch.", result)
     body = []
     for r in result["rows"]:
-        bins = " / ".join("–" if b["instances"] == 0 else f"{b['median_change_mean']:.3f} ({b['instances']})"
-                          for b in r["by_max_attention"])
+        bins = interp.max_attention_cell(r["by_max_attention"], "median_change_mean")
         body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['accuracy']:.3f}",
                      f"{r['median_change_mean']:.3f}", f"{r['median_change_median']:.3f}",
                      f"{r['frac_change_below_0.01']:.2f}", f"{r['frac_change_above_0.1']:.2f}",
                      f"{r['max_attention_mean']:.2f}", bins])
     lines.append(md_table(["dataset", "encoder", "normalizer", "acc", "mean Δŷ_med", "median Δŷ_med",
                            "Δŷ_med < 0.01", "Δŷ_med > 0.1", "mean max a",
-                           "mean Δŷ_med (n) by max a in [0,.25) / [.25,.5) / [.5,.75) / [.75,1]"], body))
-    for p in result["plots"]:
-        lines.append(f"![{p}]({p})")
-    return "\n".join(lines) + "\n" + failures_md(result["sweep"]["failures"])
+                           interp.max_attention_header("mean Δŷ_med")], body))
+    return interp.markdown_tail(lines, result)

@@ -19,19 +19,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnkern.experiments import runner
 from attnkern.experiments.common import (
+    cell_jobs,
+    collect_cells,
     common_config,
-    failures_md,
+    fmt_mean_std,
+    forward_eval,
     kendall_tau_rows,
+    markdown_end,
     md_table,
     mean_std,
     parse_normalizer,
     pyplot,
     run_sweep,
+    save_figure,
+    scale_and_seeds,
     shuffle_rows,
     sweep_block,
-    write_outputs,
+    train_side_by_side,
+    write_dynamics_result,
 )
 from attnkern.experiments.data.synthetic import KeywordTask
 from attnkern.experiments.models import AttentionClassifier
@@ -98,11 +104,7 @@ def _measure(std, uni, probe, rng) -> dict:
     dev = next(std.parameters()).device
     tokens, mask, labels = (x.to(dev) for x in probe[:3])
     kw = probe[3].to(dev) if probe[3] is not None else None
-    std.eval()
-    uni.eval()
-    o_s, o_u = std(tokens, mask), uni(tokens, mask)
-    std.train()
-    uni.train()
+    o_s, o_u = forward_eval((std, uni), tokens, mask)
     r_s = _gold_relevance(std, o_s.hidden, labels).masked_fill(~mask, 0)
     r_u = _gold_relevance(uni, o_u.hidden, labels).masked_fill(~mask, 0)
     a_s = o_s.weights
@@ -138,50 +140,31 @@ def train_pair(config: dict, seed: int) -> dict:
     dev = config["device"]
     std = AttentionClassifier(vocab_size, 2, mode="learned", **kw).to(dev)
     uni = AttentionClassifier(vocab_size, 2, mode="uniform", **kw).to(dev)
-    uni.load_state_dict(std.state_dict())  # the same starting point
-    opts = [torch.optim.Adam(m.parameters(), lr=config["lr"]) for m in (std, uni)]
     tokens, mask, labels = train
     gen = np.random.default_rng(seed)
     rng = np.random.default_rng(1000 + seed)
-    curve = {"step": []}
-    for step in range(0, config["steps"] + 1):
-        if step % config["eval_every"] == 0 or step == config["steps"]:
-            rec = _measure(std, uni, probe, rng)
-            curve["step"].append(step)
-            for k, v in rec.items():
-                curve.setdefault(k, []).append(v)
-        if step == config["steps"]:
-            break
+
+    def next_batch():
         idx = torch.as_tensor(gen.integers(0, len(labels), config["batch"]))
         width = int(mask[idx].sum(1).max())
-        for model, opt in zip((std, uni), opts, strict=True):
-            out = model(tokens[idx, :width].to(dev), mask[idx, :width].to(dev))
-            loss = F.cross_entropy(out.logits, labels[idx].to(dev))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    return {"curve": curve, "final": {k: v[-1] for k, v in curve.items() if k != "step"}}
+        return tokens[idx, :width].to(dev), mask[idx, :width].to(dev), labels[idx].to(dev)
+
+    def loss(model, batch):
+        return F.cross_entropy(model(*batch[:2]).logits, batch[2])
+
+    return train_side_by_side(std, uni, config, lambda std, uni: _measure(std, uni, probe, rng), next_batch, loss)
 
 
 def jobs_for(args):
-    scale = dict(QUICK if args.quick else FULL)
-    seeds = args.seeds or scale.pop("seeds")
-    scale.pop("seeds", None)
-    if args.steps is not None:
-        if args.steps < 1:
-            raise ValueError(f"--steps must be a positive int, got {args.steps}")
-        scale["steps"] = args.steps
-        scale["eval_every"] = max(1, min(scale["eval_every"], args.steps // 4 or 1))
-    jobs = []
-    for ds in args.datasets:
-        if ds == "rotten":
-            from attnkern.experiments.data.sources import cache_path
+    scale, seeds = scale_and_seeds(args, QUICK, FULL, {"steps": ("steps",)})
+    if "rotten" in args.datasets:
+        from attnkern.experiments.data.sources import cache_path
 
-            cache_path("vader")  # fail early, naming the command that fetches it
-        for norm in args.normalizers:
-            cfg = dict(dataset=ds, normalizer=norm, encoder=args.encoder, attention=args.attention, lr=1e-3,
-                       backend=args.backend, device=args.device, **scale)
-            jobs += [runner.Job(f"{ds}/{norm}/seed{s}", cfg, s) for s in range(seeds)]
+        cache_path("vader")  # fail early, naming the command that fetches it
+    jobs = cell_jobs(args.datasets, args.normalizers, seeds,
+                     lambda ds, norm: dict(dataset=ds, normalizer=norm, encoder=args.encoder,
+                                           attention=args.attention, lr=1e-3, backend=args.backend,
+                                           device=args.device, **scale))
     return jobs, scale, seeds
 
 
@@ -191,25 +174,14 @@ KEYS = ("acc_standard", "acc_uniform", "tau_a_r_standard", "tau_runiform_a_stand
 
 
 def summarize(args, sweep, seeds) -> dict:
-    out = {}
-    for ds in args.datasets:
-        out[ds] = {}
-        for norm in args.normalizers:
-            res = [sweep.results[n]["result"] for n in (f"{ds}/{norm}/seed{s}" for s in range(seeds))
-                   if n in sweep.results]
-            if not res:
-                continue
-            cell = {"runs": len(res)}
-            for k in KEYS:
-                if k in res[0]["final"]:
-                    cell[k] = mean_std([r["final"][k] for r in res])
-            if "keyword_r_uniform" in res[0]["curve"]:
+    out = collect_cells(sweep, args.datasets, args.normalizers, seeds, KEYS)
+    for cells in out.values():
+        for cell in cells.values():
+            curves = list(cell["curves"].values())
+            if "keyword_r_uniform" in curves[0]:
                 # early training: the first evaluation after step 0
                 cell["early_keyword_minus_other_r_uniform"] = mean_std(
-                    [r["curve"]["keyword_r_uniform"][1] - r["curve"]["other_r_uniform"][1] for r in res])
-            cell["curves"] = {f"seed{s}": sweep.results[f"{ds}/{norm}/seed{s}"]["result"]["curve"]
-                              for s in range(seeds) if f"{ds}/{norm}/seed{s}" in sweep.results}
-            out[ds][norm] = cell
+                    [c["keyword_r_uniform"][1] - c["other_r_uniform"][1] for c in curves])
     return out
 
 
@@ -236,20 +208,13 @@ def plot(out, summary) -> list[str]:
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step")
         axes[0][0].legend(fontsize=8)
-        fig.tight_layout()
-        name = f"{NAME}_{ds}.png"
-        fig.savefig(out / name, dpi=90)
-        plt.close(fig)
-        files.append(name)
+        files.append(save_figure(fig, out, f"{NAME}_{ds}.png", dpi=90))
     return files
-
-
-def _fmt(ms) -> str:
-    return "n/a" if ms is None else f"{ms[0]:.3f} ± {ms[1]:.3f}"
 
 
 def markdown(result) -> str:
     cfg, s = result["config"], result["summary"]
+    f = fmt_mean_std
     lines = ["# relevance: output relevance r and attention a over training", "",
              f"Configuration: {'--quick' if cfg['quick'] else 'full scale'}; {cfg['encoder']} encoder, "
              f"{cfg['attention']} attention, hidden {cfg['scale']['hidden_dim']}, {cfg['scale']['steps']} steps, "
@@ -259,22 +224,20 @@ def markdown(result) -> str:
         lines += [f"## {ds}", ""]
         rows = []
         for norm, c in cells.items():
-            rows.append([norm, _fmt(c.get("acc_standard")), _fmt(c.get("acc_uniform")),
-                         _fmt(c.get("tau_a_r_standard")), _fmt(c.get("tau_runiform_a_standard")),
-                         _fmt(c.get("tau_runiform_a_standard_shuffled")), _fmt(c.get("top1_runiform_a_standard")),
-                         _fmt(c.get("top1_shuffled_baseline"))])
+            rows.append([norm, f(c.get("acc_standard")), f(c.get("acc_uniform")),
+                         f(c.get("tau_a_r_standard")), f(c.get("tau_runiform_a_standard")),
+                         f(c.get("tau_runiform_a_standard_shuffled")), f(c.get("top1_runiform_a_standard")),
+                         f(c.get("top1_shuffled_baseline"))])
         lines.append(md_table(["normalizer", "acc standard", "acc uniform", "τ(a, r) standard",
                                "τ(r' uniform, a standard)", "shuffled", "top-1 match", "shuffled top-1"], rows))
         if ds == "keyword":
-            rows = [[norm, _fmt(c.get("keyword_attention_standard")), _fmt(c.get("keyword_r_uniform")),
-                     _fmt(c.get("other_r_uniform")), _fmt(c.get("early_keyword_minus_other_r_uniform"))]
+            rows = [[norm, f(c.get("keyword_attention_standard")), f(c.get("keyword_r_uniform")),
+                     f(c.get("other_r_uniform")), f(c.get("early_keyword_minus_other_r_uniform"))]
                     for norm, c in cells.items()]
             lines.append(md_table(["normalizer", "attention on keyword (standard)", "r' at keywords (uniform)",
                                    "r' elsewhere (uniform)", "r' keyword − other, first evaluation"], rows))
-    lines += ["## The paper's claims", ""] + [f"- {v}" for v in PAPER.values()]
-    lines += ["", "## Reading", "", result["reading"], "", "Plots: " + ", ".join(f"`{f}`" for f in result["plots"]),
-              ""]
-    return "\n".join(lines) + failures_md(result["sweep"]["failures"])
+    lines += ["## The paper's claims", ""] + [f"- {v}" for v in PAPER.values()] + [""]
+    return markdown_end(lines, result)
 
 
 def reading(summary) -> str:
@@ -298,8 +261,5 @@ def run(args) -> dict:
     summary = summarize(args, sweep, seeds)
     config = {**common_config(args), "datasets": list(args.datasets), "encoder": args.encoder,
               "attention": args.attention, "seeds": seeds, "scale": scale}
-    result = {"experiment": NAME, "config": config, "meta": runner.metadata(config), "paper": PAPER,
-              "summary": summary, "sweep": sweep_block(sweep), "reading": reading(summary)}
-    result["plots"] = plot(args.out, summary)
-    write_outputs(args.out, NAME, result, markdown(result))
-    return result
+    return write_dynamics_result(args, NAME, config, markdown, paper=PAPER, summary=summary, sweep=sweep_block(sweep),
+                                 reading=reading(summary), plots=plot(args.out, summary))

@@ -30,12 +30,17 @@ def copy_config(**overrides) -> dict:
     return {**COPY_DEFAULTS, **overrides}
 
 
+def _model_options(cfg: dict, task: CopyTask) -> dict:
+    """The keyword arguments a copy model (single- or multi-head) takes from a copy config."""
+    normalizer, alpha = parse_normalizer(cfg["normalizer"])
+    return dict(rnn=cfg["rnn"], attention=cfg["attention"], normalizer=normalizer, alpha=alpha,
+                backend=cfg["backend"], pad_idx=task.pad_idx, bos_idx=task.bos_idx)
+
+
 def build_copy_model(cfg: dict) -> tuple[CopyTask, Seq2Seq]:
     task = CopyTask(cfg["distribution"], cfg["length"], cfg["subset_vocab"])
-    normalizer, alpha = parse_normalizer(cfg["normalizer"])
     model = Seq2Seq(task.src_vocab, task.tgt_vocab, cfg["embed_dim"], cfg["hidden_dim"], cfg["num_layers"],
-                    rnn=cfg["rnn"], attention=cfg["attention"], normalizer=normalizer, alpha=alpha,
-                    mode=cfg["mode"], backend=cfg["backend"], pad_idx=task.pad_idx, bos_idx=task.bos_idx)
+                    mode=cfg["mode"], **_model_options(cfg, task))
     return task, model.to(cfg["device"])
 
 
@@ -55,17 +60,18 @@ def evaluate_copy(model: Seq2Seq, task: CopyTask, n: int, generator: torch.Gener
     return {"token_acc": tok, "attn_acc": att, "loss": loss}
 
 
-def train_copy(config: dict, seed: int, return_model: bool = False):
-    """Trains one copy model; returns its learning curves and final accuracy."""
-    cfg = copy_config(**config)
-    torch.manual_seed(seed)
-    task, model = build_copy_model(cfg)
+def _fit(model, task: CopyTask, cfg: dict, seed: int, evaluate, metrics: tuple[str, ...],
+         losses: list | None = None) -> tuple[dict, int]:
+    """Adam on ``cfg["batch"]`` fresh samples a step, for up to ``cfg["steps"]`` steps. Every ``eval_every`` steps
+    and at the last, ``evaluate(n, generator)`` (a dict holding ``metrics``, token_acc among them) on
+    ``eval_samples`` fresh samples extends the curve; training stops once token_acc reaches ``stop_at`` (when
+    set) and, when a ``losses`` list is given (it receives every step's loss), at a non-finite loss.
+    Returns (curve {"step": [...], metric: [...]}, the last step run)."""
     opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     train_gen = torch.Generator().manual_seed(10_000 + seed)
     eval_gen = torch.Generator().manual_seed(20_000 + seed)
     dev = cfg["device"]
-    curve = {"step": [], "token_acc": [], "attn_acc": [], "loss": []}
-    losses = []
+    curve = {"step": [], **{k: [] for k in metrics}}
     step = 0
     for step in range(1, cfg["steps"] + 1):
         src, mask, tgt_in, tgt = (t.to(dev) for t in task.sample(cfg["batch"], train_gen))
@@ -73,17 +79,35 @@ def train_copy(config: dict, seed: int, return_model: bool = False):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            break
+        if losses is not None:
+            losses.append(loss.item())
+            if not math.isfinite(losses[-1]):
+                break
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-            ev = evaluate_copy(model, task, cfg["eval_samples"], eval_gen, dev)
+            ev = evaluate(cfg["eval_samples"], eval_gen)
             curve["step"].append(step)
-            for k in ("token_acc", "attn_acc", "loss"):
+            for k in metrics:
                 curve[k].append(ev[k])
             if cfg["stop_at"] is not None and ev["token_acc"] >= cfg["stop_at"]:
                 break
-    final = evaluate_copy(model, task, cfg["final_samples"], torch.Generator().manual_seed(30_000 + seed), dev)
+    return curve, step
+
+
+def _final_generator(seed: int) -> torch.Generator:
+    """The generator of a run's final evaluation samples (seeded apart from its training and evaluation ones)."""
+    return torch.Generator().manual_seed(30_000 + seed)
+
+
+def train_copy(config: dict, seed: int, return_model: bool = False):
+    """Trains one copy model; returns its learning curves and final accuracy."""
+    cfg = copy_config(**config)
+    torch.manual_seed(seed)
+    task, model = build_copy_model(cfg)
+    dev = cfg["device"]
+    losses = []
+    curve, step = _fit(model, task, cfg, seed, lambda n, gen: evaluate_copy(model, task, n, gen, dev),
+                       ("token_acc", "attn_acc", "loss"), losses)
+    final = evaluate_copy(model, task, cfg["final_samples"], _final_generator(seed), dev)
     result = {"final_token_acc": final["token_acc"], "final_attn_acc": final["attn_acc"],
               "final_loss": final["loss"], "success": final["token_acc"] >= cfg["threshold"],
               "steps_run": step, "train_loss": losses, "curve": curve}
@@ -112,38 +136,21 @@ def train_multihead(config: dict, seed: int) -> dict:
     task = CopyTask(cfg["distribution"], cfg["length"], cfg["subset_vocab"])
     states = [initial_state(head_cfg, s) for s in config["head_seeds"] if s is not None]
     torch.manual_seed(seed)
-    normalizer, alpha = parse_normalizer(cfg["normalizer"])
     model = MultiHeadSeq2Seq(len(config["head_seeds"]), task.src_vocab, task.tgt_vocab, cfg["embed_dim"],
-                             cfg["hidden_dim"], cfg["num_layers"], rnn=cfg["rnn"], attention=cfg["attention"],
-                             normalizer=normalizer, alpha=alpha, backend=cfg["backend"], pad_idx=task.pad_idx,
-                             bos_idx=task.bos_idx)
+                             cfg["hidden_dim"], cfg["num_layers"], **_model_options(cfg, task))
     model = model.to(cfg["device"])
     dev = cfg["device"]
     fresh = [i for i, s in enumerate(config["head_seeds"]) if s is None]
     given = [i for i, s in enumerate(config["head_seeds"]) if s is not None]
     for i, state in zip(given, states, strict=True):
         model.heads[i].load_state_dict(state)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
-    train_gen = torch.Generator().manual_seed(10_000 + seed)
-    eval_gen = torch.Generator().manual_seed(20_000 + seed)
 
     @torch.no_grad()
     def accuracy(n, gen):
         src, mask, tgt_in, tgt = (x.to(dev) for x in task.sample(n, gen))
         return (model(src, mask, tgt_in).argmax(-1) == tgt).float().mean().item()
 
-    curve = {"step": [], "token_acc": []}
-    for step in range(1, cfg["steps"] + 1):
-        src, mask, tgt_in, tgt = (x.to(dev) for x in task.sample(cfg["batch"], train_gen))
-        loss = model.loss(model(src, mask, tgt_in), tgt)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-            curve["step"].append(step)
-            curve["token_acc"].append(accuracy(cfg["eval_samples"], eval_gen))
-            if cfg["stop_at"] is not None and curve["token_acc"][-1] >= cfg["stop_at"]:
-                break
-    final = accuracy(cfg["final_samples"], torch.Generator().manual_seed(30_000 + seed))
+    curve, step = _fit(model, task, cfg, seed, lambda n, gen: {"token_acc": accuracy(n, gen)}, ("token_acc",))
+    final = accuracy(cfg["final_samples"], _final_generator(seed))
     return {"final_token_acc": final, "success": final >= cfg["threshold"], "curve": curve,
             "fresh_heads": len(fresh), "steps_run": step}
