@@ -67,19 +67,24 @@ TORCH_LIBRARY(attnkern, m) {
 }
 
 // A Python module so that `import attnkern._C` loads the library and runs the
-// registrations above; it also carries FAMILIES.
+// registrations above; it also carries FAMILIES and SOFTMAX_BAND (family.h).
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "attnkern compiled ops", -1, nullptr};
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   // FAMILIES: the normalizer names in the order of their codes (math::Family),
-  // checked against attnkern's Python table by tests/test_family.py.
+  // checked against attnkern/family.py by tests/test_family.py.
   PyObject* names = PyTuple_New(attnkern::math::kNumFamilies);
   if (names == nullptr) return nullptr;
   for (int f = 0; f < attnkern::math::kNumFamilies; ++f)
     PyTuple_SET_ITEM(names, f, PyUnicode_FromString(attnkern::math::kFamilyNames[f]));
   if (PyModule_AddObject(m, "FAMILIES", names) < 0) {
     Py_DECREF(names);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  // SOFTMAX_BAND: |α - 1| below which α-entmax runs as softmax.
+  if (PyModule_AddObject(m, "SOFTMAX_BAND", PyFloat_FromDouble(attnkern::math::kSoftmaxForwardBand)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

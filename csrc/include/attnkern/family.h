@@ -3,8 +3,9 @@
 // the classification of a runtime b, and the one switch that turns a runtime
 // family into a compile-time one.
 //
-// The Python side keeps the same table in attnkern/_family.py;
-// tests/test_family.py checks the two agree through attnkern._C.FAMILIES.
+// The Python side keeps the same table in attnkern/family.py;
+// tests/test_family.py checks the two agree through attnkern._C.FAMILIES and
+// attnkern._C.SOFTMAX_BAND.
 #pragma once
 
 #include <cstdint>
