@@ -241,3 +241,84 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         p = torch.nn.functional.dropout(p, dropout_p)
     out = (p @ v).to(query.dtype)
     return (out, p.to(query.dtype)) if return_weights else out
+
+
+# --- budget-sparsemax (attnkern.budget_bisect) ------------------------------------------------
+
+_BUDGET_MAX_STEPS = 100
+
+
+def _budget_threshold(y: torch.Tensor, budget: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """τ with Σ clip(y - τ, 0, 1) = budget along the last dim, by Newton on the
+    piecewise-linear sum, safeguarded by a bisection bracket. y: float64 rows
+    (masked entries -inf); budget: (..., 1). No gradient."""
+    n_valid = valid.sum(-1, keepdim=True).to(y.dtype)
+    y_fin = torch.where(valid, y, torch.zeros_like(y))
+    big = torch.finfo(y.dtype).max
+    hi = torch.where(valid, y, torch.full_like(y, -big)).amax(-1, keepdim=True)
+    # f(lo) = n_valid: every entry at least 1 above lo (with room for rounding).
+    lo = torch.where(valid, y, torch.full_like(y, big)).amin(-1, keepdim=True) - 2
+    hi = torch.where(n_valid > 0, hi, torch.zeros_like(hi))
+    lo = torch.where(n_valid > 0, lo, torch.zeros_like(lo))
+    tau = lo.clone()
+    for _ in range(_BUDGET_MAX_STEPS):
+        d = y_fin - tau
+        inside = valid & (d > 0) & (d < 1)
+        f = torch.where(valid, d.clamp(0, 1), torch.zeros_like(d)).sum(-1, keepdim=True) - budget
+        k = inside.sum(-1, keepdim=True).to(y.dtype)
+        lo = torch.where(f >= 0, tau, lo)
+        hi = torch.where(f <= 0, tau, hi)
+        newton = tau + f / k.clamp_min(1)
+        ok = (k > 0) & (newton > lo) & (newton < hi)
+        nxt = torch.where(ok, newton, 0.5 * (lo + hi))
+        nxt = torch.where(f == 0, tau, nxt)
+        if bool((nxt == tau).all()):
+            break
+        tau = nxt
+    return tau
+
+
+def budget_sparsemax(X: torch.Tensor, budget, dim: int = -1) -> torch.Tensor:
+    """budget-sparsemax along `dim`, p = clip(X - τ, 0, 1) with Σ p = budget, in
+    vectorized torch ops (float64): a bracketed active-set Newton iteration for
+    τ, then τ rebuilt from the active set so that autograd gives the exact
+    gradient in X and the budget. budget: a float ≥ 0 or a tensor broadcastable
+    to X with size 1 along `dim`. Serves the reference backend and devices
+    without a kernel."""
+    z = X.movedim(dim, -1).to(torch.float64) if X.dim() else X.reshape(1).to(torch.float64)
+    if isinstance(budget, torch.Tensor):
+        b = budget.to(torch.float64)
+        shape = list(X.shape)
+        if shape:
+            shape[dim] = 1
+        b = b.expand(shape).movedim(dim, -1) if X.dim() else b.reshape(1)
+    else:
+        b = torch.full(z.shape[:-1] + (1,), float(budget), dtype=torch.float64, device=X.device)
+    nan_rows = torch.isnan(z).any(-1, keepdim=True)
+    valid = (z > -math.inf) & ~nan_rows
+    zd = z.detach()
+    with torch.no_grad():
+        n_valid = valid.sum(-1, keepdim=True).to(z.dtype)
+        tau0 = _budget_threshold(zd, b.detach().minimum(n_valid), valid)
+        d = zd - tau0
+        inside = valid & (d > 0) & (d < 1)
+        capped = valid & (d >= 1)
+        k = inside.sum(-1, keepdim=True)
+    # τ from its active set: differentiable in z (1/k on the active entries) and
+    # in the budget (-1/k); rows with no active entry are locally constant.
+    z_in = torch.where(inside, z, torch.zeros_like(z))
+    tau = (capped.sum(-1, keepdim=True).to(z.dtype) + z_in.sum(-1, keepdim=True) - b) / k.clamp_min(1)
+    tau = torch.where(k > 0, tau, tau0)
+    z_safe = torch.where(valid, z, torch.zeros_like(z))
+    p = torch.where(valid, (z_safe - tau).clamp(0, 1), torch.zeros_like(z))
+    # A budget at or above the number of finite entries: all of them get 1.
+    p = torch.where(valid & (b.detach() >= n_valid), torch.ones_like(p), p)
+    if b.requires_grad:
+        # Budget 0: p = 0, and its slope in the budget is e_argmax (split over ties).
+        zero = b.detach() == 0
+        top = valid & (z == z.detach().where(valid, torch.full_like(z, -math.inf)).amax(-1, keepdim=True))
+        share = top.to(z.dtype) / top.sum(-1, keepdim=True).clamp_min(1).to(z.dtype)
+        p = p + torch.where(zero & top, (b - b.detach()) * share, torch.zeros_like(p))
+    p = torch.where(nan_rows, torch.full_like(p, math.nan), p)
+    p = p.to(X.dtype)
+    return p.movedim(-1, dim) if X.dim() else p.reshape(())
