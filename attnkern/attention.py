@@ -16,8 +16,9 @@ import torch
 
 from attnkern import ops
 from attnkern.backends import reference
+from attnkern.family import NORMALIZERS, Family, acc_dtype, takes_alpha
 
-NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
+__all__ = ["attention", "draw_dropout_seed", "NORMALIZERS"]
 
 
 # --- backend choice -----------------------------------------------------------
@@ -104,14 +105,13 @@ def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise TypeError(f"scale must be None or a finite float, got {scale!r}")
-    if normalizer not in NORMALIZERS:
-        raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+    Family.of(normalizer)
 
 
 def _check_alpha(alpha, normalizer: str, target: tuple, heads: int):
     """α as a float, or a tensor broadcastable to `target` = (*batch, H, 1, 1);
     a 1-d tensor of H values is one α per head."""
-    if normalizer != "entmax":
+    if not takes_alpha(normalizer):
         if alpha is not None:
             raise ValueError(f"alpha is only used with normalizer='entmax', got normalizer={normalizer!r}")
         return None
@@ -229,7 +229,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                                "auto" if chosen == "triton" else chosen), added)
 
     B = math.prod(batch)
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(query.dtype)
     if query.dtype in (torch.float16, torch.bfloat16):
         broadcast = q_heads_expanded or any(t.shape[:-3] != batch for t in (q, k, v))
         if chosen == "cpu" or broadcast:
@@ -247,7 +247,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             m = torch.zeros(m.shape, dtype=acc, device=m.device).masked_fill_(~m, -math.inf)
         mask4 = m.to(acc).expand(target).reshape(B, H, L, S)
     alpha_h = None
-    if normalizer == "entmax":
+    if takes_alpha(normalizer):
         if isinstance(alpha, torch.Tensor) and alpha_batched:
             # One α per (batch, head): the kernels take one α per head, so the
             # batch is folded into the heads, (B, H) -> (1, B·H); query head
@@ -281,7 +281,7 @@ def _unpad(res, added: int):
 
 def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend):
     """Materialized weights through the row-wise normalizers (return_weights=True)."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     H, Hk = q.shape[-3], k.shape[-3]
     if Hk != H:
         k, v = k.repeat_interleave(H // Hk, -3), v.repeat_interleave(H // Hk, -3)
@@ -291,7 +291,7 @@ def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend):
         s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(), -math.inf)
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
-    if normalizer == "entmax":
+    if takes_alpha(normalizer):
         a = alpha.to(acc) if isinstance(alpha, torch.Tensor) else alpha
         p = ops.entmax(s, a, -1, backend=backend)
     else:

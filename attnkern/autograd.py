@@ -15,6 +15,8 @@ import math
 import torch
 from torch.autograd import forward_ad
 
+from attnkern.family import ALPHA_GRAD_BAND, Family
+
 _ops = torch.ops.attnkern
 
 
@@ -28,21 +30,21 @@ _ops = torch.ops.attnkern
 # vmap folds the vmapped dimension into the rows (the ops are row-wise).
 
 
-def _support_weights(p: torch.Tensor, family: str, alpha=None) -> torch.Tensor:
+def _support_weights(p: torch.Tensor, family: Family, alpha=None) -> torch.Tensor:
     """g with J = diag(g) - g gᵀ / Σg, in torch ops (differentiable in p and α):
     softmax g = p, sparsemax the support indicator, entmax15 √p, α-entmax
     p^(2-α) on the support."""
-    if family == "softmax":
+    if family is Family.SOFTMAX:
         return p
     pos = p > 0
-    if family == "sparsemax":
+    if family is Family.SPARSEMAX:
         return pos.to(p.dtype)
     safe = torch.where(pos, p, torch.ones_like(p))
-    g = safe.sqrt() if family == "entmax15" else torch.exp((2 - alpha.to(p.dtype)) * safe.log())
+    g = safe.sqrt() if family is Family.ENTMAX15 else torch.exp((2 - alpha.to(p.dtype)) * safe.log())
     return torch.where(pos, g, torch.zeros_like(p))
 
 
-def _jacobian_product(p: torch.Tensor, v: torch.Tensor, dim: int, family: str, alpha=None) -> torch.Tensor:
+def _jacobian_product(p: torch.Tensor, v: torch.Tensor, dim: int, family: Family, alpha=None) -> torch.Tensor:
     """J·v = Jᵀ·v = g ⊙ (v - Σ g v / Σ g) along dim, in torch ops (float32 for
     half types). A row with no support (all -inf) gives 0."""
     dtype = p.dtype
@@ -58,7 +60,7 @@ def entmax_alpha_derivative(p: torch.Tensor, alpha: torch.Tensor, dim: int) -> t
     """∂p/∂α of α-entmax (float64, differentiable in p and α), from the output p.
 
     With b = α - 1, g = p^(1-b), ĝ = g/Σg and H = -Σ p ln p:
-    ∂p/∂α = (p - ĝ)/b² - (p ln p + ĝ H)/b; below |b| = 1e-6 its softmax limit
+    ∂p/∂α = (p - ĝ)/b² - (p ln p + ĝ H)/b; below |b| = ALPHA_GRAD_BAND its softmax limit
     -p/2 ((ln p)² - Σ p (ln p)²). p is renormalised in double first: an error
     in Σp would be divided by b²."""
     p = p.to(torch.float64)
@@ -69,7 +71,7 @@ def entmax_alpha_derivative(p: torch.Tensor, alpha: torch.Tensor, dim: int) -> t
     logp = torch.where(pos, torch.where(pos, p, torch.ones_like(p)).log(), torch.zeros_like(p))
     plogp = p * logp
     limit = -0.5 * p * (logp * logp - (plogp * logp).sum(dim, keepdim=True))
-    near = b.abs() < 1e-6
+    near = b.abs() < ALPHA_GRAD_BAND
     b_safe = torch.where(near, torch.ones_like(b), b)
     g = torch.where(pos, torch.exp((1 - b_safe) * logp), torch.zeros_like(p))
     gsum = g.sum(dim, keepdim=True)
@@ -178,6 +180,7 @@ def composed_forward(name: str):
 def _fixed_normalizer_function(name: str) -> type[torch.autograd.Function]:
     """The autograd.Function of the fixed normalizer `name` (softmax, sparsemax,
     entmax15), calling attnkern::<name>_fwd / <name>_bwd along `dim`."""
+    family = Family.of(name)
     # Looked up at call time: importing this module must not need the compiled ops.
     def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
         return getattr(_ops, f"{name}_fwd")(x, dim)
@@ -190,19 +193,20 @@ def _fixed_normalizer_function(name: str) -> type[torch.autograd.Function]:
     def backward(ctx, grad: torch.Tensor):
         (p,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a backward autograd can differentiate
-            return _jacobian_product(p, grad, ctx.dim, name), None
+            return _jacobian_product(p, grad, ctx.dim, family), None
         return getattr(_ops, f"{name}_bwd")(p, grad, ctx.dim), None
 
     def jvp(ctx, x_t, dim_t):
         (p,) = ctx.saved_tensors
-        return _jacobian_product(p, x_t, ctx.dim, name)
+        return _jacobian_product(p, x_t, ctx.dim, family)
 
     def vmap(info, in_dims, x, dim):
         x, d, _, scalar = _rows_to_front(info.batch_size, x, in_dims[0], dim)
         out = cls.apply(x, d)
         return (out.squeeze(-1) if scalar else out), 0
 
-    cls_name = {"softmax": "Softmax", "sparsemax": "Sparsemax", "entmax15": "Entmax15"}[name] + "Function"
+    cls_name = {Family.SOFTMAX: "Softmax", Family.SPARSEMAX: "Sparsemax", Family.ENTMAX15: "Entmax15"}[family] \
+        + "Function"
     cls = type(cls_name, (torch.autograd.Function,),
                {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
                 "backward": staticmethod(backward), "jvp": staticmethod(jvp), "vmap": staticmethod(vmap)})
@@ -234,7 +238,7 @@ class EntmaxFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, x_t, alpha_t, dim_t):
         p, alpha = ctx.saved_tensors
-        out = _jacobian_product(p, x_t, ctx.dim, "entmax", alpha) if x_t is not None else torch.zeros_like(p)
+        out = _jacobian_product(p, x_t, ctx.dim, Family.ENTMAX, alpha) if x_t is not None else torch.zeros_like(p)
         if alpha_t is not None:
             out = out + (entmax_alpha_derivative(p, alpha, ctx.dim) * alpha_t).to(p.dtype)
         return out
@@ -250,7 +254,7 @@ class EntmaxFunction(torch.autograd.Function):
         p, alpha = ctx.saved_tensors
         want_alpha = ctx.needs_input_grad[1]
         if torch.is_grad_enabled():  # create_graph: a backward autograd can differentiate
-            dx = _jacobian_product(p, grad, ctx.dim, "entmax", alpha)
+            dx = _jacobian_product(p, grad, ctx.dim, Family.ENTMAX, alpha)
             if not want_alpha:
                 return dx, None, None
             da = (entmax_alpha_derivative(p, alpha, ctx.dim) * grad.to(torch.float64)).sum(ctx.dim, keepdim=True)

@@ -27,6 +27,7 @@ import torch
 
 from attnkern import autograd, ops
 from attnkern.backends import reference
+from attnkern.family import acc_dtype
 from attnkern.ops import _compiling, _prologue, check_alpha, check_flag, check_n_iter
 
 
@@ -80,7 +81,7 @@ def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
 def _normmax_forward(X: torch.Tensor, alpha, dim: int, backend: str) -> torch.Tensor:
     """α-normmax through α'-entmax; differentiable by autograd (in X and α)."""
     if isinstance(alpha, torch.Tensor):
-        a = alpha.to(X.dtype if X.dtype == torch.float64 else torch.float32)
+        a = alpha.to(acc_dtype(X.dtype))
         inner = 2.0 - 1.0 / a
         scale = a / (a - 1.0)
     else:

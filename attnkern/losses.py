@@ -25,6 +25,7 @@ import torch
 
 from attnkern import autograd, ops
 from attnkern.compat import _check_above_one, normmax_bisect
+from attnkern.family import acc_dtype
 from attnkern.ops import _compiling, as_index, check_alpha, check_n_iter, check_tensor
 
 REDUCTIONS = ("elementwise_mean", "mean", "sum", "none")
@@ -49,7 +50,7 @@ def _entmax_family_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.T
     if X.device.type == "cpu" and ops.use_kernels("auto", X) and X.shape[-1] > 0:
         C = X.shape[-1]
         a = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64)
-        a_rows = a.to(torch.float64 if X.dtype == torch.float64 else torch.float32).expand(
+        a_rows = a.to(acc_dtype(X.dtype)).expand(
             tuple(X.shape[:-1]) + (1,)).reshape(-1)
         loss, _ = autograd.entmax_loss_apply(X.reshape(-1, C), target.reshape(-1).long(), a_rows)
         return loss.reshape(X.shape[:-1]).to(X.dtype)

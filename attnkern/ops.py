@@ -15,6 +15,7 @@ import torch
 
 from attnkern import _extension
 from attnkern.backends import reference
+from attnkern.family import acc_dtype
 
 BACKENDS = ("auto", "cpu", "cuda", "triton", "reference")
 
@@ -124,7 +125,7 @@ def check_alpha(alpha, x: torch.Tensor, dim: int, name: str = "alpha", lower: fl
     if alpha.dtype == torch.bool or alpha.is_complex():
         raise TypeError(f"{name} must be a real tensor, got {alpha.dtype}")
     if not alpha.is_floating_point():  # an integer tensor, e.g. torch.tensor(2): no gradient to keep
-        alpha = alpha.to(x.dtype if x.dtype == torch.float64 else torch.float32)
+        alpha = alpha.to(acc_dtype(x.dtype))
     if alpha.device != x.device:
         raise ValueError(f"{name} is on {alpha.device} but the input is on {x.device}")
     row_shape = list(x.shape)
@@ -312,8 +313,7 @@ def entmax(X: torch.Tensor, alpha=1.5, dim: int = -1, *, backend: str = "auto") 
     if not isinstance(alpha, torch.Tensor):
         if kernels and alpha in (1.0, 1.5, 2.0):
             return {1.0: softmax, 1.5: entmax15, 2.0: sparsemax}[alpha](X, dim, backend=backend)
-        alpha = torch.tensor(alpha, dtype=torch.float64 if X.dtype == torch.float64 else torch.float32,
-                             device=X.device)
+        alpha = torch.tensor(alpha, dtype=acc_dtype(X.dtype), device=X.device)
     if kernels:
         from attnkern.autograd import entmax_apply
 

@@ -18,8 +18,8 @@ import math
 
 import torch
 
-# |α - 1| below which the forward is softmax (matches the kernels).
-SOFTMAX_FORWARD_BAND = 1e-6
+from attnkern.family import SOFTMAX_BAND, Family
+
 # Bisection steps: the bracket is at most ln(n) + 1 wide, so 100 halvings
 # reach float64 resolution for any row length.
 _BISECT_STEPS = 100
@@ -128,7 +128,7 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     y, valid, empty, bad = _prepare(x, dim)
     a = _alpha_rows(alpha, x, dim)
     b = a - 1
-    soft = b.abs() < SOFTMAX_FORWARD_BAND
+    soft = b.abs() < SOFTMAX_BAND
     b_safe = torch.where(soft, torch.full_like(b, 0.5), b)
     n = y.shape[-1]
 
@@ -182,10 +182,11 @@ def entmax_bisect(x: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
     return entmax(x, alpha, dim)
 
 
+# The fixed members of the family (entmax takes α).
+NORMALIZE = {Family.SOFTMAX: softmax, Family.SPARSEMAX: sparsemax, Family.ENTMAX15: entmax15}
+
+
 # --- fused attention ----------------------------------------------------------
-
-_ATTENTION_NORMALIZERS = {"softmax": softmax, "sparsemax": sparsemax, "entmax15": entmax15}
-
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               is_causal: bool = False, scale=None, *, normalizer: str = "softmax", alpha=None,
@@ -226,14 +227,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     # so that no gradient (in α either) goes through them.
     empty = (s == -math.inf).all(-1, keepdim=True)
     s = torch.where(empty, torch.zeros_like(s), s)
-    if normalizer == "entmax":
+    family = Family.of(normalizer)
+    if family.takes_alpha:
         a = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64)
         p = entmax(s, a.to(device=s.device, dtype=torch.float64), -1)
-    elif normalizer in _ATTENTION_NORMALIZERS:
-        p = _ATTENTION_NORMALIZERS[normalizer](s, -1)
     else:
-        raise ValueError(f"normalizer must be one of softmax, sparsemax, entmax15, entmax; "
-                         f"got {normalizer!r}")
+        p = NORMALIZE[family](s, -1)
     p = torch.where(empty, torch.zeros_like(p), p)
     if dropout_mask is not None:
         p = p * dropout_mask.to(device=p.device, dtype=p.dtype) / (1.0 - dropout_p)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnkern.attention import NORMALIZERS, attention
+from attnkern.attention import attention
+from attnkern.family import NORMALIZERS, takes_alpha
 from attnkern.nn.normalizers import EntmaxAlpha
 
 
@@ -52,7 +53,7 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if normalizer not in NORMALIZERS:
             raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
-        if normalizer == "entmax":
+        if takes_alpha(normalizer):
             if alpha is None:
                 raise ValueError("normalizer='entmax' needs alpha: a float > 0 or 'learnable'")
             if alpha != "learnable" and (isinstance(alpha, str) or float(alpha) <= 0):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from attnkern import ops
+from attnkern.family import acc_dtype
 
 
 class Softmax(nn.Module):
@@ -86,7 +87,7 @@ class EntmaxAlpha(nn.Module):
                              f"got shape {tuple(X.shape)}")
         shape = [1] * X.dim()
         shape[self.head_dim] = self.heads
-        alpha = self.alpha.to(X.dtype if X.dtype == torch.float64 else torch.float32).view(shape)
+        alpha = self.alpha.to(acc_dtype(X.dtype)).view(shape)
         return ops.entmax(X, alpha, dim=self.dim)
 
     def extra_repr(self) -> str:

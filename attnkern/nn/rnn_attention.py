@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from attnkern import ops
+from attnkern.family import NORMALIZERS, acc_dtype, takes_alpha
 
-RNN_NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
+RNN_NORMALIZERS = NORMALIZERS
 MODES = ("learned", "uniform", "fixed")
 
 
@@ -68,7 +69,7 @@ class RNNAttention(nn.Module, abc.ABC):
             raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
         self.alpha_theta = None
         self.fixed_alpha = None
-        if normalizer == "entmax":
+        if takes_alpha(normalizer):
             if alpha is None:
                 raise ValueError("normalizer='entmax' needs alpha: a float > 0 or 'learnable'")
             if alpha == "learnable":
@@ -115,7 +116,7 @@ class RNNAttention(nn.Module, abc.ABC):
             return ops.entmax15(scores, dim=-1, backend=self.backend)
         alpha = self.alpha
         if isinstance(alpha, torch.Tensor):
-            alpha = alpha.to(scores.dtype if scores.dtype == torch.float64 else torch.float32)
+            alpha = alpha.to(acc_dtype(scores.dtype))
             alpha = alpha.reshape([1] * scores.dim())
         return ops.entmax(scores, alpha, dim=-1, backend=self.backend)
 

@@ -10,9 +10,10 @@ keys), in the shift form of docs/algorithms.md: p_ij = φ_b(s_ij - c_i) with
 φ_b(y) = [1 + b·y]_+^(1/b) and φ_0 = exp. The row shift c is what the forward
 saves; the backward recomputes the scores s = scale·q·kᵀ + mask from it.
 
-FAMILY selects the normalizer at compile time: 0 softmax, 1 sparsemax (b = 1),
-2 entmax15 (b = 1/2), 3 α-entmax with one b = α - 1 per head read at run time
-(|b| < SOFTMAX_BAND behaves as softmax).
+FAMILY selects the normalizer at compile time, with the codes of
+attnkern.family.Family: SOFTMAX, SPARSEMAX (b = 1), ENTMAX15 (b = 1/2), ENTMAX
+with one b = α - 1 per head read at run time (|b| < SOFTMAX_BAND behaves as
+softmax).
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from attnkern import family
+
 INTERPRETED = bool(knobs.runtime.interpret)
 
-# |α - 1| below which a head is treated as softmax (forward), and below which
-# dα takes its softmax limit; the same constants as
-# csrc/include/attnkern/entmax_math.h (kSoftmaxForwardBand, kAlphaGradLimitBand).
-SOFTMAX_BAND = 1e-6
-ALPHA_GRAD_BAND = 1e-6
+# The family codes and the softmax band (attnkern.family) as compile-time
+# constants of the kernels.
+SOFTMAX = tl.constexpr(int(family.Family.SOFTMAX))
+SPARSEMAX = tl.constexpr(int(family.Family.SPARSEMAX))
+ENTMAX15 = tl.constexpr(int(family.Family.ENTMAX15))
+ENTMAX = tl.constexpr(int(family.Family.ENTMAX))
+SOFTMAX_BAND = tl.constexpr(family.SOFTMAX_BAND)
 
 
 @triton.jit
@@ -46,13 +51,13 @@ def _phi_g(y, b, FAMILY: tl.constexpr):
 
     y = s - c may be -inf (a masked key, or a row without support): p = g = 0.
     """
-    if FAMILY == 0:
+    if FAMILY == SOFTMAX:
         p = tl.exp(y)
         g = p
-    elif FAMILY == 1:
+    elif FAMILY == SPARSEMAX:
         p = tl.maximum(1.0 + y, 0.0)
         g = tl.where(p > 0.0, 1.0, 0.0).to(p.dtype)
-    elif FAMILY == 2:
+    elif FAMILY == ENTMAX15:
         d = tl.maximum(1.0 + 0.5 * y, 0.0)
         p = d * d
         g = d
@@ -65,11 +70,11 @@ def _phi_g(y, b, FAMILY: tl.constexpr):
         inv_b = 1.0 / tl.where(b == 0.0, 1.0, b)
         p_ent = tl.where(inside, tl.exp(ln_d * inv_b), 0.0)
         g_ent = tl.where(inside, tl.exp(ln_d * (inv_b - 1.0)), 0.0)
-        soft = (b > -1e-6) & (b < 1e-6)  # SOFTMAX_BAND
+        soft = (b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND)
         p_soft = tl.exp(y)
         p = tl.where(soft, p_soft, p_ent)
         g = tl.where(soft, p_soft, g_ent)
-    if FAMILY != 0:
+    if FAMILY != SOFTMAX:
         # A NaN score (or shift) gives p = NaN, as exp does for softmax.
         p = tl.where(y != y, y, p)
         g = tl.where(y != y, y, g)
@@ -106,11 +111,11 @@ def _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G):
 
 @triton.jit
 def _load_b(Alpha, h, FAMILY: tl.constexpr, ACC: tl.constexpr):
-    if FAMILY == 1:
+    if FAMILY == SPARSEMAX:
         b = 1.0
-    elif FAMILY == 2:
+    elif FAMILY == ENTMAX15:
         b = 0.5
-    elif FAMILY == 3:
+    elif FAMILY == ENTMAX:
         b = tl.load(Alpha + h).to(tl.float32) - 1.0
     else:
         b = 0.0
@@ -189,7 +194,7 @@ def _attn_fwd_kernel(
     # (no K or V read, no dot) when it cannot hold any row's support.
     block_rows = (pid_bh.to(tl.int64) * L + offs_m) * n_blocks_max
     nan_row = offs_m < 0
-    if FAMILY == 0:
+    if FAMILY == SOFTMAX:
         # Online softmax: one pass, rescaling the running sums when the max grows.
         lsum = tl.zeros((BLOCK_M,), ACC)
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
@@ -232,13 +237,13 @@ def _attn_fwd_kernel(
         # widened by a relative 1e-3 against the rounding of the formula.
         ln_n = tl.log(tl.full((), 1.0, ACC) * S)
         b_nz = tl.where(b == 0.0, 1.0, b)
-        upper = tl.where((b > -1e-6) & (b < 1e-6), ln_n, (1.0 - tl.exp(-b * ln_n)) / b_nz)
+        upper = tl.where((b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND), ln_n, (1.0 - tl.exp(-b * ln_n)) / b_nz)
         upper = upper * 1.001 + 1e-6
         lo = tl.zeros((BLOCK_M,), ACC)
         hi = tl.zeros((BLOCK_M,), ACC) + upper
         c = tl.zeros((BLOCK_M,), ACC)
         active = (has & row_ok).to(tl.int32)
-        soft_head = (b > -1e-6) & (b < 1e-6)
+        soft_head = (b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND)
         tol_f = eps * (2.0 + tl.sqrt(tl.full((), 1.0, ACC) * S))
         it = 0
         # Safeguarded Newton on f(c) = Σ φ(y - c) - 1, f' = -Σ g. From the left
