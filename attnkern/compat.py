@@ -28,7 +28,8 @@ import torch
 from attnkern import autograd, ops
 from attnkern.backends import reference
 from attnkern.family import acc_dtype
-from attnkern.ops import _compiling, _prologue, check_alpha, check_flag, check_n_iter
+from attnkern.ops import _compiling, _prologue
+from attnkern.validation import check_flag, check_n_iter, check_row_param
 
 
 def sparsemax_bisect(X: torch.Tensor, dim: int = -1, n_iter: int = 50, ensure_sum_one: bool = True, *,
@@ -43,18 +44,6 @@ def sparsemax_bisect(X: torch.Tensor, dim: int = -1, n_iter: int = 50, ensure_su
     return ops.sparsemax(X, dim, backend=backend)
 
 
-def _check_above_one(alpha, name: str) -> None:
-    if _compiling():
-        return
-    if isinstance(alpha, torch.Tensor):
-        if alpha.numel() and alpha.device.type != "meta" and ops.any_true(alpha <= 1):
-            raise ValueError(f"{name} must be > 1 everywhere, got min {alpha.min().item()}")
-    elif alpha <= 1:
-        raise ValueError(f"{name} must be > 1, got {alpha}")
-
-
-
-
 def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
                    backend: str = "auto") -> torch.Tensor:
     """α-normmax along `dim`: argmax_{p in Δ} <p, X> - ||p||_α.
@@ -67,8 +56,7 @@ def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
     dim = _prologue(X, dim)
     check_n_iter(n_iter)
     if not _compiling():
-        alpha = check_alpha(alpha, X, dim)
-    _check_above_one(alpha, "alpha")
+        alpha = check_row_param(alpha, X, dim, lower=1.0)
     # An α that needs a derivative (a gradient, or a forward-mode tangent) takes
     # the composed path, which differentiates in α as well.
     needs_alpha_grad = ops.carries_derivative(alpha)
@@ -121,7 +109,7 @@ def budget_bisect(X: torch.Tensor, budget=2, dim: int = -1, n_iter: int = 50, *,
     dim = _prologue(X, dim)
     check_n_iter(n_iter)
     if not _compiling():
-        budget = check_alpha(budget, X, dim, name="budget", strict=False)
+        budget = check_row_param(budget, X, dim, name="budget", strict=False)
     if X.device.type == "cpu" and ops.use_kernels(backend, X) and X.dim() > 0:
         b = budget if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=torch.float64,
                                                                          device=X.device)

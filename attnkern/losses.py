@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 
 from attnkern import autograd, ops
-from attnkern.compat import _check_above_one, normmax_bisect
+from attnkern.compat import normmax_bisect
 from attnkern.family import acc_dtype
-from attnkern.ops import _compiling, as_index, check_alpha, check_n_iter, check_tensor
+from attnkern.ops import _compiling
+from attnkern.validation import as_index, check_k, check_n_iter, check_row_param, check_tensor
 
 REDUCTIONS = ("elementwise_mean", "mean", "sum", "none")
 
@@ -64,7 +65,7 @@ def sparsemax_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) 
     target: (n_samples,) int class indices. k: compatibility argument (exact for
     any value). Returns the per-sample losses, shape (n_samples,)."""
     _check_inputs(X, target)
-    ops._check_k(k)
+    check_k(k)
     return _entmax_family_loss(X, target, 2.0)
 
 
@@ -78,7 +79,7 @@ def sparsemax_bisect_loss(X: torch.Tensor, target: torch.Tensor, n_iter: int = 5
 def entmax15_loss(X: torch.Tensor, target: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """1.5-entmax loss. Shapes as sparsemax_loss; k: compatibility argument."""
     _check_inputs(X, target)
-    ops._check_k(k)
+    check_k(k)
     return _entmax_family_loss(X, target, 1.5)
 
 
@@ -91,7 +92,7 @@ def entmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=1.5, n_iter:
     _check_inputs(X, target)
     check_n_iter(n_iter)
     if not _compiling():
-        alpha = check_alpha(alpha, X, X.dim() - 1, lower=None)
+        alpha = check_row_param(alpha, X, X.dim() - 1, lower=None)
     return _entmax_family_loss(X, target, alpha)
 
 
@@ -101,8 +102,7 @@ def normmax_bisect_loss(X: torch.Tensor, target: torch.Tensor, alpha=2, n_iter: 
     _check_inputs(X, target)
     check_n_iter(n_iter)
     if not _compiling():
-        alpha = check_alpha(alpha, X, X.dim() - 1)
-    _check_above_one(alpha, "alpha")
+        alpha = check_row_param(alpha, X, X.dim() - 1, lower=1.0)
     return autograd.fy_loss_apply(X, target, alpha, "normmax")[0]
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from attnkern import ops
 from attnkern.family import acc_dtype
+from attnkern.validation import learnable_alpha_theta
 
 
 class Softmax(nn.Module):
@@ -71,9 +72,7 @@ class EntmaxAlpha(nn.Module):
         super().__init__()
         if not isinstance(heads, int) or heads < 1:
             raise ValueError(f"heads must be a positive int, got {heads!r}")
-        if not 1.0 < float(alpha_init) < 2.0:
-            raise ValueError(f"alpha_init must be in (1, 2), got {alpha_init}")
-        theta = torch.logit(torch.tensor(float(alpha_init) - 1.0))
+        theta = learnable_alpha_theta(alpha_init)
         self.theta = nn.Parameter(theta.repeat(heads))
         self.heads, self.dim, self.head_dim = heads, dim, head_dim
 
