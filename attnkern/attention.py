@@ -195,21 +195,15 @@ def _unpad(res, added: int):
 
 
 def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend):
-    """Materialized weights through the row-wise normalizers (return_weights=True)."""
+    """Materialized weights through the row-wise normalizers (return_weights=True):
+    the reference's scores, in the accumulation dtype (float32 but for float64)."""
     acc = acc_dtype(q.dtype)
-    H, Hk = q.shape[-3], k.shape[-3]
-    if Hk != H:
-        k, v = k.repeat_interleave(H // Hk, -3), v.repeat_interleave(H // Hk, -3)
-    s = scale * (q.to(acc) @ k.to(acc).transpose(-2, -1))
-    if is_causal:
-        L, S = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(), -math.inf)
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
+    k, v = reference.expand_kv_heads(q, k.to(acc), v.to(acc))
+    s = reference.attention_scores(q.to(acc), k, attn_mask, is_causal, scale)
     if takes_alpha(normalizer):
         a = alpha.to(acc) if isinstance(alpha, torch.Tensor) else alpha
         p = ops.entmax(s, a, -1, backend=backend)
     else:
         p = getattr(ops, normalizer)(s, -1, backend=backend)
-    out = p @ v.to(acc)
+    out = p @ v
     return out.to(q.dtype), p.to(q.dtype)

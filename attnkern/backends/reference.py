@@ -188,6 +188,37 @@ NORMALIZE = {Family.SOFTMAX: softmax, Family.SPARSEMAX: sparsemax, Family.ENTMAX
 
 # --- fused attention ----------------------------------------------------------
 
+
+def expand_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """k and v with their heads repeated to q's: with H query heads and Hk key/value
+    heads (H a multiple of Hk), query head h uses key/value head h // (H // Hk).
+    A single key/value head (Hk = 1) and tensors under 3 dims broadcast as they are."""
+    if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3] and k.shape[-3] > 1:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    return k, v
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal: bool = False,
+                     scale=None) -> torch.Tensor:
+    """The attention scores s = scale·q·kᵀ (..., L, S) in q's dtype, with the
+    masks: is_causal sets s_ij = -inf for j > i (top-left alignment), a bool
+    attn_mask sets -inf where it is False, a float one is added. k has q's heads
+    (expand_kv_heads); scale defaults to 1/sqrt(E)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    s = scale * (q @ k.transpose(-2, -1))
+    if is_causal:
+        L, S = s.shape[-2:]
+        allowed = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~allowed, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, -math.inf)
+        else:
+            s = s + attn_mask.to(s.dtype)
+    return s
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               is_causal: bool = False, scale=None, *, normalizer: str = "softmax", alpha=None,
               dropout_p: float = 0.0, dropout_mask: torch.Tensor | None = None, return_weights: bool = False):
@@ -208,21 +239,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     return_weights.
     """
     q, k, v = query.to(torch.float64), key.to(torch.float64), value.to(torch.float64)
-    if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3] and k.shape[-3] > 1:
-        rep = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    s = scale * (q @ k.transpose(-2, -1))
-    if is_causal:
-        L, S = s.shape[-2:]
-        allowed = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~allowed, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            s = s.masked_fill(~attn_mask, -math.inf)
-        else:
-            s = s + attn_mask.to(torch.float64)
+    k, v = expand_kv_heads(q, k, v)
+    s = attention_scores(q, k, attn_mask, is_causal, scale)
     # Rows with no allowed key are normalized as zeros here and zeroed after,
     # so that no gradient (in α either) goes through them.
     empty = (s == -math.inf).all(-1, keepdim=True)
