@@ -1,4 +1,6 @@
-"""Public row-wise normalizers: validation, α handling and backend choice.
+"""Public row-wise normalizers: α handling, and the call to the kernels or the
+reference (validation in attnkern.validation, backend choice in
+attnkern.backends.registry).
 
 Signatures follow the `entmax` package so that
 `from attnkern import sparsemax, entmax15, entmax_bisect` replaces

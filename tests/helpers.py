@@ -1,8 +1,8 @@
 """Helpers shared by the attention test files: inputs, masks, α per head,
 tolerances, the float64 oracle with α per head, and backend skips.
 
-(attnkern.testing holds what the benchmarks share with the tests: the
-per-dtype TOLERANCES of the row-wise normalizers, score makers, assert_close.)
+The row-wise normalizers' helpers (per-dtype TOLERANCES, score makers,
+assert_close, the dropout keep mask) are in the public attnkern.testing.
 """
 
 from __future__ import annotations

@@ -219,6 +219,7 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal
             s = s + attn_mask.to(s.dtype)
     return s
 
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               is_causal: bool = False, scale=None, *, normalizer: str = "softmax", alpha=None,
               dropout_p: float = 0.0, dropout_mask: torch.Tensor | None = None, return_weights: bool = False):

@@ -131,6 +131,34 @@ def _load_t(X, stride_n, stride_d, offs_n, N, D, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(X, stride_m, stride_d, offs_m, M, D, HEAD_DIM: tl.constexpr):
+    """Rows offs_m of an (M, D) matrix as (len(offs_m), HEAD_DIM), zero-padded."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    return tl.load(X + offs_m[:, None] * stride_m + offs_d[None, :] * stride_d,
+                   mask=(offs_m[:, None] < M) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _store_rows(X, value, stride_m, stride_d, offs_m, M, D, HEAD_DIM: tl.constexpr):
+    """Stores value (len(offs_m), HEAD_DIM) as rows offs_m of an (M, D) matrix, in X's dtype."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(X + offs_m[:, None] * stride_m + offs_d[None, :] * stride_d, value.to(X.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb, stride_kh,
+                stride_vb, stride_vh, stride_mb, stride_mh):
+    """For program (batch · H + query head) pid_bh: Q and Mask advanced to the
+    query head h, K and V to its key/value head h // GROUP; and (batch, h) in int64."""
+    bi = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    return (Q + bi * stride_qb + h * stride_qh, K + bi * stride_kb + hk * stride_kh,
+            V + bi * stride_vb + hk * stride_vh, Mask + bi * stride_mb + h * stride_mh, bi, h)
+
+
+@triton.jit
 def _mask_offsets(offs_m, offs_n, stride_mm, stride_mn):
     """Element offsets of a (query block, key block) tile of the mask, in int64:
     a mask of L·S ≥ 2³¹ entries per head would overflow int32 arithmetic."""
@@ -166,21 +194,13 @@ def _attn_fwd_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    bi = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = (h // GROUP).to(tl.int64)
-    Q += bi * stride_qb + h.to(tl.int64) * stride_qh
-    K += bi * stride_kb + hk * stride_kh
-    V += bi * stride_vb + hk * stride_vh
-    Mask += bi * stride_mb + h.to(tl.int64) * stride_mh
-    Out += bi * stride_ob + h.to(tl.int64) * stride_oh
+    Q, K, V, Mask, bi, h = _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb,
+                                       stride_kh, stride_vb, stride_vh, stride_mb, stride_mh)
+    Out += bi * stride_ob + h * stride_oh
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     row_ok = offs_m < L
-    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+    q = _load_rows(Q, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
     if IS_CAUSAL:
         n_end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
     else:
@@ -210,8 +230,7 @@ def _attn_fwd_kernel(
             lsum = lsum * rescale + tl.sum(p, 1)
             if DROPOUT:
                 p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
-            v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                        mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+            v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
             acc = acc * rescale[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
             m = m_new
@@ -290,13 +309,11 @@ def _attn_fwd_kernel(
                 p, g = _phi_g(s - shift[:, None], b, FAMILY)
                 if DROPOUT:
                     p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
-                v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                            mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+                v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
         out = tl.where(nan_row[:, None], float("nan"), acc)
 
-    tl.store(Out + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < EV))
+    _store_rows(Out, out, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
     tl.store(Shift + pid_bh.to(tl.int64) * L + offs_m, shift.to(tl.float32), mask=row_ok)
 
 
@@ -324,25 +341,16 @@ def _attn_bwd_dq_kernel(
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    bi = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = (h // GROUP).to(tl.int64)
-    Q += bi * stride_qb + h.to(tl.int64) * stride_qh
-    K += bi * stride_kb + hk * stride_kh
-    V += bi * stride_vb + hk * stride_vh
-    Mask += bi * stride_mb + h.to(tl.int64) * stride_mh
-    DO += bi * stride_ob + h.to(tl.int64) * stride_oh
-    DQ += bi * stride_dqb + h.to(tl.int64) * stride_dqh
+    Q, K, V, Mask, bi, h = _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb,
+                                       stride_kh, stride_vb, stride_vh, stride_mb, stride_mh)
+    DO += bi * stride_ob + h * stride_oh
+    DQ += bi * stride_dqb + h * stride_dqh
     row_base = pid_bh.to(tl.int64) * L
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     row_ok = offs_m < L
-    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
+    q = _load_rows(Q, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
+    do = _load_rows(DO, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
     c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
     if IS_CAUSAL:
         n_end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
@@ -429,8 +437,7 @@ def _attn_bwd_dq_kernel(
                 dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
             ds = scale * g * (dp - delta[:, None])
             dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision="ieee", out_dtype=ACC)
-    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < E))
+    _store_rows(DQ, dq, stride_dqm, stride_dqd, offs_m, L, E, HEAD_DIM)
 
 
 @triton.jit
@@ -462,8 +469,6 @@ def _attn_bwd_dkdv_kernel(
 
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
     vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), ACC)
@@ -482,15 +487,13 @@ def _attn_bwd_dkdv_kernel(
         for start_m in range(m_start, L, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < L
-            q = tl.load(Qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+            q = _load_rows(Qh, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
             c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
             s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
             p, g = _phi_g(s - c[:, None], b, FAMILY)
             if _any_nonzero(p):  # every term vanishes outside the support
-                do = tl.load(DOh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
-                             mask=row_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
+                do = _load_rows(DOh, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
                 delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
                 dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
                 if DROPOUT:  # dp of the kept weights; dV from the kept weights
@@ -502,10 +505,8 @@ def _attn_bwd_dkdv_kernel(
                 ds = scale * g * (dp - delta[:, None])
                 dv = tl.dot(tl.trans(p_kept).to(do.dtype), do, dv, input_precision="ieee", out_dtype=ACC)
                 dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision="ieee", out_dtype=ACC)
-    tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
-             mask=(offs_n[:, None] < S) & (offs_d[None, :] < E))
-    tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-             mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV))
+    _store_rows(DK, dk, stride_dkn, stride_dkd, offs_n, S, E, HEAD_DIM)
+    _store_rows(DV, dv, stride_dvn, stride_dvd, offs_n, S, EV, HEAD_DIM_V)
 
 
 # --- launch configurations ---------------------------------------------------------------------------
