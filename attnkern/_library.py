@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from attnkern import _extension
+from attnkern.family import acc_dtype
 
 
 def _like(x: torch.Tensor) -> torch.Tensor:
@@ -15,8 +16,7 @@ def _alpha_rows_like(p: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(p.shape)
     if shape:
         shape[dim] = 1
-    acc = torch.float64 if p.dtype == torch.float64 else torch.float32
-    return p.new_empty(shape, dtype=acc)
+    return p.new_empty(shape, dtype=acc_dtype(p.dtype))
 
 
 def _register() -> None:
@@ -62,8 +62,7 @@ def _register_compat() -> None:
 
     @torch.library.register_fake("attnkern::entmax_loss_fwd")
     def _entmax_loss_fwd(x, target, alpha):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return x.new_empty((x.shape[0],), dtype=acc), _like(x)
+        return x.new_empty((x.shape[0],), dtype=acc_dtype(x.dtype)), _like(x)
 
 
 def _register_attention() -> None:

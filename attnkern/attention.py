@@ -6,54 +6,16 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import numbers
-import os
 
 import torch
 
-from attnkern import ops
-from attnkern.backends import reference
+from attnkern import ops, validation
+from attnkern.backends import reference, registry
+from attnkern.family import NORMALIZERS, Family, acc_dtype, takes_alpha
 
-NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
-
-
-# --- backend choice -----------------------------------------------------------
-
-
-def _triton_unavailable(q: torch.Tensor) -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "triton: the triton package is not installed"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-        return f"triton: input is on {q.device} (needs a CUDA device, or CPU tensors with TRITON_INTERPRET=1)"
-    try:
-        mod = importlib.import_module("attnkern.backends.triton")
-    except Exception as exc:  # ImportError, or triton failing to initialize
-        return f"triton: attnkern.backends.triton did not import ({type(exc).__name__}: {exc})"
-    missing = [f for f in ("attention_fwd", "attention_bwd") if not hasattr(mod, f)]
-    if missing:
-        return f"triton: attnkern.backends.triton has no {', '.join(missing)}"
-    return None
-
-
-def _attention_unavailable(backend: str, q: torch.Tensor, *, mask_grad: bool) -> str | None:
-    """Why `backend` cannot run this attention call, or None if it can."""
-    if backend == "reference":
-        return None
-    if backend == "triton":
-        why = _triton_unavailable(q)
-    else:
-        why = ops._kernel_unavailable(backend, q)
-        if why is None and backend == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
-                "attnkern::attention_fwd", "CUDA"):
-            why = "cuda: attnkern._C has no CUDA attention kernel"
-    if why is not None:
-        return why
-    if mask_grad:
-        return f"{backend}: no gradient for a float attn_mask that requires grad"
-    return None
+__all__ = ["attention", "draw_dropout_seed", "NORMALIZERS"]
 
 
 def draw_dropout_seed() -> torch.Tensor:
@@ -70,7 +32,7 @@ def draw_dropout_seed() -> torch.Tensor:
 def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer,
                   return_weights) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
-        ops.check_tensor(t, name)
+        validation.check_tensor(t, name)
         if t.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., seq, dim), got shape {tuple(t.shape)}")
     if not (query.dtype == key.dtype == value.dtype):
@@ -88,13 +50,7 @@ def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if key.dim() >= 3 and value.dim() >= 3 and key.shape[-3] != value.shape[-3]:
         raise ValueError(f"key and value must have the same number of heads, got {key.shape[-3]} and "
                          f"{value.shape[-3]}")
-    if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise TypeError(f"attn_mask must be a bool or floating-point tensor, got {attn_mask.dtype}")
-        if attn_mask.device != query.device:
-            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+    validation.check_attn_mask(attn_mask, query)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     flags = (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("return_weights", return_weights))
@@ -104,45 +60,7 @@ def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise TypeError(f"scale must be None or a finite float, got {scale!r}")
-    if normalizer not in NORMALIZERS:
-        raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
-
-
-def _check_alpha(alpha, normalizer: str, target: tuple, heads: int):
-    """α as a float, or a tensor broadcastable to `target` = (*batch, H, 1, 1);
-    a 1-d tensor of H values is one α per head."""
-    if normalizer != "entmax":
-        if alpha is not None:
-            raise ValueError(f"alpha is only used with normalizer='entmax', got normalizer={normalizer!r}")
-        return None
-    if alpha is None:
-        raise ValueError("normalizer='entmax' needs alpha (a float > 0 or a tensor of one value per head)")
-    if isinstance(alpha, bool):
-        raise TypeError("alpha must be a float or a tensor, got bool")
-    if isinstance(alpha, numbers.Real):
-        if math.isnan(alpha) or alpha <= 0:
-            raise ValueError(f"alpha must be > 0, got {alpha}")
-        return float(alpha)
-    if not isinstance(alpha, torch.Tensor):
-        raise TypeError(f"alpha must be a float or a torch.Tensor, got {type(alpha).__name__}")
-    if not alpha.is_floating_point():
-        raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
-    a = _alpha_view(alpha, heads)
-    if not ops.broadcasts_to(a.shape, target):
-        raise ValueError(f"alpha of shape {tuple(alpha.shape)} must be a float, a tensor of {heads} values "
-                         f"(one per head), or broadcastable to {tuple(target)}")
-    if a.numel() and a.device.type != "meta":
-        with torch.no_grad():
-            if bool((torch.isnan(a) | (a <= 0)).any()):
-                raise ValueError(f"alpha must be > 0 and not NaN everywhere, got min {a.min().item()}")
-    return a
-
-
-def _alpha_view(alpha: torch.Tensor, heads: int) -> torch.Tensor:
-    """A (H,) tensor means one α per head: view it as (H, 1, 1)."""
-    if alpha.dim() == 1 and alpha.shape[0] == heads and heads > 1:
-        return alpha.view(heads, 1, 1)
-    return alpha
+    Family.of(normalizer)
 
 
 # --- the public function ----------------------------------------------------------
@@ -204,22 +122,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                          f"{tuple(value.shape)} do not broadcast") from exc
     target = batch + (H, L, S)
     if attn_mask is not None and not compiling:
-        if not ops.broadcasts_to(attn_mask.shape, target):
+        if not validation.broadcasts_to(attn_mask.shape, target):
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target} "
                              f"(..., heads, L, S)")
     if not compiling:
-        alpha = _check_alpha(alpha, normalizer, batch + (H, 1, 1), H)
+        alpha = validation.check_attention_alpha(alpha, normalizer, batch + (H, 1, 1), H)
     elif isinstance(alpha, torch.Tensor):
-        alpha = _alpha_view(alpha, H)
+        alpha = validation.head_alpha_view(alpha, H)
 
     alpha_batched = (isinstance(alpha, torch.Tensor) and alpha.dim() > 3
                      and any(d != 1 for d in alpha.shape[:-3]))
     mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
 
-    def unavailable(b, x):
-        return _attention_unavailable(b, x, mask_grad=mask_grad)
-
-    chosen = ops.choose_backend(backend, query, unavailable, candidates=("cpu", "cuda", "triton"))
+    chosen = registry.choose(backend, query, "attention", mask_grad=mask_grad)
     if chosen == "reference":
         res = reference.attention(q, k, v, attn_mask, is_causal, scale, normalizer=normalizer, alpha=alpha,
                                   dropout_p=float(dropout_p), return_weights=return_weights)
@@ -229,7 +144,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                                "auto" if chosen == "triton" else chosen), added)
 
     B = math.prod(batch)
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(query.dtype)
     if query.dtype in (torch.float16, torch.bfloat16):
         broadcast = q_heads_expanded or any(t.shape[:-3] != batch for t in (q, k, v))
         if chosen == "cpu" or broadcast:
@@ -247,7 +162,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             m = torch.zeros(m.shape, dtype=acc, device=m.device).masked_fill_(~m, -math.inf)
         mask4 = m.to(acc).expand(target).reshape(B, H, L, S)
     alpha_h = None
-    if normalizer == "entmax":
+    if takes_alpha(normalizer):
         if isinstance(alpha, torch.Tensor) and alpha_batched:
             # One α per (batch, head): the kernels take one α per head, so the
             # batch is folded into the heads, (B, H) -> (1, B·H); query head
@@ -280,21 +195,15 @@ def _unpad(res, added: int):
 
 
 def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend):
-    """Materialized weights through the row-wise normalizers (return_weights=True)."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    H, Hk = q.shape[-3], k.shape[-3]
-    if Hk != H:
-        k, v = k.repeat_interleave(H // Hk, -3), v.repeat_interleave(H // Hk, -3)
-    s = scale * (q.to(acc) @ k.to(acc).transpose(-2, -1))
-    if is_causal:
-        L, S = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(), -math.inf)
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
-    if normalizer == "entmax":
+    """Materialized weights through the row-wise normalizers (return_weights=True):
+    the reference's scores, in the accumulation dtype (float32 but for float64)."""
+    acc = acc_dtype(q.dtype)
+    k, v = reference.expand_kv_heads(q, k.to(acc), v.to(acc))
+    s = reference.attention_scores(q.to(acc), k, attn_mask, is_causal, scale)
+    if takes_alpha(normalizer):
         a = alpha.to(acc) if isinstance(alpha, torch.Tensor) else alpha
         p = ops.entmax(s, a, -1, backend=backend)
     else:
         p = getattr(ops, normalizer)(s, -1, backend=backend)
-    out = p @ v.to(acc)
+    out = p @ v
     return out.to(q.dtype), p.to(q.dtype)

@@ -1,8 +1,11 @@
-"""Autograd for the attnkern ops: one torch.autograd.Function per op family.
+"""Autograd for the attnkern ops: every torch.autograd.Function of the package.
 
 The compiled ops are plain (non-differentiable) primitives; these Functions
 save what the backward needs (the output p, and α) and call the matching
-`_bwd` op.
+`_bwd` op: the row-wise normalizers and fused attention, normmax and
+budget-sparsemax (attnkern.compat), and the Fenchel-Young losses
+(attnkern.losses), with the derivative formulas in torch ops that serve
+double backward, forward mode and vmap.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import math
 
 import torch
 from torch.autograd import forward_ad
+
+from attnkern.family import ALPHA_GRAD_BAND, Family
 
 _ops = torch.ops.attnkern
 
@@ -25,21 +30,21 @@ _ops = torch.ops.attnkern
 # vmap folds the vmapped dimension into the rows (the ops are row-wise).
 
 
-def _support_weights(p: torch.Tensor, family: str, alpha=None) -> torch.Tensor:
+def _support_weights(p: torch.Tensor, family: Family, alpha=None) -> torch.Tensor:
     """g with J = diag(g) - g gᵀ / Σg, in torch ops (differentiable in p and α):
     softmax g = p, sparsemax the support indicator, entmax15 √p, α-entmax
     p^(2-α) on the support."""
-    if family == "softmax":
+    if family is Family.SOFTMAX:
         return p
     pos = p > 0
-    if family == "sparsemax":
+    if family is Family.SPARSEMAX:
         return pos.to(p.dtype)
     safe = torch.where(pos, p, torch.ones_like(p))
-    g = safe.sqrt() if family == "entmax15" else torch.exp((2 - alpha.to(p.dtype)) * safe.log())
+    g = safe.sqrt() if family is Family.ENTMAX15 else torch.exp((2 - alpha.to(p.dtype)) * safe.log())
     return torch.where(pos, g, torch.zeros_like(p))
 
 
-def _jacobian_product(p: torch.Tensor, v: torch.Tensor, dim: int, family: str, alpha=None) -> torch.Tensor:
+def _jacobian_product(p: torch.Tensor, v: torch.Tensor, dim: int, family: Family, alpha=None) -> torch.Tensor:
     """J·v = Jᵀ·v = g ⊙ (v - Σ g v / Σ g) along dim, in torch ops (float32 for
     half types). A row with no support (all -inf) gives 0."""
     dtype = p.dtype
@@ -55,7 +60,7 @@ def entmax_alpha_derivative(p: torch.Tensor, alpha: torch.Tensor, dim: int) -> t
     """∂p/∂α of α-entmax (float64, differentiable in p and α), from the output p.
 
     With b = α - 1, g = p^(1-b), ĝ = g/Σg and H = -Σ p ln p:
-    ∂p/∂α = (p - ĝ)/b² - (p ln p + ĝ H)/b; below |b| = 1e-6 its softmax limit
+    ∂p/∂α = (p - ĝ)/b² - (p ln p + ĝ H)/b; below |b| = ALPHA_GRAD_BAND its softmax limit
     -p/2 ((ln p)² - Σ p (ln p)²). p is renormalised in double first: an error
     in Σp would be divided by b²."""
     p = p.to(torch.float64)
@@ -66,7 +71,7 @@ def entmax_alpha_derivative(p: torch.Tensor, alpha: torch.Tensor, dim: int) -> t
     logp = torch.where(pos, torch.where(pos, p, torch.ones_like(p)).log(), torch.zeros_like(p))
     plogp = p * logp
     limit = -0.5 * p * (logp * logp - (plogp * logp).sum(dim, keepdim=True))
-    near = b.abs() < 1e-6
+    near = b.abs() < ALPHA_GRAD_BAND
     b_safe = torch.where(near, torch.ones_like(b), b)
     g = torch.where(pos, torch.exp((1 - b_safe) * logp), torch.zeros_like(p))
     gsum = g.sum(dim, keepdim=True)
@@ -154,9 +159,28 @@ def _exports_traceable_apply(name: str):
     return wrap
 
 
+# --- forward maps composed from the public normalizers ---------------------------------------------
+# Some Functions below compute their forward with the public, backend-choosing
+# normalizers (NormmaxFunction through α'-entmax, FYLossFunction's prediction
+# p). The modules that define those (attnkern.compat, attnkern.losses) sit
+# above this one, so they register the maps here when imported; this module
+# imports nothing above it.
+
+_COMPOSED_FORWARDS: dict = {}
+
+
+def register_composed_forward(name: str, fn) -> None:
+    _COMPOSED_FORWARDS[name] = fn
+
+
+def composed_forward(name: str):
+    return _COMPOSED_FORWARDS[name]
+
+
 def _fixed_normalizer_function(name: str) -> type[torch.autograd.Function]:
     """The autograd.Function of the fixed normalizer `name` (softmax, sparsemax,
     entmax15), calling attnkern::<name>_fwd / <name>_bwd along `dim`."""
+    family = Family.of(name)
     # Looked up at call time: importing this module must not need the compiled ops.
     def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
         return getattr(_ops, f"{name}_fwd")(x, dim)
@@ -169,19 +193,20 @@ def _fixed_normalizer_function(name: str) -> type[torch.autograd.Function]:
     def backward(ctx, grad: torch.Tensor):
         (p,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a backward autograd can differentiate
-            return _jacobian_product(p, grad, ctx.dim, name), None
+            return _jacobian_product(p, grad, ctx.dim, family), None
         return getattr(_ops, f"{name}_bwd")(p, grad, ctx.dim), None
 
     def jvp(ctx, x_t, dim_t):
         (p,) = ctx.saved_tensors
-        return _jacobian_product(p, x_t, ctx.dim, name)
+        return _jacobian_product(p, x_t, ctx.dim, family)
 
     def vmap(info, in_dims, x, dim):
         x, d, _, scalar = _rows_to_front(info.batch_size, x, in_dims[0], dim)
         out = cls.apply(x, d)
         return (out.squeeze(-1) if scalar else out), 0
 
-    cls_name = {"softmax": "Softmax", "sparsemax": "Sparsemax", "entmax15": "Entmax15"}[name] + "Function"
+    cls_name = {Family.SOFTMAX: "Softmax", Family.SPARSEMAX: "Sparsemax", Family.ENTMAX15: "Entmax15"}[family] \
+        + "Function"
     cls = type(cls_name, (torch.autograd.Function,),
                {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
                 "backward": staticmethod(backward), "jvp": staticmethod(jvp), "vmap": staticmethod(vmap)})
@@ -213,7 +238,7 @@ class EntmaxFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, x_t, alpha_t, dim_t):
         p, alpha = ctx.saved_tensors
-        out = _jacobian_product(p, x_t, ctx.dim, "entmax", alpha) if x_t is not None else torch.zeros_like(p)
+        out = _jacobian_product(p, x_t, ctx.dim, Family.ENTMAX, alpha) if x_t is not None else torch.zeros_like(p)
         if alpha_t is not None:
             out = out + (entmax_alpha_derivative(p, alpha, ctx.dim) * alpha_t).to(p.dtype)
         return out
@@ -229,7 +254,7 @@ class EntmaxFunction(torch.autograd.Function):
         p, alpha = ctx.saved_tensors
         want_alpha = ctx.needs_input_grad[1]
         if torch.is_grad_enabled():  # create_graph: a backward autograd can differentiate
-            dx = _jacobian_product(p, grad, ctx.dim, "entmax", alpha)
+            dx = _jacobian_product(p, grad, ctx.dim, Family.ENTMAX, alpha)
             if not want_alpha:
                 return dx, None, None
             da = (entmax_alpha_derivative(p, alpha, ctx.dim) * grad.to(torch.float64)).sum(ctx.dim, keepdim=True)
@@ -296,3 +321,383 @@ class AttentionFunction(torch.autograd.Function):
         dq, dk, dv, dalpha = bwd(grad_out, q, k, v, mask, ctx.is_causal, ctx.scale, ctx.normalizer, alpha,
                                  out, shift, want_alpha, ctx.dropout_p, seed)
         return dq, dk, dv, None, (dalpha if want_alpha else None), None, None, None, None, None, None
+
+
+# --- entmax-package compatibility: normmax and budget-sparsemax (attnkern.compat) ----------------
+
+
+def _normmax_product(p: torch.Tensor, v: torch.Tensor, alpha, dim: int) -> torch.Tensor:
+    """J·v = Jᵀ·v of α-normmax in torch ops (differentiable in p and v), from the
+    output p: with a = p and c = p^(2-α) on the support,
+    J = (Σ p^α)^((α-1)/α) / (α-1) · (diag(c) - a cᵀ - c aᵀ + (Σ c) a aᵀ),
+    a symmetric matrix (computed in float64)."""
+    dtype = p.dtype
+    p64, v64 = p.to(torch.float64), v.to(torch.float64)
+    a = alpha.to(torch.float64) if isinstance(alpha, torch.Tensor) else float(alpha)
+    pos = p64 > 0
+    logp = torch.where(pos, torch.where(pos, p64, torch.ones_like(p64)).log(), torch.zeros_like(p64))
+    c = torch.where(pos, torch.exp((2 - a) * logp), torch.zeros_like(p64))
+    pa = torch.where(pos, torch.exp(a * logp), torch.zeros_like(p64)).sum(dim, keepdim=True)
+
+    def rows(t):
+        return t.sum(dim, keepdim=True)
+
+    out = c * v64 - rows(c * v64) * p64 - rows(p64 * v64) * (c - rows(c) * p64)
+    scale = torch.where(pa > 0, pa, torch.ones_like(pa)) ** ((a - 1) / a) / (a - 1)
+    return (out * scale).to(dtype)
+
+
+@_exports_traceable_apply("normmax_apply")
+class NormmaxFunction(torch.autograd.Function):
+    """α-normmax with α fixed (no gradient in α): forward on the entmax kernels,
+    backward by attnkern::normmax_bwd from the saved output. Its Jacobian in x is
+    symmetric (the map is the gradient of a convex conjugate), so the same
+    product serves forward mode. With create_graph the backward is the same
+    product in torch ops (_normmax_product), which autograd differentiates
+    again."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, alpha, dim: int, backend: str) -> torch.Tensor:
+        return composed_forward("normmax")(x, alpha, dim, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.alpha, ctx.dim, ctx.backend = inputs
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def _alpha(ctx, p):
+        a = ctx.alpha
+        return a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.float64, device=p.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (p,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the same product in torch ops
+            return _normmax_product(p, grad, ctx.alpha, ctx.dim), None, None, None
+        return torch.ops.attnkern.normmax_bwd(p, grad, NormmaxFunction._alpha(ctx, p), ctx.dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, alpha_t, dim_t, backend_t):
+        (p,) = ctx.saved_tensors
+        return _normmax_product(p, x_t, ctx.alpha, ctx.dim)
+
+    @staticmethod
+    def vmap(info, in_dims, x, alpha, dim, backend):
+        a_dim = in_dims[1] if isinstance(alpha, torch.Tensor) else None
+        x, d, (alpha,), scalar = _rows_to_front(info.batch_size, x, in_dims[0], dim, [(alpha, a_dim)])
+        out = NormmaxFunction.apply(x, alpha, d, backend)
+        return (out.squeeze(-1) if scalar else out), 0
+
+
+def _zero_budget_slope(x: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+    """∂/∂budget of <grad, p> at budget = 0 (from above: the only side there is).
+    For a small budget b > 0 the k entries tied at the row's max get b/k each,
+    so the slope is the mean of grad over them (0 for a row with no finite
+    entry). x, grad: with the row along `dim`; returns float64 keepdim rows."""
+    x64 = x.detach().to(torch.float64)
+    m = x64.amax(dim, keepdim=True) if x.dim() else x64
+    top = (x64 == m) & torch.isfinite(m)
+    k = top.sum(dim, keepdim=True) if x.dim() else top.to(torch.int64)
+    g = torch.where(top, grad.to(torch.float64), torch.zeros_like(x64))
+    total = g.sum(dim, keepdim=True) if x.dim() else g
+    return total / k.clamp_min(1).to(torch.float64)
+
+
+def _budget_product(p: torch.Tensor, x: torch.Tensor, budget: torch.Tensor, v: torch.Tensor, v_budget,
+                    dim: int, want_budget: bool = True):
+    """The Jacobian products of budget-sparsemax in torch ops (differentiable in
+    v). With s the active indicator (0 < p < 1) and k = Σ s: J·v = Jᵀ·v =
+    s ⊙ (v - Σ s v / k); the budget column is s / k, and e_max / k_max at
+    budget 0 (see _zero_budget_slope). Returns (J v + column · v_budget, the
+    budget row · v)."""
+    s = ((p > 0) & (p < 1)).to(v.dtype)
+    k = s.sum(dim, keepdim=True)
+    mean = (s * v).sum(dim, keepdim=True) / k.clamp_min(1)
+    out = s * (v - mean)
+    db = None
+    zero = budget == 0
+    if want_budget:
+        db = torch.where(zero, _zero_budget_slope(x, v, dim).to(v.dtype), mean)
+    if v_budget is not None:
+        x64 = x.detach().to(torch.float64)
+        top = (x64 == x64.amax(dim, keepdim=True)).to(v.dtype)
+        col = torch.where(zero, top / top.sum(dim, keepdim=True).clamp_min(1), s / k.clamp_min(1))
+        out = out + col * v_budget.to(v.dtype)
+    return out, db
+
+
+@_exports_traceable_apply("budget_apply")
+class BudgetFunction(torch.autograd.Function):
+    """budget-sparsemax through attnkern::budget_fwd. Backward, with s the
+    active indicator (0 < p < 1) and k = Σ s: dx = s ⊙ (g - Σ s g / k), and
+    d budget = Σ s g / k (0 for a row with no active entry, except at budget
+    0, where p = 0 and the slope in the budget is _zero_budget_slope). The
+    Jacobian in x is symmetric, so forward mode uses the same products."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, budget: torch.Tensor, dim: int) -> torch.Tensor:
+        p = torch.ops.attnkern.budget_fwd(x, budget, dim)
+        if bool((budget == 0).any()):  # exactly 0 (the kernel leaves rounding-level mass at the max)
+            p = torch.where((budget == 0) & ~torch.isnan(p), torch.zeros_like(p), p)
+        return p
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, budget, ctx.dim = inputs
+        ctx.save_for_backward(output, budget, x)
+        ctx.save_for_forward(output, budget, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, budget, x = ctx.saved_tensors
+        want_budget = ctx.needs_input_grad[1]
+        if torch.is_grad_enabled():  # create_graph: products in torch ops
+            dx, db = _budget_product(p, x, budget, grad, None, ctx.dim, want_budget)
+        else:
+            dx, db = torch.ops.attnkern.budget_bwd(p, grad, ctx.dim, want_budget)
+            if want_budget:
+                db = torch.where(budget == 0, _zero_budget_slope(x, grad, ctx.dim), db)
+        if not want_budget:
+            return dx, None, None
+        return dx, db.sum_to_size(budget.shape).to(budget.dtype), None
+
+    @staticmethod
+    def jvp(ctx, x_t, budget_t, dim_t):
+        p, budget, x = ctx.saved_tensors
+        v = x_t if x_t is not None else torch.zeros_like(p)
+        return _budget_product(p, x, budget, v, budget_t, ctx.dim, want_budget=False)[0]
+
+    @staticmethod
+    def vmap(info, in_dims, x, budget, dim):
+        x, d, (budget,), scalar = _rows_to_front(info.batch_size, x, in_dims[0], dim, [(budget, in_dims[1])])
+        out = BudgetFunction.apply(x, budget, d)
+        return (out.squeeze(-1) if scalar else out), 0
+
+
+# --- Fenchel-Young losses (attnkern.losses) -------------------------------------------------------
+
+
+def _fy_loss(X: torch.Tensor, target: torch.Tensor, p: torch.Tensor, omega_gap: torch.Tensor) -> torch.Tensor:
+    """<p, x> - x_t + omega_gap, with omega_gap = Ω(e_t) - Ω(p) of shape (..., 1).
+
+    For the value only (FYLossFunction gives the gradients). Scores are shifted
+    by their row max (it cancels since Σ p = 1) to avoid cancellation, and
+    entries with p = 0 (masked -inf ones among them) are left out."""
+    p = p.to(X.dtype)
+    m = X.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    y = torch.where(p > 0, X - m, torch.zeros_like(X))
+    inner = torch.linalg.vecdot(y, p, dim=-1).unsqueeze(-1)
+    y_t = X.gather(-1, target.long().unsqueeze(-1)) - m
+    loss = inner - y_t + omega_gap.to(inner.dtype)
+    return loss.squeeze(-1)
+
+
+def _tsallis_sums(p64: torch.Tensor, alpha):
+    """Per-row Σ p^α, Σ p^α ln p and S_k = Σ p (ln p)^k (k = 1, 2, 3) over the
+    support, keepdim; α a float or a (..., 1) tensor."""
+    pos = p64 > 0
+    log_p = torch.where(pos, torch.where(pos, p64, torch.ones_like(p64)).log(), torch.zeros_like(p64))
+    a = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=p64.dtype, device=p64.device)
+    pa = torch.where(pos, torch.exp(a * log_p), torch.zeros_like(p64))
+    plog = p64 * log_p
+
+    def rows(t):
+        return t.sum(-1, keepdim=True)
+
+    return a, rows(pa), rows(pa * log_p), rows(plog), rows(plog * log_p), rows(plog * log_p * log_p)
+
+
+# |α - 1| below which the Tsallis entropy and its α-slope come from their
+# expansion to second order in α - 1 (the closed forms cancel there).
+_TSALLIS_TAYLOR_BAND = 1e-4
+
+
+def _tsallis_gap(p64: torch.Tensor, alpha) -> torch.Tensor:
+    """Ω(e_t) - Ω(p) for the Tsallis regularizer Ω(p) = (Σ p^α - 1)/(α(α-1)),
+    i.e. the Tsallis α-entropy H_α(p) (the Shannon entropy at α = 1), keepdim.
+    Differentiable in p and α; near α = 1, with b = α - 1,
+    H_α = -S1 + b (S1 - S2/2) + b² (-S1 + S2/2 - S3/6) + O(b³)."""
+    a, s, _, s1, s2, s3 = _tsallis_sums(p64, alpha)
+    b = a - 1
+    near = b.abs() < _TSALLIS_TAYLOR_BAND
+    den = torch.where(near, torch.ones_like(b), a * b)
+    return torch.where(near, -s1 + b * (s1 - s2 / 2) + b * b * (-s1 + s2 / 2 - s3 / 6), (1 - s) / den)
+
+
+def _tsallis_alpha_slope(p64: torch.Tensor, alpha) -> torch.Tensor:
+    """∂H_α(p)/∂α at fixed p (keepdim), differentiable in p and α: by Danskin's
+    theorem the α-gradient of the entmax loss. Closed form
+    -(Σ p^α ln p + H_α (2α - 1)) / (α(α - 1)); near α = 1 the derivative of the
+    expansion in _tsallis_gap."""
+    a, s, sl, s1, s2, s3 = _tsallis_sums(p64, alpha)
+    b = a - 1
+    near = b.abs() < _TSALLIS_TAYLOR_BAND
+    den = torch.where(near, torch.ones_like(b), a * b)
+    h = (1 - s) / den
+    return torch.where(near, (s1 - s2 / 2) + 2 * b * (-s1 + s2 / 2 - s3 / 6), -(sl + h * (2 * a - 1)) / den)
+
+
+def _one_hot_like(p: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p).scatter(-1, target.unsqueeze(-1), 1.0)
+
+
+@_exports_traceable_apply("entmax_loss_apply")
+class EntmaxLossFunction(torch.autograd.Function):
+    """The α-entmax loss of x (rows, n) against target (rows,), α (rows,),
+    through the fused attnkern::entmax_loss_fwd kernel, which returns the loss
+    and its gradient p - e_t in one pass per row (the second output, not
+    differentiable). Backward scales the saved gradient; the α-gradient is
+    ∂H_α/∂α at p (Danskin). With create_graph both are recomputed from a
+    differentiable p = entmax(x, α), so higher derivatives are exact."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, target: torch.Tensor, alpha: torch.Tensor):
+        return torch.ops.attnkern.entmax_loss_fwd(x, target, alpha)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, target, alpha = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(x, target, alpha, output[1])
+        ctx.save_for_forward(x, target, alpha, output[1])
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _):
+        x, target, alpha, grad = ctx.saved_tensors
+        want_x, want_alpha = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        p = None
+        if torch.is_grad_enabled():  # create_graph: differentiable in x and α
+            p = EntmaxFunction.apply(x, alpha.unsqueeze(-1), 1)
+            grad = p - _one_hot_like(p, target)
+        elif want_alpha:
+            p = grad + _one_hot_like(grad, target)
+        dx = grad_loss.unsqueeze(-1).to(grad.dtype) * grad if want_x else None
+        da = None
+        if want_alpha:
+            slope = _tsallis_alpha_slope(p.to(torch.float64), alpha.to(torch.float64).unsqueeze(-1)).squeeze(-1)
+            da = (grad_loss.to(torch.float64) * slope).to(alpha.dtype)
+        return dx, None, da
+
+    @staticmethod
+    def jvp(ctx, x_t, target_t, alpha_t):
+        x, target, alpha, grad = ctx.saved_tensors
+        loss_t = torch.zeros(grad.shape[:-1], dtype=grad.dtype, device=grad.device)
+        if x_t is not None:
+            loss_t = loss_t + (grad * x_t.to(grad.dtype)).sum(-1)
+        if alpha_t is not None:
+            p = grad + _one_hot_like(grad, target)
+            slope = _tsallis_alpha_slope(p.to(torch.float64), alpha.to(torch.float64).unsqueeze(-1)).squeeze(-1)
+            loss_t = loss_t + (slope * alpha_t).to(loss_t.dtype)
+        return loss_t, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, target, alpha):
+        B = info.batch_size
+
+        def front(t, d):
+            return t.movedim(d, 0) if d is not None else t.expand(B, *t.shape)
+
+        x, target, alpha = front(x, in_dims[0]), front(target, in_dims[1]), front(alpha, in_dims[2])
+        n, c = x.shape[1], x.shape[2]
+        loss, grad = EntmaxLossFunction.apply(x.reshape(B * n, c), target.reshape(B * n), alpha.reshape(B * n))
+        return (loss.reshape(B, n), grad.reshape(B, n, c)), (0, 0)
+
+
+def _normmax_gap(p64: torch.Tensor, alpha) -> torch.Tensor:
+    """Ω(e_t) - Ω(p) = 1 - ||p||_α for normmax (keepdim), differentiable in p and α."""
+    pos = p64 > 0
+    log_p = torch.log(torch.where(pos, p64, torch.ones_like(p64)))
+    s = torch.where(pos, torch.exp(alpha * log_p), torch.zeros_like(p64)).sum(-1, keepdim=True)
+    return 1 - torch.where(s > 0, s, torch.ones_like(s)) ** (1 / alpha)
+
+
+def _normmax_alpha_slope(p64: torch.Tensor, alpha) -> torch.Tensor:
+    """∂(1 - ||p||_α)/∂α at fixed p: with S = Σ p^α and N = S^(1/α),
+    -N (Σ p^α ln p / (α S) - ln S / α²)."""
+    pos = p64 > 0
+    log_p = torch.log(torch.where(pos, p64, torch.ones_like(p64)))
+    pa = torch.where(pos, torch.exp(alpha * log_p), torch.zeros_like(p64))
+    s = pa.sum(-1, keepdim=True)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return -(s ** (1 / alpha)) * ((pa * log_p).sum(-1, keepdim=True) / (alpha * s) - torch.log(s) / alpha ** 2)
+
+
+def _fy_predict(kind: str, X: torch.Tensor, alpha) -> torch.Tensor:
+    """p = the prediction map of the loss `kind` along the last dim (public
+    normalizer, registered by attnkern.losses as "<kind>_predict")."""
+    return composed_forward(f"{kind}_predict")(X, alpha)
+
+
+def _fy_alpha_slope(kind: str, p64: torch.Tensor, alpha) -> torch.Tensor:
+    a = alpha.to(torch.float64) if isinstance(alpha, torch.Tensor) else float(alpha)
+    return _tsallis_alpha_slope(p64, a) if kind == "entmax" else _normmax_alpha_slope(p64, a)
+
+
+@_exports_traceable_apply("fy_loss_apply")
+class FYLossFunction(torch.autograd.Function):
+    """A Fenchel-Young loss along the last dim assembled in torch ops, for the
+    α-entmax family off the fused CPU kernel and for normmax (kind "entmax" or
+    "normmax"). x (..., n), target (...), alpha a float or a tensor
+    broadcastable to (..., 1).
+    By Danskin's theorem the gradients are p - e_t and ∂(Ω(e_t) - Ω(p))/∂α at the
+    fixed p, so the forward computes p once without a graph (returned as a
+    second, non-differentiable output). With create_graph the backward
+    recomputes p differentiably, so higher derivatives are exact."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, target: torch.Tensor, alpha, kind: str):
+        p = _fy_predict(kind, x, alpha)
+        if kind == "normmax" and not isinstance(alpha, torch.Tensor):
+            gap = 1 - torch.linalg.vector_norm(p, ord=float(alpha), dim=-1, keepdim=True)
+        else:
+            p64 = p.to(torch.float64)
+            a = alpha.to(torch.float64).expand(tuple(x.shape[:-1]) + (1,)) if isinstance(alpha, torch.Tensor) \
+                else float(alpha)
+            gap = _tsallis_gap(p64, a) if kind == "entmax" else _normmax_gap(p64, a)
+        return _fy_loss(x, target, p, gap), p
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, target, alpha, ctx.kind = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.alpha = None if isinstance(alpha, torch.Tensor) else alpha
+        saved = (x, target, alpha if ctx.alpha is None else None, output[1])
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _):
+        x, target, alpha, p = ctx.saved_tensors
+        alpha = ctx.alpha if alpha is None else alpha
+        if torch.is_grad_enabled():  # create_graph: p differentiable in x and α
+            p = _fy_predict(ctx.kind, x, alpha)
+        dx = da = None
+        if ctx.needs_input_grad[0]:
+            dx = grad_loss.unsqueeze(-1).to(p.dtype) * (p - _one_hot_like(p, target))
+        if ctx.needs_input_grad[2]:
+            slope = _fy_alpha_slope(ctx.kind, p.to(torch.float64), alpha)
+            da = (grad_loss.to(torch.float64).unsqueeze(-1) * slope).sum_to_size(alpha.shape).to(alpha.dtype)
+        return dx, None, da, None
+
+    @staticmethod
+    def jvp(ctx, x_t, target_t, alpha_t, kind_t):
+        x, target, alpha, p = ctx.saved_tensors
+        alpha = ctx.alpha if alpha is None else alpha
+        loss_t = torch.zeros(p.shape[:-1], dtype=x.dtype, device=x.device)
+        if x_t is not None:
+            loss_t = loss_t + ((p - _one_hot_like(p, target)) * x_t).sum(-1).to(x.dtype)
+        if alpha_t is not None:
+            slope = _fy_alpha_slope(ctx.kind, p.to(torch.float64), alpha)
+            loss_t = loss_t + (slope * alpha_t).squeeze(-1).to(x.dtype)
+        return loss_t, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, target, alpha, kind):
+        x_dim, t_dim, a_dim = in_dims[:3]
+        target = target.movedim(t_dim, 0) if t_dim is not None else target.expand(info.batch_size, *target.shape)
+        a_dim = a_dim if isinstance(alpha, torch.Tensor) else None
+        x, _, (alpha,), _ = _rows_to_front(info.batch_size, x, x_dim, -1, [(alpha, a_dim)])
+        return FYLossFunction.apply(x, target, alpha, kind), (0, 0)

@@ -9,29 +9,12 @@ import torch
 
 import attnkern
 from attnkern import _extension
+from attnkern.backends import registry
 
 
 def backends() -> dict[str, tuple[bool, str]]:
     """{backend: (available, reason when not)} for cpu, cuda, triton and reference."""
-    out: dict[str, tuple[bool, str]] = {}
-    if _extension.LOADED:
-        out["cpu"] = (True, "")
-    else:
-        out["cpu"] = (False, f"attnkern._C did not load: {_extension.LOAD_ERROR}")
-    if not _extension.LOADED:
-        out["cuda"] = (False, "attnkern._C did not load")
-    elif not _extension.has_cuda_kernels():
-        out["cuda"] = (False, "attnkern._C was built without the CUDA sources "
-                              "(CPU-only torch, no nvcc, or ATTNKERN_SKIP_CUDA_BUILD=1)")
-    elif not torch.cuda.is_available():
-        out["cuda"] = (False, "CUDA kernels are compiled, but no CUDA device is visible")
-    else:
-        out["cuda"] = (True, "")
-    from attnkern.backends import triton as triton_backend
-
-    out["triton"] = triton_backend.available()
-    out["reference"] = (True, "")
-    return out
+    return registry.host()
 
 
 def report() -> str:

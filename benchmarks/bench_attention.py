@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkern
+from attnkern.backends import reference
 
 B, H, E = 1, 8, 64
 SIZES = [512, 2048, 8192]
@@ -56,13 +57,13 @@ def run(provider: str, q, k, v):
     import entmax
 
     fn = {"unfused-sparsemax": entmax.sparsemax, "unfused-entmax15": entmax.entmax15}[provider]
-    s = (q @ k.transpose(-2, -1)) * E**-0.5
+    s = reference.attention_scores(q, k, scale=E**-0.5)
     return fn(s, dim=-1) @ v
 
 
 def kept_fraction(q, k) -> float:
     """Fraction of keys sparsemax keeps (on the first head, up to 2048 queries)."""
-    s = (q[0, 0, :2048] @ k[0, 0].T) * E**-0.5
+    s = reference.attention_scores(q[0, 0, :2048], k[0, 0], scale=E**-0.5)
     return float((attnkern.sparsemax(s, -1) > 0).float().mean())
 
 

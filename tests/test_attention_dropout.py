@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers import make_qkv, require_backend
 
 import attnkern
 from attnkern import _extension
@@ -22,21 +23,6 @@ BACKENDS = ["cpu", "triton"]
 CASES = [("softmax", None), ("sparsemax", None), ("entmax15", None), ("entmax", (1.25, 1.0 + 2.0**-13)),
          ("entmax", 2.5)]
 CASE_IDS = ["softmax", "sparsemax", "entmax15", "entmax-per-head", "entmax2.5"]
-
-
-def _backend_ready(backend):
-    if backend == "triton":
-        from attnkern.backends import triton as triton_backend
-
-        ok, why = triton_backend.available()
-        if not ok:
-            pytest.skip(why)
-
-
-def _inputs(B, H, L, S, E, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
-            for shape in ((B, H, L, E), (B, H, S, E), (B, H, S, E), (B, H, L, E))]
 
 
 def _alpha(alpha, H, dtype):
@@ -53,10 +39,10 @@ def _alpha(alpha, H, dtype):
 def test_kernel_applies_its_mask_exactly(backend, normalizer, alpha, masking):
     """Output and gradients equal the float64 reference run with the keep mask
     that attnkern.testing.attention_dropout_mask returns for the call's seed."""
-    _backend_ready(backend)
+    require_backend(backend)
     B, H, L, S, E, p = 2, 2, 37, 45 if masking != "causal" else 37, 16, 0.3
     dtype = torch.float64 if backend == "cpu" else torch.float32
-    q, k, v, go = _inputs(B, H, L, S, E, dtype)
+    q, k, v, go = make_qkv(B, H, H, L, S, E, E, dtype, grad_out=True)
     attn_mask = None
     if masking == "padding":
         attn_mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
@@ -97,7 +83,7 @@ def test_mask_statistics():
     assert not torch.equal(keep, attention_dropout_mask(B, H, L, S, p, torch.tensor(12346)))
     assert attention_dropout_mask(1, 1, 3, 5, 0.0, torch.tensor(1)).all()
     # With v = 1 every output entry is Σ_j p_j keep_j / (1 - p): mean 1 over rows.
-    q, k, _, _ = _inputs(1, H, L, S, 16, torch.float32)
+    q, k, _, _ = make_qkv(1, H, H, L, S, 16, 16, torch.float32, grad_out=True)
     ones = torch.ones(1, H, S, 8)
     for normalizer in ("softmax", "sparsemax"):
         out = attnkern.attention(q, k, ones, dropout_p=p, normalizer=normalizer, backend="cpu")
@@ -105,7 +91,7 @@ def test_mask_statistics():
 
 
 def test_reproducible_with_manual_seed():
-    q, k, v, _ = _inputs(1, 2, 33, 40, 8, torch.float32)
+    q, k, v, _ = make_qkv(1, 2, 2, 33, 40, 8, 8, torch.float32, grad_out=True)
     runs = []
     for seed in (3, 3, 4):
         torch.manual_seed(seed)
@@ -115,8 +101,8 @@ def test_reproducible_with_manual_seed():
 
 @pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
 def test_triton_draws_the_cpu_mask(normalizer):
-    _backend_ready("triton")
-    q, k, v, _ = _inputs(1, 2, 20, 70, 8, torch.float32)
+    require_backend("triton")
+    q, k, v, _ = make_qkv(1, 2, 2, 20, 70, 8, 8, torch.float32, grad_out=True)
     outs = []
     for backend in BACKENDS:
         torch.manual_seed(9)
@@ -140,7 +126,7 @@ def test_multihead_attention_trains_with_dropout_in_the_kernel(monkeypatch):
 
 
 def test_dropout_under_torch_compile_is_not_dropped():
-    q, k, v, _ = _inputs(1, 2, 16, 16, 8, torch.float32)
+    q, k, v, _ = make_qkv(1, 2, 2, 16, 16, 8, 8, torch.float32, grad_out=True)
     ones = torch.ones(1, 2, 16, 8)
 
     def f(q, k, v, p):
@@ -157,13 +143,13 @@ def test_dropout_under_torch_compile_is_not_dropped():
 
 
 def test_bad_dropout_seed_refused():
-    q, k, v, _ = _inputs(1, 1, 4, 4, 8, torch.float32)
+    q, k, v, _ = make_qkv(1, 1, 1, 4, 4, 8, 8, torch.float32, grad_out=True)
     with pytest.raises(RuntimeError, match="dropout_seed"):
         torch.ops.attnkern.attention_fwd(q, k, v, None, False, 0.3, "softmax", None, 0.5, None)
 
 
 def test_opcheck_with_dropout():
-    q, k, v, go = _inputs(1, 2, 9, 11, 8, torch.float32)
+    q, k, v, go = make_qkv(1, 2, 2, 9, 11, 8, 8, torch.float32, grad_out=True)
     seed = torch.tensor(77)
     args = (q, k, v, None, False, 0.35, "sparsemax", None, 0.25, seed)
     torch.library.opcheck(torch.ops.attnkern.attention_fwd, args)

@@ -11,6 +11,7 @@ can run. The interpreter is slow: shapes are small, with odd sizes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -18,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from helpers import KERNEL_ALPHAS, NORMALIZERS, alpha_for, kernel_mask, kernel_tol, make_qkv, ref_attention
 
 from attnkern.backends import reference
 from attnkern.testing import triton_test_device
@@ -38,70 +40,9 @@ def _on_device():
         yield
 
 
-NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
-
-
-# --- the oracle ---------------------------------------------------------------
-
-
-def reference_attention(q, k, v, mask, is_causal, scale, normalizer, alpha):
-    """out = p·v in float64 with p = reference.<normalizer>(scale·q·kᵀ + mask), by autograd.
-
-    Rows with no allowed key are computed on zeros and multiplied by 0, so they
-    give p = 0 and zero gradients (the reference's α-gradient is NaN on them).
-    """
-    B, H, L, _ = q.shape
-    group = H // k.shape[1]
-    k = k.repeat_interleave(group, 1)
-    v = v.repeat_interleave(group, 1)
-    s = scale * q @ k.transpose(-1, -2)
-    if mask is not None:
-        s = s + mask.to(s.dtype)
-    if is_causal:
-        s = s.masked_fill(~torch.ones(L, k.shape[2], dtype=torch.bool).tril(), -math.inf)
-    empty = ~(s > -math.inf).any(-1, keepdim=True)
-    s = s.masked_fill(empty, 0.0)
-    if normalizer == "entmax":
-        p = reference.entmax(s, alpha[None, :, None, None].expand(B, H, L, 1), -1)
-    else:
-        p = getattr(reference, normalizer)(s, -1)
-    return (p * ~empty) @ v
-
-
-def make_inputs(B, H, Hk, L, S, E, Ev, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)  # a CPU generator: the same numbers on every host
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64, device="cpu").to(DEVICE, dtype)
-
-    return randn(B, H, L, E), randn(B, Hk, S, E), randn(B, Hk, S, Ev), randn(B, H, L, Ev)
-
-
-def make_mask(kind, B, H, L, S, dtype=torch.float32, seed=1):
-    """(mask, is_causal) for a mask kind."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "none":
-        return None, False
-    if kind == "causal":
-        return None, True
-    mask = torch.randn(B, 1, L, S, generator=g, dtype=torch.float64, device="cpu")
-    mask = mask.masked_fill(torch.rand(B, 1, L, S, generator=g, device="cpu") < 0.25, -math.inf).to(DEVICE)
-    mask[..., 0] = 0.0  # every row keeps a key...
-    if kind == "empty_rows":
-        mask[0, 0, L // 2] = -math.inf  # ...but these
-        if B > 1:
-            mask[1, 0, L - 1] = -math.inf
-    return mask.to(dtype).expand(B, H, L, S), kind == "empty_rows"
-
-
-def alpha_for(normalizer, H, values=(1.5, 2.0, 1.25, 1.0)):
-    if normalizer != "entmax":
-        return None
-    return torch.tensor([values[h % len(values)] for h in range(H)], dtype=torch.float32)
-
-
-def tolerances(dtype):
-    return dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=2e-4, atol=4e-5)
+# The helpers' inputs and masks, made on DEVICE.
+make_inputs = functools.partial(make_qkv, grad_out=True, device=DEVICE)
+make_mask = functools.partial(kernel_mask, device=DEVICE)
 
 
 def check_against_reference(q, k, v, do, mask, is_causal, scale, normalizer, alpha, *, backward=True,
@@ -111,8 +52,8 @@ def check_against_reference(q, k, v, do, mask, is_causal, scale, normalizer, alp
     assert shift.dtype == torch.float32 and shift.shape == q.shape[:3]
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     a64 = alpha.double().requires_grad_() if alpha is not None else None
-    ref = reference_attention(q64, k64, v64, mask, is_causal, scale, normalizer, a64)
-    tol = tolerances(q.dtype)
+    ref = ref_attention(q64, k64, v64, mask, is_causal, normalizer, a64, scale)
+    tol = kernel_tol(q.dtype)
     torch.testing.assert_close(out.double(), ref, **tol)
     assert not torch.isnan(shift).any()
     if not backward:
@@ -151,7 +92,7 @@ def test_matches_reference(normalizer, case):
     B, H, Hk, L, S, E, Ev, kind = case
     q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev)
     mask, causal = make_mask(kind, B, H, L, S)
-    check_against_reference(q, k, v, do, mask, causal, 0.4, normalizer, alpha_for(normalizer, H),
+    check_against_reference(q, k, v, do, mask, causal, 0.4, normalizer, alpha_for(normalizer, H, KERNEL_ALPHAS),
                             alpha_grad=normalizer == "entmax" and kind != "empty_rows")
 
 
@@ -166,7 +107,7 @@ def test_float64(normalizer):
     out, shift = tb.attention_fwd(q, k, v, mask, True, 0.7, normalizer, alpha)
     q64, k64, v64 = (x.detach().clone().requires_grad_() for x in (q, k, v))
     a64 = alpha.double().requires_grad_() if alpha is not None else None
-    ref = reference_attention(q64, k64, v64, mask, True, 0.7, normalizer, a64)
+    ref = ref_attention(q64, k64, v64, mask, True, normalizer, a64, 0.7)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     ref.backward(do)
     dq, dk, dv, dalpha = tb.attention_bwd(do, q, k, v, mask, True, 0.7, normalizer, alpha, out, shift,
@@ -222,7 +163,7 @@ def test_long_rows_slow(normalizer):
     B, H, Hk, L, S, E, Ev = 1, 2, 1, 131, 200, 59, 16
     q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=4)
     mask, _ = make_mask("float", B, H, L, S)
-    check_against_reference(q, k, v, do, mask, False, 0.5, normalizer, alpha_for(normalizer, H),
+    check_against_reference(q, k, v, do, mask, False, 0.5, normalizer, alpha_for(normalizer, H, KERNEL_ALPHAS),
                             alpha_grad=normalizer == "entmax")
 
 
@@ -235,7 +176,7 @@ def test_ties(normalizer):
     k = torch.randint(-2, 3, (B, Hk, S // 3, E), generator=g, device="cpu").float().repeat(1, 1, 3, 1).to(DEVICE)
     q[0, 0, 0] = 0.0  # a row of all-equal scores
     _, _, v, do = make_inputs(B, H, Hk, L, S, E, Ev)
-    check_against_reference(q, k, v, do, None, False, 0.25, normalizer, alpha_for(normalizer, H))
+    check_against_reference(q, k, v, do, None, False, 0.25, normalizer, alpha_for(normalizer, H, KERNEL_ALPHAS))
 
 
 @pytest.mark.parametrize("alpha", [(1.0, 1.0 + 5e-7), (1.7, 0.6), (1.0005, 0.9995)])
@@ -249,7 +190,7 @@ def test_entmax_alpha_near_one_and_below(alpha):
     if near:
         out, shift = tb.attention_fwd(q, k, v, None, False, 0.5, "entmax", torch.tensor(alpha))
         a64 = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
-        ref = reference_attention(q.double(), k.double(), v.double(), None, False, 0.5, "entmax", a64)
+        ref = ref_attention(q.double(), k.double(), v.double(), None, False, "entmax", a64, 0.5)
         ref.backward(do.double())
         dalpha = tb.attention_bwd(do, q, k, v, None, False, 0.5, "entmax", torch.tensor(alpha), out, shift,
                                   True)[3]
@@ -266,20 +207,20 @@ def test_probabilities_via_identity_values(normalizer):
     q, k, _, _ = make_inputs(B, H, Hk, L, S, E, 1, seed=7)
     q = q * 2
     v = torch.eye(S).expand(B, Hk, S, S)
-    alpha = alpha_for(normalizer, H)
+    alpha = alpha_for(normalizer, H, KERNEL_ALPHAS)
     p, shift = tb.attention_fwd(q, k, v, None, False, 1.0, normalizer, alpha)
-    ref = reference_attention(q.double(), k.double(), v.double(), None, False, 1.0, normalizer,
-                              alpha.double() if alpha is not None else None)
+    ref = ref_attention(q.double(), k.double(), v.double(), None, False, normalizer,
+                        alpha.double() if alpha is not None else None, 1.0)
     assert (p >= 0).all()
     torch.testing.assert_close(p.sum(-1), torch.ones(B, H, L), rtol=0, atol=2e-5)
     if normalizer in ("sparsemax", "entmax15"):
         # Exact zeros outside the support, and the same support as the reference.
         assert torch.equal(p > 0, ref > 1e-6)
         assert (p == 0).any()
-    torch.testing.assert_close(p.double(), ref, **tolerances(torch.float32))
+    torch.testing.assert_close(p.double(), ref, **kernel_tol(torch.float32))
     # The shift reproduces p: softmax c = log-sum-exp.
     if normalizer == "softmax":
-        s = q.double() @ k.double().transpose(-1, -2)
+        s = reference.attention_scores(q.double(), k.double(), scale=1.0)
         torch.testing.assert_close(shift.double(), torch.logsumexp(s, -1), rtol=1e-6, atol=1e-6)
 
 
@@ -345,7 +286,7 @@ def test_half_types_forward(dtype):
     for normalizer in ("softmax", "sparsemax"):
         out, shift = tb.attention_fwd(q, k, v, None, True, 0.5, normalizer, None)
         assert out.dtype == dtype and shift.dtype == torch.float32
-        ref = reference_attention(q.double(), k.double(), v.double(), None, True, 0.5, normalizer, None)
+        ref = ref_attention(q.double(), k.double(), v.double(), None, True, normalizer, None, 0.5)
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2 if dtype == torch.bfloat16 else 4e-3)
         grads = tb.attention_bwd(do, q, k, v, None, True, 0.5, normalizer, None, out, shift, False)
         assert all(t.dtype == dtype and torch.isfinite(t).all() for t in grads[:3])

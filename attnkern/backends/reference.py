@@ -18,8 +18,8 @@ import math
 
 import torch
 
-# |α - 1| below which the forward is softmax (matches the kernels).
-SOFTMAX_FORWARD_BAND = 1e-6
+from attnkern.family import SOFTMAX_BAND, Family
+
 # Bisection steps: the bracket is at most ln(n) + 1 wide, so 100 halvings
 # reach float64 resolution for any row length.
 _BISECT_STEPS = 100
@@ -128,7 +128,7 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     y, valid, empty, bad = _prepare(x, dim)
     a = _alpha_rows(alpha, x, dim)
     b = a - 1
-    soft = b.abs() < SOFTMAX_FORWARD_BAND
+    soft = b.abs() < SOFTMAX_BAND
     b_safe = torch.where(soft, torch.full_like(b, 0.5), b)
     n = y.shape[-1]
 
@@ -182,9 +182,42 @@ def entmax_bisect(x: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
     return entmax(x, alpha, dim)
 
 
+# The fixed members of the family (entmax takes α).
+NORMALIZE = {Family.SOFTMAX: softmax, Family.SPARSEMAX: sparsemax, Family.ENTMAX15: entmax15}
+
+
 # --- fused attention ----------------------------------------------------------
 
-_ATTENTION_NORMALIZERS = {"softmax": softmax, "sparsemax": sparsemax, "entmax15": entmax15}
+
+def expand_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """k and v with their heads repeated to q's: with H query heads and Hk key/value
+    heads (H a multiple of Hk), query head h uses key/value head h // (H // Hk).
+    A single key/value head (Hk = 1) and tensors under 3 dims broadcast as they are."""
+    if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3] and k.shape[-3] > 1:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    return k, v
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal: bool = False,
+                     scale=None) -> torch.Tensor:
+    """The attention scores s = scale·q·kᵀ (..., L, S) in q's dtype, with the
+    masks: is_causal sets s_ij = -inf for j > i (top-left alignment), a bool
+    attn_mask sets -inf where it is False, a float one is added. k has q's heads
+    (expand_kv_heads); scale defaults to 1/sqrt(E)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    s = scale * (q @ k.transpose(-2, -1))
+    if is_causal:
+        L, S = s.shape[-2:]
+        allowed = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~allowed, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, -math.inf)
+        else:
+            s = s + attn_mask.to(s.dtype)
+    return s
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -207,33 +240,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     return_weights.
     """
     q, k, v = query.to(torch.float64), key.to(torch.float64), value.to(torch.float64)
-    if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3] and k.shape[-3] > 1:
-        rep = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    s = scale * (q @ k.transpose(-2, -1))
-    if is_causal:
-        L, S = s.shape[-2:]
-        allowed = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~allowed, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            s = s.masked_fill(~attn_mask, -math.inf)
-        else:
-            s = s + attn_mask.to(torch.float64)
+    k, v = expand_kv_heads(q, k, v)
+    s = attention_scores(q, k, attn_mask, is_causal, scale)
     # Rows with no allowed key are normalized as zeros here and zeroed after,
     # so that no gradient (in α either) goes through them.
     empty = (s == -math.inf).all(-1, keepdim=True)
     s = torch.where(empty, torch.zeros_like(s), s)
-    if normalizer == "entmax":
+    family = Family.of(normalizer)
+    if family.takes_alpha:
         a = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64)
         p = entmax(s, a.to(device=s.device, dtype=torch.float64), -1)
-    elif normalizer in _ATTENTION_NORMALIZERS:
-        p = _ATTENTION_NORMALIZERS[normalizer](s, -1)
     else:
-        raise ValueError(f"normalizer must be one of softmax, sparsemax, entmax15, entmax; "
-                         f"got {normalizer!r}")
+        p = NORMALIZE[family](s, -1)
     p = torch.where(empty, torch.zeros_like(p), p)
     if dropout_mask is not None:
         p = p * dropout_mask.to(device=p.device, dtype=p.dtype) / (1.0 - dropout_p)
@@ -241,3 +259,84 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         p = torch.nn.functional.dropout(p, dropout_p)
     out = (p @ v).to(query.dtype)
     return (out, p.to(query.dtype)) if return_weights else out
+
+
+# --- budget-sparsemax (attnkern.budget_bisect) ------------------------------------------------
+
+_BUDGET_MAX_STEPS = 100
+
+
+def _budget_threshold(y: torch.Tensor, budget: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """τ with Σ clip(y - τ, 0, 1) = budget along the last dim, by Newton on the
+    piecewise-linear sum, safeguarded by a bisection bracket. y: float64 rows
+    (masked entries -inf); budget: (..., 1). No gradient."""
+    n_valid = valid.sum(-1, keepdim=True).to(y.dtype)
+    y_fin = torch.where(valid, y, torch.zeros_like(y))
+    big = torch.finfo(y.dtype).max
+    hi = torch.where(valid, y, torch.full_like(y, -big)).amax(-1, keepdim=True)
+    # f(lo) = n_valid: every entry at least 1 above lo (with room for rounding).
+    lo = torch.where(valid, y, torch.full_like(y, big)).amin(-1, keepdim=True) - 2
+    hi = torch.where(n_valid > 0, hi, torch.zeros_like(hi))
+    lo = torch.where(n_valid > 0, lo, torch.zeros_like(lo))
+    tau = lo.clone()
+    for _ in range(_BUDGET_MAX_STEPS):
+        d = y_fin - tau
+        inside = valid & (d > 0) & (d < 1)
+        f = torch.where(valid, d.clamp(0, 1), torch.zeros_like(d)).sum(-1, keepdim=True) - budget
+        k = inside.sum(-1, keepdim=True).to(y.dtype)
+        lo = torch.where(f >= 0, tau, lo)
+        hi = torch.where(f <= 0, tau, hi)
+        newton = tau + f / k.clamp_min(1)
+        ok = (k > 0) & (newton > lo) & (newton < hi)
+        nxt = torch.where(ok, newton, 0.5 * (lo + hi))
+        nxt = torch.where(f == 0, tau, nxt)
+        if bool((nxt == tau).all()):
+            break
+        tau = nxt
+    return tau
+
+
+def budget_sparsemax(X: torch.Tensor, budget, dim: int = -1) -> torch.Tensor:
+    """budget-sparsemax along `dim`, p = clip(X - τ, 0, 1) with Σ p = budget, in
+    vectorized torch ops (float64): a bracketed active-set Newton iteration for
+    τ, then τ rebuilt from the active set so that autograd gives the exact
+    gradient in X and the budget. budget: a float ≥ 0 or a tensor broadcastable
+    to X with size 1 along `dim`. Serves the reference backend and devices
+    without a kernel."""
+    z = X.movedim(dim, -1).to(torch.float64) if X.dim() else X.reshape(1).to(torch.float64)
+    if isinstance(budget, torch.Tensor):
+        b = budget.to(torch.float64)
+        shape = list(X.shape)
+        if shape:
+            shape[dim] = 1
+        b = b.expand(shape).movedim(dim, -1) if X.dim() else b.reshape(1)
+    else:
+        b = torch.full(z.shape[:-1] + (1,), float(budget), dtype=torch.float64, device=X.device)
+    nan_rows = torch.isnan(z).any(-1, keepdim=True)
+    valid = (z > -math.inf) & ~nan_rows
+    zd = z.detach()
+    with torch.no_grad():
+        n_valid = valid.sum(-1, keepdim=True).to(z.dtype)
+        tau0 = _budget_threshold(zd, b.detach().minimum(n_valid), valid)
+        d = zd - tau0
+        inside = valid & (d > 0) & (d < 1)
+        capped = valid & (d >= 1)
+        k = inside.sum(-1, keepdim=True)
+    # τ from its active set: differentiable in z (1/k on the active entries) and
+    # in the budget (-1/k); rows with no active entry are locally constant.
+    z_in = torch.where(inside, z, torch.zeros_like(z))
+    tau = (capped.sum(-1, keepdim=True).to(z.dtype) + z_in.sum(-1, keepdim=True) - b) / k.clamp_min(1)
+    tau = torch.where(k > 0, tau, tau0)
+    z_safe = torch.where(valid, z, torch.zeros_like(z))
+    p = torch.where(valid, (z_safe - tau).clamp(0, 1), torch.zeros_like(z))
+    # A budget at or above the number of finite entries: all of them get 1.
+    p = torch.where(valid & (b.detach() >= n_valid), torch.ones_like(p), p)
+    if b.requires_grad:
+        # Budget 0: p = 0, and its slope in the budget is e_argmax (split over ties).
+        zero = b.detach() == 0
+        top = valid & (z == z.detach().where(valid, torch.full_like(z, -math.inf)).amax(-1, keepdim=True))
+        share = top.to(z.dtype) / top.sum(-1, keepdim=True).clamp_min(1).to(z.dtype)
+        p = p + torch.where(zero & top, (b - b.detach()) * share, torch.zeros_like(p))
+    p = torch.where(nan_rows, torch.full_like(p, math.nan), p)
+    p = p.to(X.dtype)
+    return p.movedim(-1, dim) if X.dim() else p.reshape(())

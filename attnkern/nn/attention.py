@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnkern.attention import NORMALIZERS, attention
+from attnkern.attention import attention
 from attnkern.nn.normalizers import EntmaxAlpha
+from attnkern.validation import check_mask_dtype, check_module_alpha
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype, name: str) -> torch.Tensor | None:
@@ -18,10 +19,9 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype, name: str) -> torch
     attend; float added) as a float mask to add to the scores."""
     if mask is None:
         return None
+    check_mask_dtype(mask, name)
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, -math.inf)
-    if not mask.is_floating_point():
-        raise TypeError(f"{name} must be a bool or floating-point tensor, got {mask.dtype}")
     return mask.to(dtype)
 
 
@@ -50,15 +50,7 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if normalizer not in NORMALIZERS:
-            raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
-        if normalizer == "entmax":
-            if alpha is None:
-                raise ValueError("normalizer='entmax' needs alpha: a float > 0 or 'learnable'")
-            if alpha != "learnable" and (isinstance(alpha, str) or float(alpha) <= 0):
-                raise ValueError(f"alpha must be a float > 0 or 'learnable', got {alpha!r}")
-        elif alpha is not None:
-            raise ValueError(f"alpha is only used with normalizer='entmax', got normalizer={normalizer!r}")
+        check_module_alpha(normalizer, alpha)
         factory = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from attnkern import ops
+from attnkern.family import acc_dtype
+from attnkern.validation import learnable_alpha_theta
 
 
 class Softmax(nn.Module):
@@ -70,9 +72,7 @@ class EntmaxAlpha(nn.Module):
         super().__init__()
         if not isinstance(heads, int) or heads < 1:
             raise ValueError(f"heads must be a positive int, got {heads!r}")
-        if not 1.0 < float(alpha_init) < 2.0:
-            raise ValueError(f"alpha_init must be in (1, 2), got {alpha_init}")
-        theta = torch.logit(torch.tensor(float(alpha_init) - 1.0))
+        theta = learnable_alpha_theta(alpha_init)
         self.theta = nn.Parameter(theta.repeat(heads))
         self.heads, self.dim, self.head_dim = heads, dim, head_dim
 
@@ -86,7 +86,7 @@ class EntmaxAlpha(nn.Module):
                              f"got shape {tuple(X.shape)}")
         shape = [1] * X.dim()
         shape[self.head_dim] = self.heads
-        alpha = self.alpha.to(X.dtype if X.dtype == torch.float64 else torch.float32).view(shape)
+        alpha = self.alpha.to(acc_dtype(X.dtype)).view(shape)
         return ops.entmax(X, alpha, dim=self.dim)
 
     def extra_repr(self) -> str:

@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from attnkern import ops
+from attnkern.family import NORMALIZERS, acc_dtype
+from attnkern.validation import check_module_alpha, learnable_alpha_theta
 
-RNN_NORMALIZERS = ("softmax", "sparsemax", "entmax15", "entmax")
+RNN_NORMALIZERS = NORMALIZERS
 MODES = ("learned", "uniform", "fixed")
 
 
@@ -60,28 +62,17 @@ class RNNAttention(nn.Module, abc.ABC):
     def __init__(self, *, normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, mode: str = "learned",
                  backend: str = "auto"):
         super().__init__()
-        if normalizer not in RNN_NORMALIZERS:
-            raise ValueError(f"normalizer must be one of {RNN_NORMALIZERS}, got {normalizer!r}")
+        check_module_alpha(normalizer, alpha)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if backend not in ops.BACKENDS:
             raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
         self.alpha_theta = None
         self.fixed_alpha = None
-        if normalizer == "entmax":
-            if alpha is None:
-                raise ValueError("normalizer='entmax' needs alpha: a float > 0 or 'learnable'")
-            if alpha == "learnable":
-                if not 1.0 < float(alpha_init) < 2.0:
-                    raise ValueError(f"alpha_init must be in (1, 2), got {alpha_init}")
-                self.alpha_theta = nn.Parameter(torch.logit(torch.tensor(float(alpha_init) - 1.0)))
-            elif isinstance(alpha, str) or isinstance(alpha, bool) or not float(alpha) > 0:
-                raise ValueError(f"alpha must be a float > 0 or 'learnable', got {alpha!r}")
-            else:
-                self.fixed_alpha = float(alpha)
+        if alpha == "learnable":
+            self.alpha_theta = nn.Parameter(learnable_alpha_theta(alpha_init))
         elif alpha is not None:
-            raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} "
-                             f"with normalizer={normalizer!r}")
+            self.fixed_alpha = float(alpha)
         self.normalizer, self.mode, self.backend = normalizer, mode, backend
 
     @property
@@ -115,7 +106,7 @@ class RNNAttention(nn.Module, abc.ABC):
             return ops.entmax15(scores, dim=-1, backend=self.backend)
         alpha = self.alpha
         if isinstance(alpha, torch.Tensor):
-            alpha = alpha.to(scores.dtype if scores.dtype == torch.float64 else torch.float32)
+            alpha = alpha.to(acc_dtype(scores.dtype))
             alpha = alpha.reshape([1] * scores.dim())
         return ops.entmax(scores, alpha, dim=-1, backend=self.backend)
 

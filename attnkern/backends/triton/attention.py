@@ -14,7 +14,7 @@ import torch
 import triton
 from triton import knobs
 
-NORMALIZERS = {"softmax": 0, "sparsemax": 1, "entmax15": 2, "entmax": 3}
+from attnkern.family import ALPHA_GRAD_BAND, NORMALIZERS, Family, acc_dtype
 
 # Newton steps in the threshold search before giving up on a row (each one
 # re-reads K). Rows converge in 3-11 steps for b <= 1; bisection fallbacks for
@@ -67,13 +67,14 @@ def _check_device(*tensors: torch.Tensor) -> None:
 
 
 def _acc_dtype(q: torch.Tensor):
+    """The accumulation dtype (family.acc_dtype) as a triton type."""
     import triton.language as tl
 
-    return tl.float64 if q.dtype == torch.float64 else tl.float32
+    return {torch.float64: tl.float64, torch.float32: tl.float32}[acc_dtype(q.dtype)]
 
 
 def _eps(q: torch.Tensor) -> float:
-    return float(torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32).eps)
+    return float(torch.finfo(acc_dtype(q.dtype)).eps)
 
 
 def _head_dim(n: int) -> int:
@@ -96,9 +97,10 @@ def _validate(q, k, v, mask, normalizer, alpha):
         raise TypeError(f"triton attention: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")
     if normalizer not in NORMALIZERS:
-        raise ValueError(f"triton attention: normalizer must be one of {tuple(NORMALIZERS)}, "
+        raise ValueError(f"triton attention: normalizer must be one of {NORMALIZERS}, "
                          f"got {normalizer!r}")
-    if normalizer == "entmax":
+    family = Family.of(normalizer)
+    if family.takes_alpha:
         if alpha is None or alpha.shape != (H,):
             raise ValueError(f"triton attention: entmax needs alpha of shape ({H},), got "
                              f"{None if alpha is None else tuple(alpha.shape)}")
@@ -111,13 +113,13 @@ def _validate(q, k, v, mask, normalizer, alpha):
         except RuntimeError as exc:
             raise ValueError(f"triton attention: mask of shape {tuple(mask.shape)} does not broadcast to "
                              f"{(B, H, L, S)}") from exc
-    tensors = [q, k, v] + ([mask] if mask is not None else []) + ([alpha] if normalizer == "entmax" else [])
+    tensors = [q, k, v] + ([mask] if mask is not None else []) + ([alpha] if family.takes_alpha else [])
     _check_device(*tensors)
-    return mask
+    return mask, family
 
 
-def _alpha_arg(normalizer, alpha, q):
-    if normalizer == "entmax":
+def _alpha_arg(family: Family, alpha, q):
+    if family.takes_alpha:
         return alpha.to(torch.float32).contiguous()
     return torch.empty(0, dtype=torch.float32, device=q.device)
 
@@ -165,7 +167,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     dropout_p, dropout_seed: dropout on the weights before p·v, the keep mask
     drawn from the seed (an int64 scalar tensor) as the CPU kernel draws it.
     """
-    mask = _validate(q, k, v, mask, normalizer, alpha)
+    mask, family = _validate(q, k, v, mask, normalizer, alpha)
     seed, threshold, drop_scale, groups, dropout = _dropout_args(float(dropout_p), dropout_seed, k.shape[2])
     kern = _kernels()
     B, H, L, E = q.shape
@@ -184,14 +186,13 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     q, k, v = _interpreter_inputs(q, k, v)
     # Per (row, key block) max scores, for skipping blocks in the threshold search.
     n_blocks = triton.cdiv(S, _MIN_BLOCK_N)
-    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
-    block_max = (torch.empty((B * H * L * n_blocks,), dtype=acc_torch, device=q.device)
-                 if normalizer != "softmax" else shift)
+    block_max = (torch.empty((B * H * L * n_blocks,), dtype=acc_dtype(q.dtype), device=q.device)
+                 if family is not Family.SOFTMAX else shift)
     kern.attn_fwd[grid](
-        q, k, v, mask_t, _alpha_arg(normalizer, alpha, q), out, shift, block_max,
+        q, k, v, mask_t, _alpha_arg(family, alpha, q), out, shift, block_max,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
         H, H // Hk, L, S, E, Ev, float(scale), _eps(q), n_blocks, seed, threshold, drop_scale, groups,
-        FAMILY=NORMALIZERS[normalizer], HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+        FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
         HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q), DROPOUT=dropout,
     )
     return out, shift
@@ -210,8 +211,8 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     support and dp = dO·vᵀ: ds = scale·g⊙(dp - Σ g dp / Σ g), dq = ds·K,
     dk = dsᵀ·Q, dv = pᵀ·dO.
     """
-    mask = _validate(q, k, v, mask, normalizer, alpha)
-    if alpha_grad and normalizer != "entmax":
+    mask, family = _validate(q, k, v, mask, normalizer, alpha)
+    if alpha_grad and not family.takes_alpha:
         raise ValueError(f"triton attention: alpha_grad needs normalizer 'entmax', got {normalizer!r}")
     _check_device(q, grad_out, out, shift)
     kern = _kernels()
@@ -228,12 +229,11 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if B * H * L == 0 or S == 0:
         return dq, dk, dv, dalpha
 
-    family = NORMALIZERS[normalizer]
     seed, threshold, drop_scale, groups, dropout = _dropout_args(float(dropout_p), dropout_seed, S)
-    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_torch = acc_dtype(q.dtype)
     shift = shift.to(torch.float32).contiguous()
     grad_out = grad_out.to(q.dtype)
-    stats = family != 0
+    stats = family is not Family.SOFTMAX
     if stats:
         delta = torch.empty((B, H, L), dtype=acc_torch, device=q.device)
     else:
@@ -243,15 +243,15 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
     mask_t, mstr = _mask_args(mask, q)
     hd, hdv = _head_dim(E), _head_dim(Ev)
-    alpha_t = _alpha_arg(normalizer, alpha, q)
+    alpha_t = _alpha_arg(family, alpha, q)
     q, k, v, grad_out = _interpreter_inputs(q, k, v, grad_out)
-    common = dict(FAMILY=family, HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
+    common = dict(FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
                   HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout)
     drop = (seed, threshold, drop_scale, groups)
     kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), kern.ALPHA_GRAD_BAND, *drop,
+        H, H // Hk, L, S, E, Ev, float(scale), ALPHA_GRAD_BAND, *drop,
         STATS=stats, ALPHA_GRAD=bool(alpha_grad), **common,
     )
     kern.attn_bwd_dkdv[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hk)](

@@ -10,9 +10,10 @@ keys), in the shift form of docs/algorithms.md: p_ij = φ_b(s_ij - c_i) with
 φ_b(y) = [1 + b·y]_+^(1/b) and φ_0 = exp. The row shift c is what the forward
 saves; the backward recomputes the scores s = scale·q·kᵀ + mask from it.
 
-FAMILY selects the normalizer at compile time: 0 softmax, 1 sparsemax (b = 1),
-2 entmax15 (b = 1/2), 3 α-entmax with one b = α - 1 per head read at run time
-(|b| < SOFTMAX_BAND behaves as softmax).
+FAMILY selects the normalizer at compile time, with the codes of
+attnkern.family.Family: SOFTMAX, SPARSEMAX (b = 1), ENTMAX15 (b = 1/2), ENTMAX
+with one b = α - 1 per head read at run time (|b| < SOFTMAX_BAND behaves as
+softmax).
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from attnkern import family
+
 INTERPRETED = bool(knobs.runtime.interpret)
 
-# |α - 1| below which a head is treated as softmax (forward), and below which
-# dα takes its softmax limit; the same constants as
-# csrc/include/attnkern/entmax_math.h (kSoftmaxForwardBand, kAlphaGradLimitBand).
-SOFTMAX_BAND = 1e-6
-ALPHA_GRAD_BAND = 1e-6
+# The family codes and the softmax band (attnkern.family) as compile-time
+# constants of the kernels.
+SOFTMAX = tl.constexpr(int(family.Family.SOFTMAX))
+SPARSEMAX = tl.constexpr(int(family.Family.SPARSEMAX))
+ENTMAX15 = tl.constexpr(int(family.Family.ENTMAX15))
+ENTMAX = tl.constexpr(int(family.Family.ENTMAX))
+SOFTMAX_BAND = tl.constexpr(family.SOFTMAX_BAND)
 
 
 @triton.jit
@@ -46,13 +51,13 @@ def _phi_g(y, b, FAMILY: tl.constexpr):
 
     y = s - c may be -inf (a masked key, or a row without support): p = g = 0.
     """
-    if FAMILY == 0:
+    if FAMILY == SOFTMAX:
         p = tl.exp(y)
         g = p
-    elif FAMILY == 1:
+    elif FAMILY == SPARSEMAX:
         p = tl.maximum(1.0 + y, 0.0)
         g = tl.where(p > 0.0, 1.0, 0.0).to(p.dtype)
-    elif FAMILY == 2:
+    elif FAMILY == ENTMAX15:
         d = tl.maximum(1.0 + 0.5 * y, 0.0)
         p = d * d
         g = d
@@ -65,11 +70,11 @@ def _phi_g(y, b, FAMILY: tl.constexpr):
         inv_b = 1.0 / tl.where(b == 0.0, 1.0, b)
         p_ent = tl.where(inside, tl.exp(ln_d * inv_b), 0.0)
         g_ent = tl.where(inside, tl.exp(ln_d * (inv_b - 1.0)), 0.0)
-        soft = (b > -1e-6) & (b < 1e-6)  # SOFTMAX_BAND
+        soft = (b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND)
         p_soft = tl.exp(y)
         p = tl.where(soft, p_soft, p_ent)
         g = tl.where(soft, p_soft, g_ent)
-    if FAMILY != 0:
+    if FAMILY != SOFTMAX:
         # A NaN score (or shift) gives p = NaN, as exp does for softmax.
         p = tl.where(y != y, y, p)
         g = tl.where(y != y, y, g)
@@ -106,11 +111,11 @@ def _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G):
 
 @triton.jit
 def _load_b(Alpha, h, FAMILY: tl.constexpr, ACC: tl.constexpr):
-    if FAMILY == 1:
+    if FAMILY == SPARSEMAX:
         b = 1.0
-    elif FAMILY == 2:
+    elif FAMILY == ENTMAX15:
         b = 0.5
-    elif FAMILY == 3:
+    elif FAMILY == ENTMAX:
         b = tl.load(Alpha + h).to(tl.float32) - 1.0
     else:
         b = 0.0
@@ -123,6 +128,34 @@ def _load_t(X, stride_n, stride_d, offs_n, N, D, HEAD_DIM: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     return tl.load(X + offs_n[None, :] * stride_n + offs_d[:, None] * stride_d,
                    mask=(offs_n[None, :] < N) & (offs_d[:, None] < D), other=0.0)
+
+
+@triton.jit
+def _load_rows(X, stride_m, stride_d, offs_m, M, D, HEAD_DIM: tl.constexpr):
+    """Rows offs_m of an (M, D) matrix as (len(offs_m), HEAD_DIM), zero-padded."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    return tl.load(X + offs_m[:, None] * stride_m + offs_d[None, :] * stride_d,
+                   mask=(offs_m[:, None] < M) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _store_rows(X, value, stride_m, stride_d, offs_m, M, D, HEAD_DIM: tl.constexpr):
+    """Stores value (len(offs_m), HEAD_DIM) as rows offs_m of an (M, D) matrix, in X's dtype."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(X + offs_m[:, None] * stride_m + offs_d[None, :] * stride_d, value.to(X.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb, stride_kh,
+                stride_vb, stride_vh, stride_mb, stride_mh):
+    """For program (batch · H + query head) pid_bh: Q and Mask advanced to the
+    query head h, K and V to its key/value head h // GROUP; and (batch, h) in int64."""
+    bi = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    return (Q + bi * stride_qb + h * stride_qh, K + bi * stride_kb + hk * stride_kh,
+            V + bi * stride_vb + hk * stride_vh, Mask + bi * stride_mb + h * stride_mh, bi, h)
 
 
 @triton.jit
@@ -161,21 +194,13 @@ def _attn_fwd_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    bi = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = (h // GROUP).to(tl.int64)
-    Q += bi * stride_qb + h.to(tl.int64) * stride_qh
-    K += bi * stride_kb + hk * stride_kh
-    V += bi * stride_vb + hk * stride_vh
-    Mask += bi * stride_mb + h.to(tl.int64) * stride_mh
-    Out += bi * stride_ob + h.to(tl.int64) * stride_oh
+    Q, K, V, Mask, bi, h = _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb,
+                                       stride_kh, stride_vb, stride_vh, stride_mb, stride_mh)
+    Out += bi * stride_ob + h * stride_oh
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     row_ok = offs_m < L
-    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+    q = _load_rows(Q, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
     if IS_CAUSAL:
         n_end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
     else:
@@ -189,7 +214,7 @@ def _attn_fwd_kernel(
     # (no K or V read, no dot) when it cannot hold any row's support.
     block_rows = (pid_bh.to(tl.int64) * L + offs_m) * n_blocks_max
     nan_row = offs_m < 0
-    if FAMILY == 0:
+    if FAMILY == SOFTMAX:
         # Online softmax: one pass, rescaling the running sums when the max grows.
         lsum = tl.zeros((BLOCK_M,), ACC)
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
@@ -205,8 +230,7 @@ def _attn_fwd_kernel(
             lsum = lsum * rescale + tl.sum(p, 1)
             if DROPOUT:
                 p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
-            v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                        mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+            v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
             acc = acc * rescale[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
             m = m_new
@@ -232,13 +256,13 @@ def _attn_fwd_kernel(
         # widened by a relative 1e-3 against the rounding of the formula.
         ln_n = tl.log(tl.full((), 1.0, ACC) * S)
         b_nz = tl.where(b == 0.0, 1.0, b)
-        upper = tl.where((b > -1e-6) & (b < 1e-6), ln_n, (1.0 - tl.exp(-b * ln_n)) / b_nz)
+        upper = tl.where((b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND), ln_n, (1.0 - tl.exp(-b * ln_n)) / b_nz)
         upper = upper * 1.001 + 1e-6
         lo = tl.zeros((BLOCK_M,), ACC)
         hi = tl.zeros((BLOCK_M,), ACC) + upper
         c = tl.zeros((BLOCK_M,), ACC)
         active = (has & row_ok).to(tl.int32)
-        soft_head = (b > -1e-6) & (b < 1e-6)
+        soft_head = (b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND)
         tol_f = eps * (2.0 + tl.sqrt(tl.full((), 1.0, ACC) * S))
         it = 0
         # Safeguarded Newton on f(c) = Σ φ(y - c) - 1, f' = -Σ g. From the left
@@ -285,13 +309,11 @@ def _attn_fwd_kernel(
                 p, g = _phi_g(s - shift[:, None], b, FAMILY)
                 if DROPOUT:
                     p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
-                v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                            mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+                v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
         out = tl.where(nan_row[:, None], float("nan"), acc)
 
-    tl.store(Out + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < EV))
+    _store_rows(Out, out, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
     tl.store(Shift + pid_bh.to(tl.int64) * L + offs_m, shift.to(tl.float32), mask=row_ok)
 
 
@@ -319,25 +341,16 @@ def _attn_bwd_dq_kernel(
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    bi = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = (h // GROUP).to(tl.int64)
-    Q += bi * stride_qb + h.to(tl.int64) * stride_qh
-    K += bi * stride_kb + hk * stride_kh
-    V += bi * stride_vb + hk * stride_vh
-    Mask += bi * stride_mb + h.to(tl.int64) * stride_mh
-    DO += bi * stride_ob + h.to(tl.int64) * stride_oh
-    DQ += bi * stride_dqb + h.to(tl.int64) * stride_dqh
+    Q, K, V, Mask, bi, h = _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb,
+                                       stride_kh, stride_vb, stride_vh, stride_mb, stride_mh)
+    DO += bi * stride_ob + h * stride_oh
+    DQ += bi * stride_dqb + h * stride_dqh
     row_base = pid_bh.to(tl.int64) * L
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     row_ok = offs_m < L
-    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
+    q = _load_rows(Q, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
+    do = _load_rows(DO, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
     c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
     if IS_CAUSAL:
         n_end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
@@ -424,8 +437,7 @@ def _attn_bwd_dq_kernel(
                 dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
             ds = scale * g * (dp - delta[:, None])
             dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision="ieee", out_dtype=ACC)
-    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < E))
+    _store_rows(DQ, dq, stride_dqm, stride_dqd, offs_m, L, E, HEAD_DIM)
 
 
 @triton.jit
@@ -457,8 +469,6 @@ def _attn_bwd_dkdv_kernel(
 
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
     kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
     vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), ACC)
@@ -477,15 +487,13 @@ def _attn_bwd_dkdv_kernel(
         for start_m in range(m_start, L, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < L
-            q = tl.load(Qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+            q = _load_rows(Qh, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
             c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
             s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
             p, g = _phi_g(s - c[:, None], b, FAMILY)
             if _any_nonzero(p):  # every term vanishes outside the support
-                do = tl.load(DOh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
-                             mask=row_ok[:, None] & (offs_dv[None, :] < EV), other=0.0)
+                do = _load_rows(DOh, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
                 delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
                 dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
                 if DROPOUT:  # dp of the kept weights; dV from the kept weights
@@ -497,10 +505,8 @@ def _attn_bwd_dkdv_kernel(
                 ds = scale * g * (dp - delta[:, None])
                 dv = tl.dot(tl.trans(p_kept).to(do.dtype), do, dv, input_precision="ieee", out_dtype=ACC)
                 dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision="ieee", out_dtype=ACC)
-    tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
-             mask=(offs_n[:, None] < S) & (offs_d[None, :] < E))
-    tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-             mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV))
+    _store_rows(DK, dk, stride_dkn, stride_dkd, offs_n, S, E, HEAD_DIM)
+    _store_rows(DV, dv, stride_dvn, stride_dvd, offs_n, S, EV, HEAD_DIM_V)
 
 
 # --- launch configurations ---------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""The normalizer family and the numeric conventions every backend shares.
+
+The one Python definition of: the normalizer names and their family codes
+(the C++ kernels' `math::Family` in csrc/include/attnkern/entmax_math.h and the
+Triton kernels' FAMILY use the same numbers), the |α - 1| band below which
+α-entmax is computed as softmax, and the accumulation dtype of a computation.
+It imports nothing from attnkern, so every layer (the public API, autograd,
+the reference and Triton backends) can use it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class Family(enum.IntEnum):
+    """A normalizer of the α-entmax family, numbered as the kernels number them.
+    With b = α - 1: softmax b = 0, sparsemax b = 1, entmax15 b = 1/2, and
+    entmax with b read at run time (C++ `Family::kGeneric`)."""
+
+    SOFTMAX = 0
+    SPARSEMAX = 1
+    ENTMAX15 = 2
+    ENTMAX = 3
+
+    @property
+    def normalizer(self) -> str:
+        """The public name ("softmax", "sparsemax", "entmax15", "entmax")."""
+        return self.name.lower()
+
+    @property
+    def takes_alpha(self) -> bool:
+        """Whether α is an argument (only α-entmax)."""
+        return self is Family.ENTMAX
+
+    @classmethod
+    def of(cls, normalizer: str, what: str = "normalizer") -> Family:
+        """The family of a normalizer name; ValueError naming `what` otherwise."""
+        fam = _BY_NAME.get(normalizer) if isinstance(normalizer, str) else None
+        if fam is None:
+            raise ValueError(f"{what} must be one of {NORMALIZERS}, got {normalizer!r}")
+        return fam
+
+
+_BY_NAME = {f.normalizer: f for f in Family}
+
+# The normalizer names, in family order.
+NORMALIZERS: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def takes_alpha(normalizer: str) -> bool:
+    """Whether the normalizer of this name takes α (False for unknown names)."""
+    return normalizer == Family.ENTMAX.normalizer
+
+
+# |α - 1| below which α-entmax is computed as softmax (its forward), and below
+# which ∂p/∂α takes its softmax limit: kSoftmaxForwardBand and
+# kAlphaGradLimitBand of csrc/include/attnkern/entmax_math.h.
+SOFTMAX_BAND = 1e-6
+ALPHA_GRAD_BAND = SOFTMAX_BAND
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a computation on `dtype` accumulates in (and in which α, the
+    row shifts and the reduced α-gradients are kept): float64 for float64,
+    float32 for every other floating dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

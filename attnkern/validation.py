@@ -1,0 +1,255 @@
+"""Validation of the public functions' arguments: tensors, dims, ints and flags,
+and the row parameters (α, the budget, attention masks) of ops, attention,
+compat, losses and the nn modules.
+
+Value checks never synchronise with a CUDA device: on CPU tensors they raise a
+ValueError at once; on other devices they are an asynchronous device-side
+assert (torch._assert_async), which fails the next synchronising call.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+
+import numpy as np
+import torch
+
+from attnkern.family import Family, acc_dtype, takes_alpha
+
+
+class DimensionError(IndexError, ValueError):
+    """A `dim` argument out of range (an IndexError as in torch, and a ValueError)."""
+
+
+def check_tensor(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), "
+                        f"got {x.dtype}")
+
+
+def as_index(value, name: str) -> int:
+    """An integer argument as a Python int. Accepts what the `entmax` package
+    (and torch) accept as an int: Python and numpy integers and one-element
+    integer tensors (e.g. `y[0]`); refuses bools, floats and anything else."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got bool")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or \
+                value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int or a one-element integer tensor, got a tensor of "
+                            f"shape {tuple(value.shape)} and dtype {value.dtype}")
+        return int(value.item())
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def check_dim(x: torch.Tensor, dim, name: str = "dim") -> int:
+    dim = as_index(dim, name)
+    nd = max(x.dim(), 1)
+    if not -nd <= dim < nd:
+        raise DimensionError(f"{name}={dim} is out of range for a tensor with {x.dim()} dimensions "
+                             f"(expected in [{-nd}, {nd - 1}])")
+    return dim % nd
+
+
+def any_true(mask: torch.Tensor) -> bool:
+    """bool(mask.any()) for a validation check; False under torch.func.vmap,
+    where values cannot steer Python (the check is then skipped)."""
+    try:
+        return bool(mask.any())
+    except RuntimeError as exc:
+        if "vmap" in str(exc):
+            return False
+        raise
+
+
+def broadcasts_to(shape, target) -> bool:
+    """True when a tensor of `shape` expands to exactly `target`."""
+    try:
+        return torch.broadcast_shapes(tuple(shape), tuple(target)) == torch.Size(target)
+    except RuntimeError:
+        return False
+
+
+# --- row parameters: α, budget ------------------------------------------------------------------
+
+
+def _bound(lower: float | None, strict: bool):
+    """(bad(t) -> bool tensor, "what is needed") for a parameter bounded below by
+    `lower` (strictly or not); any finite value when lower is None. NaN is bad."""
+    if lower is None:
+        return (lambda a: ~torch.isfinite(a)), "finite"
+    if strict:
+        return (lambda a: torch.isnan(a) | (a <= lower)), f"> {lower:g}"
+    return (lambda a: torch.isnan(a) | (a < lower)), f">= {lower:g}"
+
+
+def check_real(value, name: str, lower: float | None = 0.0, strict: bool = True) -> float:
+    """A real number (Python or numpy, not bool) within the bound, as a float."""
+    bad, need = _bound(lower, strict)
+    a = float(value)
+    if bool(bad(torch.tensor(a, dtype=torch.float64))):
+        raise ValueError(f"{name} must be {need}, got {value}")
+    return a
+
+
+def check_values(t: torch.Tensor, name: str, lower: float | None = 0.0, strict: bool = True) -> None:
+    """Every entry of t within the bound (see the module docstring: at once on
+    CPU, an asynchronous assert on other devices; nothing for meta tensors)."""
+    if not t.numel() or t.device.type == "meta":
+        return
+    bad, need = _bound(lower, strict)
+    with torch.no_grad():
+        wrong = bad(t)
+        if t.device.type != "cpu":
+            try:
+                torch._assert_async(~wrong.any(), f"{name} must be {need} and not NaN everywhere")
+            except RuntimeError as exc:  # under torch.func.vmap: the check is skipped
+                if "vmap" not in str(exc):
+                    raise
+            return
+        if any_true(wrong):
+            raise ValueError(f"{name} must be {need} and not NaN everywhere; got min {t.min().item()}"
+                             + (" and NaN" if bool(torch.isnan(t).any()) else ""))
+
+
+def check_row_param(value, x: torch.Tensor, dim: int, name: str = "alpha", lower: float | None = 0.0,
+                    strict: bool = True) -> torch.Tensor | float:
+    """A per-row parameter of a row-wise op (α, the budget): a real number
+    (Python or numpy) or a tensor (or numpy array) broadcastable to x with size
+    1 along dim; not NaN, and > lower (>= lower if not strict; any finite value
+    if lower is None). Integer tensors become floating point. Returns a float or
+    a floating-point tensor on x's device."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a float or a tensor, got bool")
+    if isinstance(value, numbers.Real):
+        return check_real(value, name, lower, strict)
+    if isinstance(value, np.ndarray):
+        value = torch.as_tensor(value, device=x.device)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a float or a torch.Tensor, got {type(value).__name__}")
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name} must be a real tensor, got {value.dtype}")
+    if not value.is_floating_point():  # an integer tensor, e.g. torch.tensor(2): no gradient to keep
+        value = value.to(acc_dtype(x.dtype))
+    if value.device != x.device:
+        raise ValueError(f"{name} is on {value.device} but the input is on {x.device}")
+    row_shape = list(x.shape)
+    if row_shape:
+        row_shape[dim] = 1
+    if not broadcasts_to(value.shape, row_shape):
+        raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to the row shape "
+                         f"{tuple(row_shape)} (the input's shape with size 1 along dim={dim})")
+    check_values(value, name, lower, strict)
+    return value
+
+
+def head_alpha_view(alpha: torch.Tensor, heads: int) -> torch.Tensor:
+    """A (H,) tensor means one α per head: view it as (H, 1, 1)."""
+    if alpha.dim() == 1 and alpha.shape[0] == heads and heads > 1:
+        return alpha.view(heads, 1, 1)
+    return alpha
+
+
+def check_attention_alpha(alpha, normalizer: str, target: tuple, heads: int):
+    """attention's α: None unless the normalizer takes it; then a float > 0, or a
+    floating-point tensor broadcastable to `target` = (*batch, H, 1, 1), where a
+    1-d tensor of H values is one α per head (returned viewed as (H, 1, 1))."""
+    if not takes_alpha(normalizer):
+        if alpha is not None:
+            raise ValueError(f"alpha is only used with normalizer='entmax', got normalizer={normalizer!r}")
+        return None
+    if alpha is None:
+        raise ValueError("normalizer='entmax' needs alpha (a float > 0 or a tensor of one value per head)")
+    if isinstance(alpha, bool):
+        raise TypeError("alpha must be a float or a tensor, got bool")
+    if isinstance(alpha, numbers.Real):
+        return check_real(alpha, "alpha")
+    if not isinstance(alpha, torch.Tensor):
+        raise TypeError(f"alpha must be a float or a torch.Tensor, got {type(alpha).__name__}")
+    if not alpha.is_floating_point():
+        raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
+    a = head_alpha_view(alpha, heads)
+    if not broadcasts_to(a.shape, target):
+        raise ValueError(f"alpha of shape {tuple(alpha.shape)} must be a float, a tensor of {heads} values "
+                         f"(one per head), or broadcastable to {tuple(target)}")
+    check_values(a, "alpha")
+    return a
+
+
+def check_module_alpha(normalizer: str, alpha) -> None:
+    """An nn module's normalizer and α setting: for "entmax", alpha is a float >
+    0 or "learnable"; for the other normalizers it is None."""
+    Family.of(normalizer)
+    if takes_alpha(normalizer):
+        if alpha is None:
+            raise ValueError("normalizer='entmax' needs alpha: a float > 0 or 'learnable'")
+        if not (isinstance(alpha, str) and alpha == "learnable") and (
+                isinstance(alpha, (str, bool)) or not float(alpha) > 0):
+            raise ValueError(f"alpha must be a float > 0 or 'learnable', got {alpha!r}")
+    elif alpha is not None:
+        raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} "
+                         f"with normalizer={normalizer!r}")
+
+
+def learnable_alpha_theta(alpha_init) -> torch.Tensor:
+    """θ with α = 1 + sigmoid(θ) = alpha_init, the parameter of a learnable α
+    kept in (1, 2); alpha_init must lie in (1, 2)."""
+    if not 1.0 < float(alpha_init) < 2.0:
+        raise ValueError(f"alpha_init must be in (1, 2), got {alpha_init}")
+    return torch.logit(torch.tensor(float(alpha_init) - 1.0))
+
+
+# --- attention masks ---------------------------------------------------------------------------------
+
+
+def check_mask_dtype(mask: torch.Tensor, name: str) -> None:
+    """A mask is bool or floating point (added to the scores)."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name} must be a bool or floating-point tensor, got {mask.dtype}")
+
+
+def check_attn_mask(attn_mask, query: torch.Tensor) -> None:
+    """attention's attn_mask: None, or a bool or float tensor on query's device
+    (its shape is checked against the broadcast batch by the caller)."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
+    check_mask_dtype(attn_mask, "attn_mask")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+
+
+# --- ints and flags -------------------------------------------------------------------------------
+
+
+def check_k(k) -> None:
+    if k is not None and as_index(k, "k") < 1:
+        raise ValueError(f"k must be None or a positive int, got {k!r}")
+
+
+def check_n_iter(n_iter, allow_any: bool = False) -> None:
+    """n_iter as the `entmax` package takes it: an int >= 1 (its bisection needs one
+    step), given as a Python or numpy int or a one-element integer tensor. Our
+    results are converged whatever its value. allow_any: the package ignores it
+    (sparsemax_bisect): any number, or None."""
+    if torch.compiler.is_compiling() or (allow_any and (n_iter is None or isinstance(n_iter, numbers.Real))):
+        return
+    n = as_index(n_iter, "n_iter")
+    if n < 1 and not allow_any:
+        raise ValueError(f"n_iter must be a positive int, got {n_iter!r}")
+
+
+def check_flag(value, name: str) -> None:
+    """A flag the `entmax` package only tests for truth (ensure_sum_one): anything
+    with a truth value is accepted."""
+    try:
+        bool(value)
+    except Exception as exc:
+        raise TypeError(f"{name} must have a truth value (a bool), got {type(value).__name__}: {exc}") from None

@@ -1,0 +1,135 @@
+"""Helpers shared by the attention test files: inputs, masks, α per head,
+tolerances, the float64 oracle with α per head, and backend skips.
+
+The row-wise normalizers' helpers (per-dtype TOLERANCES, score makers,
+assert_close, the dropout keep mask) are in the public attnkern.testing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnkern.backends import reference
+from attnkern.family import NORMALIZERS, takes_alpha
+
+__all__ = ["NORMALIZERS", "ALPHAS", "KERNEL_ALPHAS", "TOL", "GRAD_TOL", "make_qkv", "attention_mask",
+           "kernel_mask", "alpha_for", "kernel_tol", "ref_attention", "assert_close_tol", "require_backend"]
+
+# α per head for "entmax": exact in float32 (the kernels take α in float32),
+# covering α < 1, the generic solver, α = 1.5 and 2 (exact families) and α > 2.
+ALPHAS = (1.25, 0.75, 1.5, 2.0, 1.75, 2.5, 1.125, 1.0)
+# The α per head of the Triton kernel tests (tests/test_triton.py).
+KERNEL_ALPHAS = (1.5, 2.0, 1.25, 1.0)
+
+# Forward / gradient tolerances (atol, rtol) of attnkern.attention against the
+# float64 reference, for inputs of unit scale.
+TOL = {torch.float64: (1e-9, 1e-7), torch.float32: (2e-5, 1e-4)}
+GRAD_TOL = {torch.float64: (1e-8, 1e-6), torch.float32: (1e-4, 1e-3)}
+
+
+def kernel_tol(dtype) -> dict:
+    """Tolerances of the Triton launchers against the float64 reference."""
+    return dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=2e-4, atol=4e-5)
+
+
+def make_qkv(B, H, Hk, L, S, E, Ev, dtype=torch.float32, *, noncontig=False, seed=0, spread=1.0,
+             grad_out=False, device="cpu"):
+    """q (B, H, L, E), k (B, Hk, S, E), v (B, Hk, S, Ev) [and, with grad_out, an
+    output gradient (B, H, L, Ev)], drawn in float64 from a CPU generator (the
+    same numbers on every host) and cast to dtype on device. noncontig: stored
+    as (B, seq, heads, dim) and seen as (B, heads, seq, dim), as a projection
+    followed by a transpose produces."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        if noncontig:
+            x = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=g, dtype=torch.float64, device="cpu")
+            return (spread * x).to(device=device, dtype=dtype).transpose(1, 2)
+        x = torch.randn(*shape, generator=g, dtype=torch.float64, device="cpu")
+        return (spread * x).to(device=device, dtype=dtype)
+
+    qkv = rnd(B, H, L, E), rnd(B, Hk, S, E), rnd(B, Hk, S, Ev)
+    return qkv + (rnd(B, H, L, Ev),) if grad_out else qkv
+
+
+def attention_mask(kind, B, H, L, S, seed=1):
+    """(attn_mask, is_causal) of attnkern.attention for a mask kind: none,
+    causal, bool, float, key_padding, fully_masked, causal_float."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None, False
+    if kind == "causal":
+        return None, True
+    if kind == "bool":
+        m = torch.rand(B, H, L, S, generator=g) > 0.3
+        m[..., 0] = True
+        return m, False
+    if kind == "float":
+        return torch.randn(1, H, L, S, generator=g, dtype=torch.float64).to(torch.float32), False
+    if kind == "key_padding":
+        lengths = torch.randint(1, S + 1, (B,), generator=g)
+        return (torch.arange(S)[None, :] < lengths[:, None]).view(B, 1, 1, S), False
+    if kind == "fully_masked":
+        m = torch.rand(B, H, L, S, generator=g) > 0.5
+        m[..., 0, :] = False  # the first query of every head sees nothing
+        if L > 2:
+            m[0, 0, L // 2, :] = False
+        return m, False
+    if kind == "causal_float":
+        m = torch.randn(B, 1, 1, S, generator=g).clamp(-2, 2)
+        return m, True
+    raise ValueError(kind)
+
+
+def kernel_mask(kind, B, H, L, S, dtype=torch.float32, seed=1, device="cpu"):
+    """(mask, is_causal) of the raw attention launchers (float masks, -inf = not
+    allowed) for a mask kind: none, causal, float, empty_rows (float with some
+    rows fully masked, and causal)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None, False
+    if kind == "causal":
+        return None, True
+    mask = torch.randn(B, 1, L, S, generator=g, dtype=torch.float64, device="cpu")
+    mask = mask.masked_fill(torch.rand(B, 1, L, S, generator=g, device="cpu") < 0.25, -math.inf).to(device)
+    mask[..., 0] = 0.0  # every row keeps a key...
+    if kind == "empty_rows":
+        mask[0, 0, L // 2] = -math.inf  # ...but these
+        if B > 1:
+            mask[1, 0, L - 1] = -math.inf
+    return mask.to(dtype).expand(B, H, L, S), kind == "empty_rows"
+
+
+def alpha_for(normalizer, H, values=ALPHAS, requires_grad=False):
+    """α per head (H,) float32 cycling through `values` for "entmax", else None."""
+    if not takes_alpha(normalizer):
+        return None
+    a = torch.tensor([values[h % len(values)] for h in range(H)], dtype=torch.float32)
+    return a.requires_grad_(requires_grad)
+
+
+def ref_attention(q, k, v, mask, causal, normalizer, alpha, scale=None, **kw):
+    """reference.attention (float64, differentiable by autograd) with alpha None
+    or (H,), one α per head."""
+    return reference.attention(q, k, v, mask, causal, scale, normalizer=normalizer,
+                               alpha=None if alpha is None else alpha.view(-1, 1, 1), **kw)
+
+
+def assert_close_tol(actual, expected, tol, what=""):
+    """assert_close in float64 with tol = (atol, rtol)."""
+    atol, rtol = tol
+    torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def require_backend(backend):
+    """Skips the test when `backend` ("triton") cannot run here, with the reason."""
+    if backend == "triton":
+        from attnkern.backends import triton as triton_backend
+
+        ok, why = triton_backend.available()
+        if not ok:
+            pytest.skip(why)
