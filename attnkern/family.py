@@ -1,8 +1,9 @@
 """The normalizer family and the numeric conventions every backend shares.
 
 The one Python definition of: the normalizer names and their family codes
-(the C++ kernels' `math::Family` in csrc/include/attnkern/entmax_math.h and the
-Triton kernels' FAMILY use the same numbers), the |α - 1| band below which
+(the C++ kernels' `math::Family` in csrc/include/attnkern/family.h, checked by
+tests/test_family.py, and the Triton kernels' FAMILY use the same numbers),
+the |α - 1| band below which
 α-entmax is computed as softmax, and the accumulation dtype of a computation.
 It imports nothing from attnkern, so every layer (the public API, autograd,
 the reference and Triton backends) can use it.
@@ -57,7 +58,7 @@ def takes_alpha(normalizer: str) -> bool:
 
 # |α - 1| below which α-entmax is computed as softmax (its forward), and below
 # which ∂p/∂α takes its softmax limit: kSoftmaxForwardBand and
-# kAlphaGradLimitBand of csrc/include/attnkern/entmax_math.h.
+# kAlphaGradLimitBand of csrc/include/attnkern/family.h and entmax_math.h.
 SOFTMAX_BAND = 1e-6
 ALPHA_GRAD_BAND = SOFTMAX_BAND
 
