@@ -52,6 +52,11 @@ def test_passes_within_target_1024(normalizer, kind):
                                        device=DEVICE)
     assert row["key_blocks"] >= 16
     assert 2 <= row["max_passes"] <= MAX_PASSES[normalizer], row
+    if kind == "local" and normalizer == "sparsemax":
+        # Scores peak near the diagonal: after the first pass, the search and
+        # P·V read only the key blocks that may hold some row's support (a few
+        # for sparsemax; entmax's wider supports reach most blocks here).
+        assert row["mean_blocks"] < 0.9 * row["key_blocks"] * row["mean_passes"], row
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax"])

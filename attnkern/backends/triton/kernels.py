@@ -195,7 +195,7 @@ def _set_sums(y, theta, sn, sy, sy2, smin, NSETS: tl.constexpr):
 @triton.jit
 def _set_bounds(sn, sy, sy2, smin, theta, b, inv_b, lo, hi):
     """What the candidate sets prove about the shift c (relative to the row max,
-    so y <= 0), for 0 < b <= 1 (docs/algorithms.md, "Threshold search"):
+    so y <= 0), for 0 < b <= 1 (docs/algorithms.md, "Finding the shift"):
 
     - every set A gives c >= mean_A(y) + (1 - |A|^-b)/b (Jensen: φ_b is convex,
       so Σ_A φ(y - c) >= |A|·φ(mean y - c));
