@@ -60,10 +60,14 @@ def passes_section(rows: list[dict]) -> str:
     if not rows:
         return ""
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_triton_passes import markdown
+    from bench_triton_passes import KINDS, NORMALIZERS, markdown
 
-    order = {"random": 0, "local": 1}
-    rows = sorted(rows, key=lambda r: (r["normalizer"], order.get(r["kind"], 2), r["n"]))
+    def key(r):
+        name, kind = r["normalizer"].split()[0], r["kind"]
+        return (NORMALIZERS.index(name) if name in NORMALIZERS else len(NORMALIZERS),
+                KINDS.index(kind) if kind in KINDS else len(KINDS), r["n"])
+
+    rows = sorted(rows, key=key)
     return (f"## {PASSES_TITLE}\n\nPer query block, every pass over the key blocks (the first, the "
             f"threshold search's, the P·V one); max and mean over query blocks and heads.\n\n"
             + markdown(rows) + "\n")
