@@ -5,6 +5,8 @@
 Each benchmark's extra_info names its group, op, provider, mode and shape; the
 baseline of a (group, shape, mode) is the benchmark with baseline=True (torch's
 softmax for the normalizers, scaled_dot_product_attention for attention).
+Rows of group "triton-passes" (bench_triton_passes.py) are counts, not times:
+they get their own section.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -49,6 +52,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+PASSES_TITLE = "Triton forward passes over K (interpreter, float32)"
+
+
+def passes_section(rows: list[dict]) -> str:
+    """The pass-count table of bench_triton_passes.py; "" without its rows."""
+    if not rows:
+        return ""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_triton_passes import KINDS, NORMALIZERS, markdown
+
+    def key(r):
+        name, kind = r["normalizer"].split()[0], r["kind"]
+        return (NORMALIZERS.index(name) if name in NORMALIZERS else len(NORMALIZERS),
+                KINDS.index(kind) if kind in KINDS else len(KINDS), r["n"])
+
+    rows = sorted(rows, key=key)
+    return (f"## {PASSES_TITLE}\n\nPer query block, every pass over the key blocks (the first, the "
+            f"threshold search's, the P·V one); max and mean over query blocks and heads.\n\n"
+            + markdown(rows) + "\n")
+
+
 def plot(rows: list[dict], path: Path) -> bool:
     try:
         import matplotlib
@@ -80,14 +104,18 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench", help="prefix of the .md and .png written")
     args = ap.parse_args()
     rows, machine = load(args.json)
+    passes = [r for r in rows if r["group"] == "triton-passes"]
+    rows = [r for r in rows if r["group"] != "triton-passes"]
     md = table(rows)
+    if passes:
+        md += "\n\n" + passes_section(passes)
     cpu = machine.get("cpu", {}).get("brand_raw", platform.processor() or platform.machine())
     header = f"Machine: {cpu}, {machine.get('cpu', {}).get('count', '?')} cores; medians of the rounds.\n\n"
     print(header + md)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(header + md + "\n")
-    if plot(rows, out.with_suffix(".png")):
+    if rows and plot(rows, out.with_suffix(".png")):
         print(f"\nwrote {out.with_suffix('.md')} and {out.with_suffix('.png')}")
 
 

@@ -391,13 +391,14 @@ acc = tl.float64 if dt == "fp64" else tl.float32
 accs = "fp64" if dt == "fp64" else "fp32"
 floats = {"scale", "eps", "alpha_band", "drop_scale"}
 wide = {"seed", "threshold"}
-pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "BlockMax", "DO", "Delta", "DAlphaRow",
+pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "Counts", "DO", "Delta", "DAlphaRow",
             "DQ", "DK", "DV"}
 for family in range(4):
     base = dict(FAMILY=family, HAS_MASK=True, IS_CAUSAL=True, HEAD_DIM=64, HEAD_DIM_V=32, BLOCK_M=64,
                 BLOCK_N=32, ACC=acc, DROPOUT=True)
     for fn, ptrs, const in (
-        (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", BlockMax=accs), dict(base, MAX_ITER=64)),
+        (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", Counts="i32"),
+         dict(base, MAX_ITER=64, N_WORDS=4, NSETS=8, COUNT=True)),
         (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow=accs),
          dict(base, STATS=family != 0, ALPHA_GRAD=family == 3)),
         (K._attn_bwd_dkdv_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs), base),

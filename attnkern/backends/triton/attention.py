@@ -20,8 +20,10 @@ from attnkern.family import ALPHA_GRAD_BAND, NORMALIZERS, Family, acc_dtype
 # re-reads K). Rows converge in 3-11 steps for b <= 1; bisection fallbacks for
 # α > 2 may need more.
 _MAX_ITER = 64
-# The smallest BLOCK_N of any configuration (sizes the block-max scratch).
+# The smallest BLOCK_N of any configuration (sizes the key-block bitmask).
 _MIN_BLOCK_N = 16
+# Candidate sets per row in the threshold search (kernels._set_bounds).
+_NSETS = 8
 
 
 def _kernels():
@@ -166,7 +168,28 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     with no allowed key, whose output is 0).
     dropout_p, dropout_seed: dropout on the weights before p·v, the keep mask
     drawn from the seed (an int64 scalar tensor) as the CPU kernel draws it.
+    Besides out and shift it allocates nothing that grows with L·S.
     """
+    out, shift, _ = _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed,
+                                   count=False)
+    return out, shift
+
+
+def forward_pass_counts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        is_causal: bool, scale: float, normalizer: str, alpha: torch.Tensor | None):
+    """`attention_fwd` instrumented: (out, shift, passes, blocks).
+
+    passes (B, H, ⌈L/BLOCK_M⌉) int32: the passes over the keys each query block
+    made (each recomputes q·kᵀ on the key blocks it reads), counting the first
+    one (row max and bounds) and the last (P·V); blocks: the key blocks it read
+    over all passes. BLOCK_M is the one the launcher picked.
+    """
+    out, shift, counts = _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, 0.0, None,
+                                        count=True)
+    return out, shift, counts[..., 0], counts[..., 1]
+
+
+def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed, count):
     mask, family = _validate(q, k, v, mask, normalizer, alpha)
     seed, threshold, drop_scale, groups, dropout = _dropout_args(float(dropout_p), dropout_seed, k.shape[2])
     kern = _kernels()
@@ -174,28 +197,35 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     Hk, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((B, H, L, Ev), dtype=q.dtype, device=q.device)
     shift = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+    # Filled by the kernel when `count` (it knows BLOCK_M); a placeholder otherwise.
+    counts = torch.zeros((B, H, 0, 2), dtype=torch.int32, device=q.device)
     if B * H * L == 0:
-        return out, shift
+        return out, shift, counts
     if S == 0:
         out.zero_()
         shift.fill_(math.inf)
-        return out, shift
+        return out, shift, counts
     mask_t, mstr = _mask_args(mask, q)
     hd, hdv = _head_dim(E), _head_dim(Ev)
     grid = lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)
     q, k, v = _interpreter_inputs(q, k, v)
-    # Per (row, key block) max scores, for skipping blocks in the threshold search.
-    n_blocks = triton.cdiv(S, _MIN_BLOCK_N)
-    block_max = (torch.empty((B * H * L * n_blocks,), dtype=acc_dtype(q.dtype), device=q.device)
-                 if family is not Family.SOFTMAX else shift)
+    if count:
+        # Room for the smallest BLOCK_M; trimmed to the one used below.
+        counts = torch.zeros((B, H, triton.cdiv(L, _MIN_BLOCK_N), 2), dtype=torch.int32, device=q.device)
+    n_words = triton.next_power_of_2(triton.cdiv(triton.cdiv(S, _MIN_BLOCK_N), 32))
     kern.attn_fwd[grid](
-        q, k, v, mask_t, _alpha_arg(family, alpha, q), out, shift, block_max,
+        q, k, v, mask_t, _alpha_arg(family, alpha, q), out, shift, counts,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), n_blocks, seed, threshold, drop_scale, groups,
+        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), seed, threshold, drop_scale, groups,
         FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
         HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q), DROPOUT=dropout,
+        N_WORDS=n_words, NSETS=_NSETS, COUNT=count,
     )
-    return out, shift
+    if count:
+        n_blocks_m = triton.cdiv(L, kern.attn_fwd.best_config.kwargs["BLOCK_M"])
+        counts = counts.reshape(B * H * triton.cdiv(L, _MIN_BLOCK_N), 2)[:B * H * n_blocks_m]
+        counts = counts.reshape(B, H, n_blocks_m, 2)
+    return out, shift, counts
 
 
 def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -262,3 +292,55 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if alpha_grad:
         dalpha = dalpha_rows.sum(dim=(0, 2)).to(torch.float32)
     return dq, dk, dv, dalpha
+
+
+# --- pass counts of the forward (benchmarks/bench_triton_passes.py, tests/test_triton_passes.py) ---
+
+# α of the heads of the "entmax" rows of the pass-count table (one head each).
+PASS_COUNT_ALPHAS = (1.25, 1.5, 1.75)
+
+
+def pass_count_inputs(kind: str, L: int, S: int, E: int, H: int = 1, seed: int = 0, device=None):
+    """q (1, H, L, E), k and v (1, H, S, E) in float32 for counting passes.
+
+    kind "random": N(0, 1) entries (scores N(0, 1) at scale E^-1/2, support
+    scattered over the keys). "local": q_i and k_j share a sinusoidal code of
+    the position, plus noise, so scores peak near the diagonal i ≈ j·L/S and
+    the support lies in a few key blocks.
+    """
+    if kind not in ("random", "local"):
+        raise ValueError(f"pass_count_inputs: kind must be 'random' or 'local', got {kind!r}")
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        q, k, v = (torch.randn(1, H, n, E, generator=g) for n in (L, S, S))
+    else:
+        def code(pos):
+            freq = torch.exp(-torch.arange(E // 2, dtype=torch.float64) / (E // 2) * math.log(max(L, S)))
+            ang = pos.double()[:, None] * freq[None, :]
+            return torch.cat([torch.sin(ang), torch.cos(ang)], -1).float() * 0.6
+
+        q = code(torch.arange(L) * (S / L)) + 0.3 * torch.randn(1, H, L, E, generator=g)
+        k = code(torch.arange(S)) + 0.3 * torch.randn(1, H, S, E, generator=g)
+        v = torch.randn(1, H, S, E, generator=g)
+    return tuple(t.to(device) for t in (q, k, v))
+
+
+def pass_count_summary(normalizer: str, kind: str, L: int, S: int, E: int = 64, seed: int = 0,
+                       query_rows: slice | None = None, device=None) -> dict:
+    """Passes over K of the forward per query block on `pass_count_inputs`, in float32.
+
+    One head per α of PASS_COUNT_ALPHAS for "entmax", one head otherwise; scale
+    E^-1/2, no mask. query_rows: only these query rows (the others would make
+    the same passes as in the full problem, it is not causal). Returns
+    max_passes, mean_passes (over query blocks and heads), mean_blocks (key
+    blocks read per query block, all passes) and key_blocks (per pass).
+    """
+    H = len(PASS_COUNT_ALPHAS) if normalizer == "entmax" else 1
+    q, k, v = pass_count_inputs(kind, L, S, E, H, seed, device)
+    if query_rows is not None:
+        q = q[:, :, query_rows]
+    alpha = torch.tensor(PASS_COUNT_ALPHAS, device=device) if normalizer == "entmax" else None
+    _, _, passes, blocks = forward_pass_counts(q, k, v, None, False, E**-0.5, normalizer, alpha)
+    block_n = _kernels().attn_fwd.best_config.kwargs["BLOCK_N"]
+    return dict(max_passes=int(passes.max()), mean_passes=float(passes.float().mean()),
+                mean_blocks=float(blocks.float().mean()), key_blocks=triton.cdiv(S, block_n))

@@ -46,6 +46,18 @@ def _log1p(x):
 
 
 @triton.jit
+def _expm1(x):
+    # exp(x) - 1 without the cancellation for small x (Kahan): with u = fl(exp(x)),
+    # (u - 1)·x / log(u) is accurate to a few ulps.
+    u = tl.exp(x)
+    d = u - 1.0
+    small = d == 0.0
+    big = tl.abs(x) > 0.5
+    lg = tl.log(u)
+    return tl.where(small, x, tl.where(big, d, d * (x / tl.where(lg == 0.0, 1.0, lg))))
+
+
+@triton.jit
 def _phi_g(y, b, FAMILY: tl.constexpr):
     """p = φ_b(y) and g = p^(2-α) = p / (1 + b·y) on the support, 0 elsewhere.
 
@@ -180,18 +192,101 @@ def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
 
 
 @triton.jit
+def _live_get(live, j, widx):
+    """Bit j of the key-block bitmask `live` (int64 words of 32 bits each)."""
+    j = j + tl.zeros((), tl.int64)
+    word = tl.sum(tl.where(widx == j // 32, live, 0), 0)
+    return ((word >> (j % 32)) & 1) != 0
+
+
+@triton.jit
+def _live_set(live, j, widx, on):
+    """`live` with bit j set when `on`."""
+    j = j + tl.zeros((), tl.int64)
+    bit = tl.full((), 1, tl.int64) << (j % 32)
+    return live | tl.where((widx == j // 32) & on, bit, 0)
+
+
+@triton.jit
+def _set_sums(y, theta, sn, sy, sy2, smin, NSETS: tl.constexpr):
+    """Adds the entries y > theta_t of a tile (rows × keys) to the sums of the
+    candidate sets t (count, Σy, Σy², min y), one column per set; theta is a
+    (rows, NSETS) tensor."""
+    cols = tl.arange(0, NSETS)[None, :]
+    for t in tl.static_range(NSETS):
+        th = tl.sum(tl.where(cols == t, theta, 0.0), 1)
+        inside = y > th[:, None]
+        ym = tl.where(inside, y, 0.0)
+        sel = cols == t
+        sn = tl.where(sel, sn + tl.sum(inside.to(y.dtype), 1)[:, None], sn)
+        sy = tl.where(sel, sy + tl.sum(ym, 1)[:, None], sy)
+        sy2 = tl.where(sel, sy2 + tl.sum(ym * ym, 1)[:, None], sy2)
+        smin = tl.where(sel, tl.minimum(smin, tl.min(tl.where(inside, y, float("inf")), 1)[:, None]), smin)
+    return sn, sy, sy2, smin
+
+
+@triton.jit
+def _set_bounds(sn, sy, sy2, smin, theta, b, inv_b, lo, hi):
+    """What the candidate sets prove about the shift c (relative to the row max,
+    so y <= 0), for 0 < b <= 1 (docs/algorithms.md, "Finding the shift"):
+
+    - every set A gives c >= mean_A(y) + (1 - |A|^-b)/b (Jensen: φ_b is convex,
+      so Σ_A φ(y - c) >= |A|·φ(mean y - c));
+    - for b = 1/2 the root of Σ_A (1 + (y - c)/2)² = 1 is a lower bound when
+      every y of A is at or above its cut c - 2 (for b = 1 Jensen's bound is the
+      root on A);
+    - such a root is the shift itself when, besides, no entry outside A (all <=
+      theta) is above the cut: theta <= c - 1/b (the support is A);
+    - a set that holds the support (theta <= lo - 1/b) gives c <= (1 - |A|^-b)/b.
+
+    Returns (lo, hi, exact) per row, exact = NaN when no set is the support.
+    """
+    b = b + tl.zeros_like(sn)  # (rows, sets), like the sums
+    has = sn > 0.0
+    n = tl.where(has, sn, 1.0)
+    mean = sy / n
+    ln_n = tl.log(n)
+    soft = b < SOFTMAX_BAND
+    pw = tl.where(soft, ln_n, -_expm1(-b * ln_n) * inv_b)
+    jensen = mean + pw
+    var = tl.maximum(sy2 / n - mean * mean, 0.0)
+    disc = 1.0 / n - 0.25 * var
+    quad = 2.0 + mean - 2.0 * tl.sqrt(tl.maximum(disc, 0.0))
+    quad_ok = (disc >= 0.0) & (smin >= quad - 2.0) & (b == 0.5)
+    root = tl.where(quad_ok, quad, jensen)
+    root_ok = quad_ok | ((smin >= jensen - 1.0) & (b == 1.0))
+    bound = tl.where(has, tl.maximum(root, jensen), -float("inf"))
+    lo = tl.maximum(lo, tl.max(bound, 1))
+    exact_c = tl.where(has & root_ok & (theta <= root - inv_b), root, -float("inf"))
+    exact = tl.max(exact_c, 1)
+    exact = tl.where(exact > -float("inf"), exact, float("nan"))
+    holds = has & (theta <= lo[:, None] - inv_b)
+    hi = tl.minimum(hi, tl.min(tl.where(holds, pw, float("inf")), 1))
+    return lo, hi, exact
+
+
+@triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Alpha, Out, Shift, BlockMax,
+    Q, K, V, Mask, Alpha, Out, Shift, Counts,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, L, S, E, EV, scale, eps, n_blocks_max, seed, threshold, drop_scale, G,
+    H, GROUP, L, S, E, EV, scale, eps, seed, threshold, drop_scale, G,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_ITER: tl.constexpr, ACC: tl.constexpr, DROPOUT: tl.constexpr,
+    N_WORDS: tl.constexpr, NSETS: tl.constexpr, COUNT: tl.constexpr,
 ):
+    """out and shift for one block of query rows of one (batch, head).
+
+    Softmax: one pass (online). The sparse normalizers: a first pass for the row
+    max and bounds of the shift, passes of the threshold search, and the pass
+    that forms P·V. N_WORDS: int64 words of the key-block bitmask (32 blocks
+    each); NSETS: candidate sets per row. COUNT: also store, per program, the
+    passes over K and the key blocks read into Counts (2 int32 each).
+    """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     Q, K, V, Mask, bi, h = _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb,
@@ -210,9 +305,6 @@ def _attn_fwd_kernel(
 
     # Row max: the shift is searched relative to it, so that y = s - m <= 0.
     m = tl.full((BLOCK_M,), neg_inf, ACC)
-    # Per row and key block, the block's max score: later passes skip a key block
-    # (no K or V read, no dot) when it cannot hold any row's support.
-    block_rows = (pid_bh.to(tl.int64) * L + offs_m) * n_blocks_max
     nan_row = offs_m < 0
     if FAMILY == SOFTMAX:
         # Online softmax: one pass, rescaling the running sums when the max grows.
@@ -238,80 +330,164 @@ def _attn_fwd_kernel(
         shift = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("inf"))
         shift = tl.where(lsum != lsum, lsum, shift)  # a NaN row keeps NaN
         out = acc / tl.where(has, lsum, 1.0)[:, None]
+        n_pass = 1
+        n_visit = tl.cdiv(n_end, BLOCK_N)
     else:
+        inv_b = 1.0 / tl.where(b == 0.0, 1.0, b)
+        soft_head = (b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND)
+        # For 0 < b <= 1 the search runs from the left (docs/algorithms.md): every
+        # iterate is a proven lower bound of the shift.
+        convex = (b >= SOFTMAX_BAND) & (b <= 1.0)
+        # Bracket [0, (1 - S^-b)/b] for c - m (docs/algorithms.md), softmax limit ln S;
+        # widened by a relative 1e-3 against the rounding of the formula.
+        ln_n = tl.log(tl.full((), 1.0, ACC) * S)
+        upper = tl.where(soft_head, ln_n, -_expm1(-b * ln_n) * inv_b)
+        upper = upper * 1.001 + 1e-6
+        # Key blocks that may hold some row's support, one bit each: cleared once
+        # a pass finds the block outside every row's support at the row's lower
+        # bound of the shift, which only grows, so later passes skip the block
+        # (no K or V read, no dot).
+        widx = tl.arange(0, N_WORDS)
+        live = tl.zeros((N_WORDS,), tl.int64)
+        # Candidate sets {y > theta_t} (y = s - m): NSETS cuts spread over the
+        # bracket; their sums bound the shift, and the set that is the support
+        # gives it in closed form for b = 1 and b = 1/2 (_set_bounds).
+        frac = tl.arange(0, NSETS)[None, :].to(ACC) / (NSETS - 1)
+        sn = tl.zeros((BLOCK_M, NSETS), ACC)
+        sy = tl.zeros((BLOCK_M, NSETS), ACC)
+        sy2 = tl.zeros((BLOCK_M, NSETS), ACC)
+        smin = tl.zeros((BLOCK_M, NSETS), ACC) + float("inf")
+        theta = tl.zeros((BLOCK_M, NSETS), ACC) + (frac * upper - inv_b)
+        lsum = tl.zeros((BLOCK_M,), ACC)
+        # First pass: the row max, and the sums relative to the running max
+        # (shifted when it grows; a set's cut moves with it, which only adds
+        # entries below the final cut: every bound stays valid).
         for start_n in range(0, n_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
             s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
-            block_max = tl.max(s, 1)
-            tl.store(BlockMax + block_rows + start_n // BLOCK_N, block_max, mask=row_ok)
-            m = tl.maximum(m, block_max)
             nan_row = nan_row | (tl.max(tl.where(s != s, 1, 0), 1) > 0)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            d = tl.where(m_new > neg_inf, m_new, 0.0) - tl.where(m > neg_inf, m, 0.0)
+            y = s - tl.where(m_new > neg_inf, m_new, 0.0)[:, None]
+            if FAMILY == ENTMAX:
+                # Σ exp(y): the log-sum-exp, the shift of softmax heads and a lower
+                # bound of it for b < 0 (φ_b >= exp).
+                lsum = lsum * tl.exp(-d) + tl.sum(tl.exp(y), 1)
+            if convex:
+                dc = d[:, None]
+                sy2 = sy2 - 2.0 * dc * sy + sn * dc * dc
+                sy = sy - sn * dc
+                smin = smin - dc
+                sn, sy, sy2, smin = _set_sums(y, theta, sn, sy, sy2, smin, NSETS)
+            live = _live_set(live, start_n // BLOCK_N, widx, _any_support(tl.max(y, 1), b, row_ok))
+            m = m_new
+        n_pass = 1
+        n_visit = tl.cdiv(n_end, BLOCK_N)
         # A NaN score makes its row NaN (out and shift) and no other.
         has = (m > neg_inf) & ~nan_row
         m_safe = tl.where(has, m, 0.0)
 
-        # Bracket [0, (1 - S^-b)/b] for c - m (docs/algorithms.md), softmax limit ln S;
-        # widened by a relative 1e-3 against the rounding of the formula.
-        ln_n = tl.log(tl.full((), 1.0, ACC) * S)
-        b_nz = tl.where(b == 0.0, 1.0, b)
-        upper = tl.where((b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND), ln_n, (1.0 - tl.exp(-b * ln_n)) / b_nz)
-        upper = upper * 1.001 + 1e-6
         lo = tl.zeros((BLOCK_M,), ACC)
         hi = tl.zeros((BLOCK_M,), ACC) + upper
-        c = tl.zeros((BLOCK_M,), ACC)
+        lse = tl.log(tl.where(lsum > 0.0, lsum, 1.0))
+        lo = tl.where(b < 0.0, tl.maximum(lo, lse), lo)
         active = (has & row_ok).to(tl.int32)
-        soft_head = (b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND)
         tol_f = eps * (2.0 + tl.sqrt(tl.full((), 1.0, ACC) * S))
+        if convex:
+            lo, hi, exact = _set_bounds(sn, sy, sy2, smin, theta, b, inv_b, lo, hi)
+            found = exact == exact
+            c = tl.where(found, exact, lo)
+            active = tl.where(found | (hi - lo <= 4.0 * eps * (1.0 + lo)), 0, active)
+        else:
+            c = lo
+        # Softmax heads of the α-entmax family: the log-sum-exp is the shift.
+        c = tl.where(soft_head, lse, c)
+        active = tl.where(soft_head, 0, active)
         it = 0
-        # Safeguarded Newton on f(c) = Σ φ(y - c) - 1, f' = -Σ g. From the left
-        # (c = 0) it is monotone for b <= 1 (f convex); for b > 1 a step that
-        # leaves the bracket is replaced by bisection. Each step re-streams K.
+        # Each step re-streams the live key blocks. 0 < b <= 1: Newton on the
+        # convex (Σp)^b from the lower bound c = lo lands left of the root
+        # (a new lower bound), and so do the candidate sets' bounds; the search
+        # stops when a set is the support, when Σp = 1 to rounding, or when a
+        # step or the bracket is below resolution. Otherwise: safeguarded
+        # Newton on f(c) = Σ φ(y - c) - 1, f' = -Σ g, bisecting when a step
+        # leaves the bracket.
         while (it < MAX_ITER) & (tl.max(active, 0) > 0):
             sum_p = tl.zeros((BLOCK_M,), ACC)
             sum_g = tl.zeros((BLOCK_M,), ACC)
+            theta = lo[:, None] - inv_b + frac * (hi - lo)[:, None]
+            sn = tl.zeros((BLOCK_M, NSETS), ACC)
+            sy = tl.zeros((BLOCK_M, NSETS), ACC)
+            sy2 = tl.zeros((BLOCK_M, NSETS), ACC)
+            smin = tl.zeros((BLOCK_M, NSETS), ACC) + float("inf")
+            next_live = tl.zeros((N_WORDS,), tl.int64)
             for start_n in range(0, n_end, BLOCK_N):
-                block_max = tl.load(BlockMax + block_rows + start_n // BLOCK_N, mask=row_ok, other=neg_inf)
-                if _any_support(block_max - (m_safe + c), b, active > 0):
+                j = start_n // BLOCK_N
+                if _live_get(live, j, widx):
                     offs_n = start_n + tl.arange(0, BLOCK_N)
                     kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
                     s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                                 HAS_MASK, IS_CAUSAL, ACC)
-                    p, g = _phi_g(s - (m_safe + c)[:, None], b, FAMILY)
+                    y = s - m_safe[:, None]
+                    p, g = _phi_g(y - c[:, None], b, FAMILY)
                     sum_p += tl.sum(p, 1)
                     sum_g += tl.sum(g, 1)
+                    if convex:
+                        sn, sy, sy2, smin = _set_sums(y, theta, sn, sy, sy2, smin, NSETS)
+                    next_live = _live_set(next_live, j, widx, _any_support(tl.max(y, 1) - lo, b, has))
+                    n_visit += 1
+            live = next_live
+            n_pass += 1
             f = sum_p - 1.0
             tol_c = 4.0 * eps * (1.0 + c)
             small_f = tl.abs(f) <= tol_f
-            lo = tl.where(f > 0.0, c, lo)
-            hi = tl.where(f > 0.0, hi, c)
-            newton = c + f / tl.where(sum_g > 0.0, sum_g, 1.0)
-            inside = (newton > lo) & (newton < hi) & (sum_g > 0.0)
-            c_next = tl.where(inside, newton, 0.5 * (lo + hi))
-            # Softmax heads of the α-entmax family: Σ exp(y - c) = 1 is solved exactly.
-            c_next = tl.where(soft_head, c + tl.log(tl.where(sum_p > 0.0, sum_p, 1.0)), c_next)
-            # Stop at Σp = 1 to rounding, or when a step or the bracket is below resolution.
-            done = small_f | (tl.abs(c_next - c) <= tol_c) | (hi - lo <= tol_c)
-            c = tl.where((active > 0) & ~small_f, c_next, c)
+            ok = (sum_g > 0.0) & (sum_p > 0.0)
+            if convex:
+                sp = tl.where(ok, sum_p, 1.0)
+                nxt = c - sp * _expm1(-b * tl.log(sp)) / (b * tl.where(ok, sum_g, 1.0))
+                lo_n = tl.where(ok & (nxt > lo), tl.minimum(nxt, hi), lo)
+                lo_n, hi_n, exact = _set_bounds(sn, sy, sy2, smin, theta, b, inv_b, lo_n, hi)
+                found = exact == exact
+                c_next = tl.where(found, exact, tl.where(small_f, c, lo_n))
+                done = found | small_f | (c_next - c <= tol_c) | (hi_n - lo_n <= tol_c)
+            else:
+                lo_n = tl.where(f > 0.0, c, lo)
+                hi_n = tl.where(f > 0.0, hi, c)
+                newton = c + f / tl.where(sum_g > 0.0, sum_g, 1.0)
+                inside = (newton > lo_n) & (newton < hi_n) & (sum_g > 0.0)
+                c_next = tl.where(small_f, c, tl.where(inside, newton, 0.5 * (lo_n + hi_n)))
+                done = small_f | (tl.abs(c_next - c) <= tol_c) | (hi_n - lo_n <= tol_c)
+            lo = tl.where(active > 0, lo_n, lo)
+            hi = tl.where(active > 0, hi_n, hi)
+            c = tl.where(active > 0, c_next, c)
             active = tl.where(done, 0, active)
             it += 1
 
         shift = tl.where(nan_row, float("nan"), tl.where(has, m_safe + c, float("inf")))
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
         for start_n in range(0, n_end, BLOCK_N):
-            block_max = tl.load(BlockMax + block_rows + start_n // BLOCK_N, mask=row_ok, other=neg_inf)
-            if _any_support(block_max - shift, b, has):  # skip key blocks outside every row's support
+            if _live_get(live, start_n // BLOCK_N, widx):  # skip key blocks outside every row's support
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
                 s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                             HAS_MASK, IS_CAUSAL, ACC)
+                n_visit += 1
                 p, g = _phi_g(s - shift[:, None], b, FAMILY)
-                if DROPOUT:
-                    p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
-                v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
-                acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
+                if _any_nonzero(p):
+                    if DROPOUT:
+                        p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m,
+                                               offs_n, G)
+                    v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+                    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
+        n_pass += 1
         out = tl.where(nan_row[:, None], float("nan"), acc)
+
+    if COUNT:
+        # Instrumented runs only: passes over K and key blocks read, per program.
+        slot = (pid_bh * tl.num_programs(0) + pid_m) * 2
+        tl.store(Counts + slot, n_pass)
+        tl.store(Counts + slot + 1, n_visit)
 
     _store_rows(Out, out, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
     tl.store(Shift + pid_bh.to(tl.int64) * L + offs_m, shift.to(tl.float32), mask=row_ok)
