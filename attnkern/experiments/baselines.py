@@ -23,7 +23,7 @@ from attnkern.experiments.metrics import jsd, tvd
 
 NAME = "baselines"
 DEFAULT_LAMBDAS = (0.001, 0.01, 0.1, 1.0)
-QUICK_DECEPTIVE_EPOCHS = 2
+QUICK_DECEPTIVE_EPOCHS = 1
 _FLOOR = 1e-12  # keeps log q finite where float32 softmax underflows to 0
 
 
@@ -155,7 +155,7 @@ def run(args) -> dict:
     lambdas = args.lambdas if args.lambdas is not None else ([0.01, 1.0] if args.quick else list(DEFAULT_LAMBDAS))
     if any(not (lam >= 0 and math.isfinite(lam)) for lam in lambdas):
         raise ValueError(f"argument --lambdas: must be finite and >= 0, got {lambdas}")
-    # --quick: the deceptive models start from the trained base model, so two epochs already move the attention
+    # --quick: the deceptive models start from the trained base model, so one epoch already moves the attention
     deceptive_epochs = QUICK_DECEPTIVE_EPOCHS if args.quick else None
     jobs = interp.model_jobs(args, NAME, extra={"lambdas": lambdas, "deceptive_epochs": deceptive_epochs})
     sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
