@@ -384,6 +384,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from attnkern.backends.triton import kernels as K
+from attnkern.backends.triton.attention import _NSETS
 
 assert not K.INTERPRETED
 dt = sys.argv[1]
@@ -398,7 +399,7 @@ for family in range(4):
                 BLOCK_N=32, ACC=acc, DROPOUT=True)
     for fn, ptrs, const in (
         (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", Counts="i32"),
-         dict(base, MAX_ITER=64, N_WORDS=4, NSETS=8, COUNT=True)),
+         dict(base, MAX_ITER=64, N_WORDS=4, NSETS=_NSETS, COUNT=True)),
         (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow=accs),
          dict(base, STATS=family != 0, ALPHA_GRAD=family == 3)),
         (K._attn_bwd_dkdv_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs), base),
