@@ -260,10 +260,9 @@ void rows_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t 
                         float* c, Workspace<acc_t>& ws) {
   // Softmax heads never come here (they are tiled); were one to, it would be
   // solved as α-entmax at b = 0.
-  const Family fam = P.fam[h] == Family::kSoftmax ? Family::kGeneric : P.fam[h];
-  math::with_family(fam, [&](auto tag) {
-    if constexpr (decltype(tag)::value != Family::kSoftmax)
-      rows_forward<acc_t, decltype(tag)::value>(P, bi, h, i0, m, n, o, c, ws);
+  math::with_family(P.fam[h], [&](auto tag) {
+    constexpr Family F = decltype(tag)::value;
+    rows_forward<acc_t, F == Family::kSoftmax ? Family::kGeneric : F>(P, bi, h, i0, m, n, o, c, ws);
   });
 }
 
