@@ -36,6 +36,7 @@ bench: $(BUILT)
 	$(VPY) -m pytest -q benchmarks -o python_files='bench_*.py' --benchmark-only --benchmark-json=.benchmarks/latest.json \
 	    --benchmark-columns=median,iqr,rounds --benchmark-sort=name
 	$(VPY) benchmarks/report.py .benchmarks/latest.json
+	$(VPY) benchmarks/ratios.py --out results/bench/ratios
 
 # Every attention experiment at --quick (minutes each on 2 cores) into results/experiments/.
 EXPERIMENTS ?= copy relevance ktiw ibm1 multihead

@@ -10,7 +10,7 @@ Modules: attnkern.nn
 exports at its top level (ENTMAX_COMPAT), with the same signatures.
 """
 
-from attnkern import _extension, _library  # noqa: F401  (load ops, register fakes)
+from attnkern import _extension, _library, isa  # noqa: F401  (load ops, register fakes)
 from attnkern.attention import attention
 from attnkern.compat import budget_bisect, normmax_bisect, sparsemax_bisect
 from attnkern.losses import (

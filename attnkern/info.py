@@ -8,7 +8,7 @@ import sys
 import torch
 
 import attnkern
-from attnkern import _extension
+from attnkern import _extension, isa
 from attnkern.backends import registry
 
 
@@ -34,6 +34,9 @@ def report() -> str:
         lines.append(f"extension  {attnkern._C.__file__}")
         cuda_compiled = _extension.has_cuda_kernels()
         lines.append(f"           CUDA kernels compiled: {'yes' if cuda_compiled else 'no'}")
+        d = isa.dispatch()
+        lines.append(f"           CPU kernels run at {d['active']} ({d['reason']}); this CPU runs up to "
+                     f"{d['machine']}, this build carries up to {d['compiled']}")
     lines.append("")
     lines.append("backends:")
     for name, (ok, why) in backends().items():

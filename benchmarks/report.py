@@ -18,6 +18,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
+import attnkern
+
 
 def load(path: str) -> tuple[list[dict], dict]:
     data = json.loads(Path(path).read_text())
@@ -110,7 +114,10 @@ def main() -> None:
     if passes:
         md += "\n\n" + passes_section(passes)
     cpu = machine.get("cpu", {}).get("brand_raw", platform.processor() or platform.machine())
-    header = f"Machine: {cpu}, {machine.get('cpu', {}).get('count', '?')} cores; medians of the rounds.\n\n"
+    level = attnkern.isa.dispatch()
+    header = (f"Machine: {cpu}, {machine.get('cpu', {}).get('count', '?')} cores; attnkern CPU kernels at "
+              f"{level.get('active', '?')} (this CPU runs up to {level.get('machine', '?')}); torch CPU capability "
+              f"{torch.backends.cpu.get_cpu_capability()}; medians of the rounds.\n\n")
     print(header + md)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,9 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
+#include "attnkern/cpu_kernels.h"
 #include "attnkern/family.h"
 
 TORCH_LIBRARY(attnkern, m) {
@@ -66,10 +69,56 @@ TORCH_LIBRARY(attnkern, m) {
   m.def("attention_dropout_mask(int B, int H, int L, int S, float dropout_p, Tensor dropout_seed) -> Tensor");
 }
 
+namespace {
+
+using attnkern::cpu::kLevelNames;
+using attnkern::cpu::Level;
+
+const char* level_name(Level level) { return kLevelNames[static_cast<int>(level)]; }
+
+// cpu_dispatch() -> {"active", "reason", "machine", "compiled"}: the CPU kernels'
+// instruction-set levels (attnkern/cpu_kernels.h).
+PyObject* cpu_dispatch(PyObject*, PyObject*) {
+  namespace c = attnkern::cpu;
+  return Py_BuildValue("{s:s,s:s,s:s,s:s}", "active", level_name(c::active_level()), "reason", c::active_reason(),
+                       "machine", level_name(c::machine_level()), "compiled", level_name(c::compiled_level()));
+}
+
+// force_cpu_level(name or None): run the CPU kernels at that level (None: the
+// default choice). ValueError if the build lacks it or the CPU cannot run it.
+PyObject* force_cpu_level(PyObject*, PyObject* arg) {
+  int level = -1;
+  if (arg != Py_None) {
+    const char* name = PyUnicode_AsUTF8(arg);
+    if (name == nullptr) return nullptr;
+    for (int l = 0; l < attnkern::cpu::kNumLevels; ++l)
+      if (std::string(name) == kLevelNames[l]) level = l;
+    if (level < 0) {
+      PyErr_Format(PyExc_ValueError, "attnkern: unknown CPU level %R (DEFAULT, AVX2 or AVX512)", arg);
+      return nullptr;
+    }
+  }
+  try {
+    attnkern::cpu::force_level(level);
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"cpu_dispatch", cpu_dispatch, METH_NOARGS, "The CPU kernels' instruction-set levels: active, why, machine, built."},
+    {"force_cpu_level", force_cpu_level, METH_O, "Run the CPU kernels at a level (None: the default choice)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 // A Python module so that `import attnkern._C` loads the library and runs the
-// registrations above; it also carries FAMILIES and SOFTMAX_BAND (family.h).
+// registrations above; it also carries FAMILIES and SOFTMAX_BAND (family.h)
+// and the CPU dispatch functions above.
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "attnkern compiled ops", -1, nullptr};
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "attnkern compiled ops", -1, methods};
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   // FAMILIES: the normalizer names in the order of their codes (math::Family),

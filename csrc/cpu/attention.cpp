@@ -10,14 +10,15 @@
 // the thread count) with their own dK/dV accumulators, summed at the end in a
 // fixed order, so both cores work even for a single head and the result does
 // not depend on the thread count.
-#include <torch/library.h>
 
 #include <string>
 
 #include "attention_problem.h"
+#include "attnkern/cpu_kernels.h"
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace {
 
 using namespace attn;  // NOLINT(build/namespaces)
@@ -388,11 +389,12 @@ Tensor attention_dropout_mask(int64_t B, int64_t H, int64_t L, int64_t S, double
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
-  m.impl("attention_fwd", &attention_fwd);
-  m.impl("attention_bwd", &attention_bwd);
-  m.impl("attention_dropout_mask", &attention_dropout_mask);
+void add_attention_kernels(KernelTable& t) {
+  t.attention_fwd = &attention_fwd;
+  t.attention_bwd = &attention_bwd;
+  t.attention_dropout_mask = &attention_dropout_mask;
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

@@ -32,6 +32,7 @@
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace attn {
 
 using at::Tensor;
@@ -304,5 +305,6 @@ void rows_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t
                          Workspace<acc_t>& ws);
 
 }  // namespace attn
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

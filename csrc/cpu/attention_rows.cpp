@@ -13,6 +13,7 @@
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace attn {
 namespace {
 
@@ -343,5 +344,6 @@ AK_INSTANTIATE_ROWS(float)
 AK_INSTANTIATE_ROWS(double)
 
 }  // namespace attn
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

@@ -9,6 +9,7 @@
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace attn {
 
 
@@ -177,5 +178,6 @@ AK_INSTANTIATE_SOFTMAX(float)
 AK_INSTANTIATE_SOFTMAX(double)
 
 }  // namespace attn
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

@@ -23,6 +23,7 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
 namespace detail {
 
@@ -74,5 +75,6 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
   }
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

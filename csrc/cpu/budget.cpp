@@ -11,7 +11,6 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,9 +20,11 @@
 #include <vector>
 
 #include "attnkern/row_layout.h"
+#include "attnkern/cpu_kernels.h"
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace {
 
 using at::Tensor;
@@ -266,10 +267,11 @@ std::tuple<Tensor, Tensor> budget_bwd(const Tensor& p_in, const Tensor& grad_in,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
-  m.impl("budget_fwd", &budget_fwd);
-  m.impl("budget_bwd", &budget_bwd);
+void add_budget_kernels(KernelTable& t) {
+  t.budget_fwd = &budget_fwd;
+  t.budget_bwd = &budget_bwd;
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

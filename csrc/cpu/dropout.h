@@ -22,6 +22,7 @@
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
 struct Dropout {
   bool on = false;
@@ -137,5 +138,6 @@ inline void apply_keep(acc_t* x, const float* keep, int64_t w, const Dropout& d)
   for (int64_t j = 0; j < w; ++j) x[j] *= static_cast<acc_t>(keep[j]) * s;
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

@@ -19,6 +19,7 @@
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
 using math::Family;
 
@@ -381,5 +382,6 @@ inline void write_probs_sparse(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_
   for (int64_t i = 0; i < k; ++i) out[idx[i]] = vals[i];
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
@@ -16,9 +15,11 @@
 #include "attnkern/entmax_math.h"
 #include "normalize_row.h"
 #include "attnkern/row_layout.h"
+#include "attnkern/cpu_kernels.h"
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace {
 
 using at::Tensor;
@@ -142,7 +143,10 @@ std::tuple<Tensor, Tensor> entmax_loss_fwd(const Tensor& x_in, const Tensor& tar
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnkern, CPU, m) { m.impl("entmax_loss_fwd", &entmax_loss_fwd); }
+void add_loss_kernels(KernelTable& t) {
+  t.entmax_loss_fwd = &entmax_loss_fwd;
+}
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

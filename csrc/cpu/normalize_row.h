@@ -16,6 +16,7 @@
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
 // Fills a row whose max m is NaN or infinite and returns true; false for an
 // ordinary row.
@@ -98,5 +99,6 @@ inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, 
   }
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

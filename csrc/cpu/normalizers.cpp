@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
@@ -16,9 +15,11 @@
 #include "entmax_row.h"
 #include "normalize_row.h"
 #include "attnkern/row_layout.h"
+#include "attnkern/cpu_kernels.h"
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace {
 
 using at::Tensor;
@@ -315,16 +316,17 @@ std::tuple<Tensor, Tensor> entmax_backward(const Tensor& p, const Tensor& grad, 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
-  m.impl("softmax_fwd", &fixed_forward<Family::kSoftmax>);
-  m.impl("softmax_bwd", &fixed_backward<Family::kSoftmax>);
-  m.impl("sparsemax_fwd", &fixed_forward<Family::kSparsemax>);
-  m.impl("sparsemax_bwd", &fixed_backward<Family::kSparsemax>);
-  m.impl("entmax15_fwd", &fixed_forward<Family::kEntmax15>);
-  m.impl("entmax15_bwd", &fixed_backward<Family::kEntmax15>);
-  m.impl("entmax_fwd", &entmax_forward);
-  m.impl("entmax_bwd", &entmax_backward);
+void add_normalizer_kernels(KernelTable& t) {
+  t.softmax_fwd = &fixed_forward<Family::kSoftmax>;
+  t.softmax_bwd = &fixed_backward<Family::kSoftmax>;
+  t.sparsemax_fwd = &fixed_forward<Family::kSparsemax>;
+  t.sparsemax_bwd = &fixed_backward<Family::kSparsemax>;
+  t.entmax15_fwd = &fixed_forward<Family::kEntmax15>;
+  t.entmax15_bwd = &fixed_backward<Family::kEntmax15>;
+  t.entmax_fwd = &entmax_forward;
+  t.entmax_bwd = &entmax_backward;
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

@@ -8,16 +8,17 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "attnkern/row_layout.h"
+#include "attnkern/cpu_kernels.h"
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace {
 
 using at::Tensor;
@@ -89,7 +90,10 @@ Tensor normmax_bwd(const Tensor& p_in, const Tensor& grad_in, const Tensor& alph
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnkern, CPU, m) { m.impl("normmax_bwd", &normmax_bwd); }
+void add_normmax_kernels(KernelTable& t) {
+  t.normmax_bwd = &normmax_bwd;
+}
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

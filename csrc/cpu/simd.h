@@ -18,6 +18,7 @@
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
 template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
@@ -125,13 +126,14 @@ inline Vec<float> recip<float>(const Vec<float>& dv) {
 
 // d^e for 0 < d <= 1 (lanes outside are the caller's to mask), e > 0.
 // These powers are the cost of every α-entmax pass; Sleef's u10 log1p/exp
-// spend ~250 instructions a vector on them. For float on AVX2 this computes
+// spend ~250 instructions a vector on them. For float this computes
 // 2^(e·log2 d) with short polynomials instead: log via atanh series on the
 // mantissa in [1/√2, √2) (|s| <= 0.172, 5 terms, ~1e-9), 2^f via Taylor
 // around f = 1/2 (7 terms, ~5e-9); relative error a few float ulps times e.
 // Denormal d are flushed to the smallest normal and results below 2^-126 to
 // zero (they are below any probability that matters, and denormal arithmetic
-// is slow).
+// is slow). Written with at::vec operations only, so one source serves every
+// vector width (8 lanes on AVX2, 16 on AVX-512) and the DEFAULT copy.
 template <typename acc_t>
 inline Vec<acc_t> pow_unit(const Vec<acc_t>& d, acc_t e) {
   return (d.log() * Vec<acc_t>(e)).exp();
@@ -142,45 +144,44 @@ inline Vec<acc_t> pow_unit(const Vec<acc_t>& d, acc_t e) {
 template <typename acc_t>
 constexpr acc_t kFastPowMinB = acc_t(1.0 / 32);
 
-#if defined(CPU_CAPABILITY_AVX2)
 template <>
 inline Vec<float> pow_unit<float>(const Vec<float>& dv, float e) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  __m256 d = _mm256_max_ps(__m256(dv), _mm256_set1_ps(1.17549435e-38f));
-  __m256i bits = _mm256_castps_si256(d);
-  __m256i ex = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
-  __m256 m = _mm256_castsi256_ps(
-      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+  using VF = Vec<float>;
+  using VI = at::vec::Vectorized<int32_t>;
+  const VF one(1.0f);
+  const VF d = at::vec::maximum(dv, VF(1.17549435e-38f));
+  const VI bits = at::vec::cast<int32_t>(d);
+  const VI ex = (bits >> VI(23)) - VI(127);  // d > 0: the sign bit is clear
+  VF m = at::vec::cast<float>((bits & VI(0x007fffff)) | VI(0x3f800000));
   // m in [1, 2): fold to [1/√2, √2).
-  __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
-  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
-  __m256 exf = _mm256_add_ps(_mm256_cvtepi32_ps(ex), _mm256_and_ps(big, one));
-  __m256 sv = _mm256_mul_ps(_mm256_sub_ps(m, one), __m256(recip<float>(Vec<float>(_mm256_add_ps(m, one)))));
-  __m256 s2 = _mm256_mul_ps(sv, sv);
-  __m256 q = _mm256_fmadd_ps(s2, _mm256_set1_ps(1.0f / 9), _mm256_set1_ps(1.0f / 7));
-  q = _mm256_fmadd_ps(q, s2, _mm256_set1_ps(1.0f / 5));
-  q = _mm256_fmadd_ps(q, s2, _mm256_set1_ps(1.0f / 3));
-  q = _mm256_fmadd_ps(q, s2, one);
+  const VF big = m > VF(1.41421356f);
+  m = VF::blendv(m, m * VF(0.5f), big);
+  const VF exf = at::vec::convert_to_fp_of_same_size<float>(ex) + (big & one);
+  const VF sv = (m - one) * recip<float>(m + one);
+  const VF s2 = sv * sv;
+  VF q = at::vec::fmadd(s2, VF(1.0f / 9), VF(1.0f / 7));
+  q = at::vec::fmadd(q, s2, VF(1.0f / 5));
+  q = at::vec::fmadd(q, s2, VF(1.0f / 3));
+  q = at::vec::fmadd(q, s2, one);
   // log2 d = ex + 2 s q / ln 2
-  __m256 l2 = _mm256_fmadd_ps(_mm256_mul_ps(sv, q), _mm256_set1_ps(2.88539008f), exf);
-  __m256 z = _mm256_mul_ps(l2, _mm256_set1_ps(e));
-  __m256 tiny = _mm256_cmp_ps(z, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
-  z = _mm256_max_ps(z, _mm256_set1_ps(-126.0f));
-  __m256 n = _mm256_floor_ps(z);
-  __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_sub_ps(z, n), _mm256_set1_ps(0.5f)),
-                           _mm256_set1_ps(0.693147181f));
-  __m256 r = _mm256_fmadd_ps(x, _mm256_set1_ps(1.0f / 5040), _mm256_set1_ps(1.0f / 720));
-  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 120));
-  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 24));
-  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(1.0f / 6));
-  r = _mm256_fmadd_ps(r, x, _mm256_set1_ps(0.5f));
-  r = _mm256_fmadd_ps(r, x, one);
-  r = _mm256_fmadd_ps(r, x, one);
-  r = _mm256_mul_ps(r, _mm256_set1_ps(1.41421356f));
-  __m256i sc = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return Vec<float>(_mm256_andnot_ps(tiny, _mm256_mul_ps(r, _mm256_castsi256_ps(sc))));
+  const VF l2 = at::vec::fmadd(sv * q, VF(2.88539008f), exf);
+  VF z = l2 * VF(e);
+  const VF tiny = z < VF(-126.0f);
+  z = at::vec::maximum(z, VF(-126.0f));
+  const VF n = z.floor();
+  const VF x = (z - n - VF(0.5f)) * VF(0.693147181f);
+  VF r = at::vec::fmadd(x, VF(1.0f / 5040), VF(1.0f / 720));
+  r = at::vec::fmadd(r, x, VF(1.0f / 120));
+  r = at::vec::fmadd(r, x, VF(1.0f / 24));
+  r = at::vec::fmadd(r, x, VF(1.0f / 6));
+  r = at::vec::fmadd(r, x, VF(0.5f));
+  r = at::vec::fmadd(r, x, one);
+  r = at::vec::fmadd(r, x, one);
+  r = r * VF(1.41421356f);
+  // n is an integer in [-126, 0]: 2^n from its exponent bits.
+  const VF scale = at::vec::cast<float>((at::vec::convert_to_int_of_same_size<float>(n) + VI(127)) << VI(23));
+  return VF::blendv(r * scale, VF(0.0f), tiny);
 }
-#endif
 
 template <typename acc_t>
 inline acc_t row_max(const acc_t* y, int64_t n) {
@@ -221,5 +222,6 @@ inline void subtract_into(const acc_t* src, int64_t n, acc_t m, acc_t* dst) {
 // Σ φ(y - c), Σ g and Σ g/d over y[0:n] for the family FAM (b = α - 1);
 // g = p/d = -∂p/∂c and g/d = ∂²p/∂c² / (1 - b) feed Newton and Halley steps.
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

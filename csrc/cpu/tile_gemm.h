@@ -32,6 +32,7 @@
 
 namespace attnkern {
 namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
 template <typename T>
 inline constexpr int64_t kPanel = 2 * at::vec::Vectorized<T>::size();
@@ -228,5 +229,6 @@ void pack_panels(const T* src, int64_t n, int64_t d, int64_t ld, T* dst) {
   }
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace attnkern

@@ -21,9 +21,11 @@
 #include <limits>
 
 #include "attnkern/family.h"
+#include "attnkern/isa_namespace.h"
 
 namespace attnkern {
 namespace math {
+ATTNKERN_ISA_BEGIN
 
 // Below this |α - 1| the gradient in α uses its softmax limit (truncation
 // error O(|α - 1|)); above it the general formula, evaluated in double on the
@@ -236,5 +238,6 @@ AK_HD bool entmax_converged(acc_t sum_p, acc_t lo, acc_t hi, int64_t n) {
   return err <= acc_t(4) * eps * std::sqrt(acc_t(n)) || w <= acc_t(4) * eps * mag;
 }
 
+ATTNKERN_ISA_END
 }  // namespace math
 }  // namespace attnkern

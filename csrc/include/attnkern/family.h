@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attnkern/isa_namespace.h"
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define AK_HD __host__ __device__ __forceinline__
 #else
@@ -19,6 +21,7 @@
 
 namespace attnkern {
 namespace math {
+ATTNKERN_ISA_BEGIN
 
 // Below this |α - 1| the normalizer is treated as softmax in the forward pass
 // (the difference is O(|α - 1|), far below float32 resolution at this size).
@@ -70,5 +73,6 @@ AK_HD decltype(auto) with_family(Family fam, F&& fn) {
   }
 }
 
+ATTNKERN_ISA_END
 }  // namespace math
 }  // namespace attnkern

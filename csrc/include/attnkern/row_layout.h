@@ -9,8 +9,11 @@
 #include <algorithm>
 #include <cstring>
 
+#include "attnkern/isa_namespace.h"
+
 namespace attnkern {
 namespace cpu {
+ATTNKERN_ISA_BEGIN
 
 struct RowLayout {
   int64_t outer = 1, n = 1, inner = 1;
@@ -97,5 +100,6 @@ inline RowBackwardInputs row_backward_inputs(const at::Tensor& p, const at::Tens
   return in;
 }
 
+ATTNKERN_ISA_END
 }  // namespace cpu
 }  // namespace attnkern

@@ -1,0 +1,62 @@
+"""Which instruction set the compiled CPU kernels run at, and why.
+
+One build of attnkern carries its CPU kernels several times: a portable
+DEFAULT copy and, on x86-64, an AVX2 and an AVX512 copy. Each op picks a copy
+when it runs: the level PyTorch itself chose (``torch.backends.cpu.
+get_cpu_capability()``, which honours the ``ATEN_CPU_CAPABILITY`` environment
+variable), capped at the highest level the build carries and the CPU runs.
+
+    >>> attnkern.isa.dispatch()["active"]
+    'AVX2'
+    >>> with attnkern.isa.force_level("DEFAULT"):   # tests, benchmarks
+    ...     y = attnkern.sparsemax(x)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from attnkern import _extension
+
+LEVELS = ("DEFAULT", "AVX2", "AVX512")
+
+
+def dispatch() -> dict[str, str]:
+    """{"active", "reason", "machine", "compiled"}: the level the CPU ops run at
+    now and why, the highest this CPU runs, and the highest this build carries.
+    Empty when the compiled extension did not load."""
+    if not _extension.LOADED:
+        return {}
+    from attnkern import _C
+
+    return dict(_C.cpu_dispatch())
+
+
+def runnable_levels() -> tuple[str, ...]:
+    """The levels this build carries that this CPU runs, lowest first."""
+    d = dispatch()
+    if not d:
+        return ()
+    top = min(LEVELS.index(d["machine"]), LEVELS.index(d["compiled"]))
+    return LEVELS[: top + 1]
+
+
+@contextlib.contextmanager
+def force_level(level: str) -> Iterator[None]:
+    """Run the CPU ops at `level` inside the block (process-wide, not thread-local).
+
+    ValueError if the build lacks the level or the CPU cannot run it.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if not _extension.LOADED:
+        raise RuntimeError(f"attnkern._C did not load: {_extension.LOAD_ERROR}")
+    from attnkern import _C
+
+    before = dispatch()
+    _C.force_cpu_level(level)
+    try:
+        yield
+    finally:
+        _C.force_cpu_level(None if not before["reason"].startswith("forced") else before["active"])

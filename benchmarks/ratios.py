@@ -1,0 +1,208 @@
+"""Speed ratios of attnkern against PyTorch, measured in interleaved rounds.
+
+Each case times attnkern and its PyTorch counterpart alternately (the order
+flips every round), so machine drift hits both; the ratio reported is the
+median over rounds of attnkern's time divided by PyTorch's (below 1: attnkern
+is faster). Every table names the CPU, the instruction set attnkern's CPU
+kernels dispatched to, PyTorch's CPU capability, the dtype and the threads.
+
+    python benchmarks/ratios.py                      # everything (~20 min on 2 cores)
+    python benchmarks/ratios.py --quick              # N = 2048 and the row-wise shapes
+    python benchmarks/ratios.py --dtypes float32 --threads 2
+
+Cases (B = 1, H = 8, E = 64 unless said):
+  attention   N = 2048, 8192; softmax, sparsemax, entmax15, entmax α = 1.3;
+              fwd and fwd+bwd; against SDPA (softmax) in the same dtype
+  causal      softmax, is_causal=True, against SDPA causal
+  decode      one query against S = 8192 keys, H = 8 and H = 1 (fwd)
+  row-wise    [4096, 1024] and [256, 32768], fwd+bwd against torch.softmax;
+              attnkern.softmax also fwd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attnkern
+
+B, H, E = 1, 8, 64
+
+# Targets of issue 12: the largest ratio that passes.
+ATTN_TARGET = {
+    ("softmax", "fwd"): 1.0, ("softmax", "fwd+bwd"): 1.0,
+    ("sparsemax", "fwd"): 0.7, ("sparsemax", "fwd+bwd"): 0.5,
+    ("entmax15", "fwd"): 0.7, ("entmax15", "fwd+bwd"): 0.5,
+    ("entmax α=1.3", "fwd"): 1.3, ("entmax α=1.3", "fwd+bwd"): 1.0,
+}
+ROW_TARGET = {"softmax": 1.05, "sparsemax": 1.0, "entmax15": 1.2, "entmax_bisect α=1.3": 2.0}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def interleaved(ours: Callable[[], object], theirs: Callable[[], object], rounds: int) -> tuple[float, float, float]:
+    """(median ratio ours/theirs, median ours s, median theirs s) over rounds,
+    the two alternating (order flipped every round) after one warm-up each."""
+    ours(), theirs()
+    ratios, t_ours, t_theirs = [], [], []
+    for r in range(rounds):
+        order = (ours, theirs) if r % 2 == 0 else (theirs, ours)
+        times = {}
+        for fn in order:
+            t0 = time.perf_counter()
+            fn()
+            times[fn] = time.perf_counter() - t0
+        t_ours.append(times[ours])
+        t_theirs.append(times[theirs])
+        ratios.append(times[ours] / times[theirs])
+    return statistics.median(ratios), statistics.median(t_ours), statistics.median(t_theirs)
+
+
+def attention_call(fn, q, k, v, mode: str, dout):
+    if mode == "fwd":
+        def call():
+            with torch.no_grad():
+                fn(q, k, v)
+        return call
+
+    def call():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        fn(qq, kk, vv).backward(dout)
+    return call
+
+
+def qkv(L: int, S: int, heads: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, heads, L, E, generator=g).to(dtype)
+    k = torch.randn(B, heads, S, E, generator=g).to(dtype)
+    v = torch.randn(B, heads, S, E, generator=g).to(dtype)
+    return q, k, v, torch.randn(B, heads, L, E, generator=g).to(dtype)
+
+
+def attention_cases(sizes, dtype, rounds_for):
+    normalizers = [("softmax", {}), ("sparsemax", {}), ("entmax15", {}),
+                   ("entmax α=1.3", {"normalizer": "entmax", "alpha": 1.3})]
+    for n in sizes:
+        q, k, v, dout = qkv(n, n, H, dtype)
+        for mode in ("fwd", "fwd+bwd"):
+            sdpa = attention_call(F.scaled_dot_product_attention, q, k, v, mode, dout)
+            for name, kw in normalizers:
+                kw = kw or {"normalizer": name}
+
+                def ours_fn(a, b, c, kw=kw):
+                    return attnkern.attention(a, b, c, **kw)
+
+                ours = attention_call(ours_fn, q, k, v, mode, dout)
+                yield (f"attention N={n}", name, mode, ATTN_TARGET[(name, mode)],
+                       interleaved(ours, sdpa, rounds_for(n, mode)))
+            # causal softmax
+            ours = attention_call(lambda a, b, c: attnkern.attention(a, b, c, is_causal=True), q, k, v, mode, dout)
+            theirs = attention_call(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
+                                    q, k, v, mode, dout)
+            yield (f"causal N={n}", "softmax", mode, 1.0, interleaved(ours, theirs, rounds_for(n, mode)))
+
+
+def decode_cases(dtype, rounds):
+    for heads in (8, 1):
+        q, k, v, dout = qkv(1, 8192, heads, dtype)
+        ours = attention_call(lambda a, b, c: attnkern.attention(a, b, c), q, k, v, "fwd", dout)
+        theirs = attention_call(F.scaled_dot_product_attention, q, k, v, "fwd", dout)
+        yield (f"decode S=8192 H={heads}", "softmax", "fwd", 1.0, interleaved(ours, theirs, rounds * 4))
+
+
+def rowwise_cases(dtype, rounds):
+    for shape in ((4096, 1024), (256, 32768)):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+        def fwd(fn, x=x):
+            def call():
+                with torch.no_grad():
+                    fn(x)
+            return call
+
+        def fwdbwd(fn, x=x, g=g):
+            def call():
+                t = x.detach().requires_grad_(True)
+                fn(t).backward(g)
+            return call
+
+        def torch_softmax(t):
+            return torch.softmax(t, -1)
+
+        label = f"row-wise {list(shape)}"
+        yield (label, "softmax", "fwd", ROW_TARGET["softmax"],
+               interleaved(fwd(lambda t: attnkern.softmax(t, -1)), fwd(torch_softmax), rounds))
+        for name, fn in (("softmax", lambda t: attnkern.softmax(t, -1)), ("sparsemax", attnkern.sparsemax),
+                         ("entmax15", attnkern.entmax15),
+                         ("entmax_bisect α=1.3", lambda t: attnkern.entmax_bisect(t, 1.3))):
+            yield label, name, "fwd+bwd", ROW_TARGET[name], interleaved(fwdbwd(fn), fwdbwd(torch_softmax), rounds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="N = 2048 only")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=5, help="rounds per case (N = 8192 fwd+bwd: at least 3)")
+    ap.add_argument("--out", default="results/bench/ratios", help="prefix of the .md and .json written")
+    args = ap.parse_args()
+    sizes = [2048] if args.quick else [2048, 8192]
+
+    def rounds_for(n, mode):
+        return max(3, args.rounds // 2) if n >= 8192 else args.rounds
+
+    level = attnkern.isa.dispatch()
+    head = (f"CPU: {cpu_model()}; attnkern CPU kernels at {level.get('active', '?')} "
+            f"(this CPU runs up to {level.get('machine', '?')}); torch {torch.__version__} "
+            f"CPU capability {torch.backends.cpu.get_cpu_capability()}.\n"
+            "Ratio = attnkern time / PyTorch time, median of interleaved rounds (< 1: attnkern faster).")
+    print(head, flush=True)
+    results, lines = [], [head, ""]
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            title = f"### {dtype_name}, {threads} thread{'s' if threads > 1 else ''}"
+            print(title, flush=True)
+            lines += [title, "", "| case | normalizer | mode | ratio | target | attnkern ms | PyTorch ms |",
+                      "|---|---|---|---:|---:|---:|---:|"]
+            cases = [attention_cases(sizes, dtype, rounds_for), decode_cases(dtype, args.rounds),
+                     rowwise_cases(dtype, args.rounds)]
+            for gen in cases:
+                for case, name, mode, target, (ratio, ours, theirs) in gen:
+                    ok = "" if ratio <= target else " ✗"
+                    row = (f"| {case} | {name} | {mode} | {ratio:.2f}{ok} | ≤ {target:g} | "
+                           f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} |")
+                    print(row, flush=True)
+                    lines.append(row)
+                    results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode,
+                                        ratio=ratio, target=target, ours_s=ours, torch_s=theirs))
+            lines.append("")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    meta = dict(cpu=cpu_model(), attnkern_level=level, torch=torch.__version__,
+                torch_capability=torch.backends.cpu.get_cpu_capability())
+    out.with_suffix(".json").write_text(json.dumps(dict(machine=meta, results=results), indent=1))
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
