@@ -102,7 +102,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
     # Everything as (*batch, heads, seq, dim); 2-d inputs get a unit head dim.
     added = max(0, 3 - max(query.dim(), key.dim(), value.dim()))
-    q, k, v = (t.reshape((1,) * max(0, 3 - t.dim()) + tuple(t.shape)) for t in (query, key, value))
+    q, k, v = (t if t.dim() >= 3 else t.reshape((1,) * (3 - t.dim()) + tuple(t.shape))
+               for t in (query, key, value))
     H, Hk = q.shape[-3], k.shape[-3]
     q_heads_expanded = False
     if Hk != H:
@@ -116,7 +117,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             raise ValueError(f"query has {H} heads and key/value {Hk}: they must be equal, or the query "
                              f"heads a multiple of the key/value heads with enable_gqa=True")
     try:
-        batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+        if q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:  # the common case, without torch's helper
+            batch = tuple(q.shape[:-3])
+        else:
+            batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
     except RuntimeError as exc:
         raise ValueError(f"the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                          f"{tuple(value.shape)} do not broadcast") from exc
@@ -152,9 +156,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             # dims: take it in float32 and round to the half type once (the
             # CPU kernel computes in float32 anyway, so this costs it nothing).
             q, k, v = q.float(), k.float(), v.float()
-    q4 = q.expand(batch + (H, L, E)).reshape(B, H, L, E)
-    k4 = k.expand(batch + (Hk, S, E)).reshape(B, Hk, S, E)
-    v4 = v.expand(batch + (Hk, S, Ev)).reshape(B, Hk, S, Ev)
+
+    def as_4d(t, heads, seq, dim):
+        if t.dim() == 4 and t.shape[0] == B:  # already (B, heads, seq, dim)
+            return t
+        return t.expand(batch + (heads, seq, dim)).reshape(B, heads, seq, dim)
+
+    q4, k4, v4 = as_4d(q, H, L, E), as_4d(k, Hk, S, E), as_4d(v, Hk, S, Ev)
     mask4 = None
     if attn_mask is not None:
         m = attn_mask
@@ -182,7 +190,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed() if dropout_p > 0 else None
     out = AttentionFunction.apply(q4, k4, v4, mask4, alpha_h, is_causal, scale, normalizer, impl, dropout_p, seed)
-    return _unpad(out.reshape(batch + (H, L, Ev)).to(query.dtype), added)
+    out = out if out.dim() == 4 and len(batch) == 1 and out.shape[1] == H else out.reshape(batch + (H, L, Ev))
+    return _unpad(out if out.dtype == query.dtype else out.to(query.dtype), added)
 
 
 def _unpad(res, added: int):

@@ -122,7 +122,8 @@ def _first_order_only(name: str):
             if torch._C._are_functorch_transforms_active():
                 raise RuntimeError(f"{name}: torch.func transforms (vmap, grad, jvp, jacrev, ...) are not "
                                    "implemented by the fused kernels; use backend='reference', or loop")
-            if any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args):
+            if forward_ad._current_level >= 0 and any(
+                    isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args):
                 raise RuntimeError(f"{name}: forward-mode AD is not implemented by the fused kernels; "
                                    "use backend='reference'")
             return first_order_apply(*args)

@@ -244,6 +244,50 @@ def test_softmax_tiles_match_reference(case, dtype):
         assert_close_tol(g, w, GRAD_TOL[dtype], name)
 
 
+# Decoding (at most 4 query rows, softmax) splits each head over chunks of 512 keys.
+DECODE_CASES = {
+    # (B, H, Hk, L, S, E, Ev), mask kind
+    "1x1": ((1, 1, 1, 1, 1, 16, 16), "none"),
+    "1x1537_h1": ((1, 1, 1, 1, 1537, 59, 33), "none"),
+    "3x1025_gqa": ((2, 4, 2, 3, 1025, 64, 64), "float"),
+    "4x97_causal": ((1, 2, 2, 4, 97, 16, 16), "causal"),
+    "2x1030_padding": ((3, 2, 2, 2, 1030, 32, 16), "key_padding"),
+    "4x600_fully_masked": ((1, 2, 2, 4, 600, 16, 16), "fully_masked"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_softmax_decoding_matches_reference(case, dtype):
+    (B, H, Hk, L, S, E, Ev), mask_kind = DECODE_CASES[case]
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, seed=7))
+    mask, causal = attention_mask(mask_kind, B, H, L, S)
+    go = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    out = attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, backend="cpu")
+    ref = ref_attention(q, k, v, mask, causal, "softmax", None)
+    assert_close_tol(out, ref, TOL[dtype], "out")
+    for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), go),
+                          torch.autograd.grad(ref, (q, k, v), go), strict=True):
+        assert_close_tol(g, w, GRAD_TOL[dtype], name)
+
+
+def test_softmax_decoding_large_scores_and_thread_count():
+    q, k, v = make_qkv(1, 1, 1, 1, 2000, 16, 16, spread=30.0, seed=3)
+    k[0, 0, 1700] = q[0, 0, 0] * 40  # one key far above the rest, in the last chunk
+    outs = []
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(attnkern.attention(q, k, v, backend="cpu"))
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    ref = ref_attention(q.double(), k.double(), v.double(), None, False, "softmax", None)
+    assert_close_tol(outs[0], ref, TOL[torch.float32], "out")
+    assert torch.isfinite(outs[0]).all()
+
+
 @pytest.mark.parametrize("alpha_grad", [False, True])
 def test_entmax_heads_in_the_softmax_limit(alpha_grad):
     """α = 1 heads beside sparse ones: without dα they take the tiled softmax

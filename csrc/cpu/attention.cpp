@@ -25,11 +25,40 @@ using namespace attn;  // NOLINT(build/namespaces)
 
 // ------------------------------------------------------------ scheduling
 
+// Decoding: every (batch, head) split over fixed chunks of keys, one task per
+// chunk, then the chunks of each head merged in order.
+template <typename acc_t>
+void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
+  const int64_t m = P.L, n = P.keys_for(0, m);
+  const int64_t nchunks = std::max<int64_t>(1, (n + kDecodeKeys - 1) / kDecodeKeys);
+  const int64_t heads = P.B * P.H;
+  std::vector<acc_t> po(heads * nchunks * m * P.Ev), pm(heads * nchunks * m), pl(heads * nchunks * m);
+  at::parallel_for(0, heads * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> y(m * std::min(n, kDecodeKeys));
+    FlushDenormals ftz;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / nchunks, u = t % nchunks, j0 = u * kDecodeKeys;
+      if (n == 0) {
+        std::fill(pm.begin() + t * m, pm.begin() + (t + 1) * m, -std::numeric_limits<acc_t>::infinity());
+        continue;
+      }
+      softmax_decode_chunk(P, bh / P.H, bh % P.H, 0, m, j0, std::min(kDecodeKeys, n - j0), y.data(),
+                           po.data() + t * m * P.Ev, pm.data() + t * m, pl.data() + t * m);
+    }
+  });
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh)
+      softmax_merge_chunks(m, P.Ev, nchunks, po.data() + bh * nchunks * m * P.Ev, pm.data() + bh * nchunks * m,
+                           pl.data() + bh * nchunks * m, out + bh * m * P.Ev, shift + bh * m);
+  });
+}
+
 template <typename acc_t>
 void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   // Softmax heads run online over key tiles and need only BM x
   // softmax_block_keys() of scores; the sparse normalizers need whole rows.
   const bool all_softmax = std::all_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
+  if (all_softmax && P.L <= kDecodeRows) return decode_forward(P, out, shift);
   const int64_t BM = all_softmax ? softmax_block_rows(P.L) : block_rows(P.S, P.L, sizeof(acc_t));
   const int64_t tile = std::min(softmax_block_keys(), round_up_panel<acc_t>(P.S));
   const int64_t nb = (P.L + BM - 1) / BM;
@@ -262,6 +291,11 @@ bool has_softmax_head(const Problem<acc_t>& P) {
   return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
 }
 
+template <typename acc_t>
+bool has_sparse_head(const Problem<acc_t>& P) {
+  return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f != Family::kSoftmax; });
+}
+
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const c10::optional<Tensor>& mask_in, bool is_causal, double scale,
                                          c10::string_view normalizer, const c10::optional<Tensor>& alpha_in,
@@ -281,7 +315,9 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     if (out_p.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
-      Tensor kpack = has_softmax_head(P) ? pack_heads<scalar_t>(k) : Tensor();
+      // The decoding path (forward_kernel) reads K in place.
+      const bool decoding = c.L <= kDecodeRows && !has_sparse_head(P);
+      Tensor kpack = has_softmax_head(P) && !decoding ? pack_heads<scalar_t>(k) : Tensor();
       if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();
       forward_kernel<scalar_t>(P, out_p.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
     }

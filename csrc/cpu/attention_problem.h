@@ -266,6 +266,12 @@ inline int64_t softmax_block_keys() {
   return bn;
 }
 
+// Decoding: softmax problems with at most this many query rows run split over
+// chunks of kDecodeKeys keys (a fixed partition: results do not depend on the
+// thread count), so that even one head keeps every core busy.
+constexpr int64_t kDecodeRows = 4;
+constexpr int64_t kDecodeKeys = 512;
+
 using Runs = std::vector<std::pair<int64_t, int64_t>>;
 
 // Per-thread scratch of the block functions (sized by the schedulers in
@@ -293,6 +299,14 @@ template <typename acc_t>
 void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                             const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
                             acc_t* dv, acc_t* y, acc_t* d, acc_t* lse, std::vector<float>& keep);
+// Decoding (a few query rows, softmax): the rows against one chunk of keys,
+// and the merge of a head's chunks into its output and log-sum-exp.
+template <typename acc_t>
+void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
+                          int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l);
+template <typename acc_t>
+void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, const acc_t* o, const acc_t* mx, const acc_t* l,
+                          acc_t* out, float* c);
 
 // attention_rows.cpp: the same for a head of a sparse family (whole rows of
 // scores in ws.y); the backward adds the head's dα into *da when da is given.

@@ -168,12 +168,87 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
   }
 }
 
+// Softmax forward of a few query rows (decoding) split over key chunks: the
+// scores of keys [j0, j0 + w) against the m rows from i0, exponentiated
+// against the chunk's own row max mx; o (m x Ev) = that chunk's
+// unnormalised P·V, l = its row sums. softmax_merge_chunks combines the
+// chunks. K and V are read in place (no packing: with one query row the
+// packing would cost as much as the product). y: m x w scratch.
+template <typename acc_t>
+void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
+                          int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const int64_t hk = h / P.group();
+  gemm<acc_t>(false, true, m, w, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, hk) + j0 * P.E, P.E,
+              acc_t(0), y, w);
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * w;
+    if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
+    if (P.causal) {
+      for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j) row[j] = -inf;
+    }
+    const acc_t bm = row_max(row, w);
+    mx[r] = bm;
+    if (bm != bm || bm == -inf) {  // NaN row, or nothing allowed in this chunk
+      std::fill(row, row + w, acc_t(0));
+      l[r] = acc_t(0);
+      continue;
+    }
+    l[r] = exp_shifted(row, w, bm, row);
+  }
+  if (P.drop.on) apply_dropout(P.drop, y, m, w, w, P.row_id(bi, h, i0), j0);
+  gemm<acc_t>(false, false, m, P.Ev, w, acc_t(1), y, w, P.v_head(bi, hk) + j0 * P.Ev, P.Ev, acc_t(0), o, P.Ev);
+}
+
+// The output rows (m x Ev) and log-sum-exp c of one head from its nchunks
+// chunk results (chunk u at o + u·m·Ev, mx + u·m, l + u·m), in chunk order.
+template <typename acc_t>
+void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, const acc_t* o, const acc_t* mx, const acc_t* l,
+                          acc_t* out, float* c) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* orow = out + r * Ev;
+    acc_t top = -inf;
+    bool nan = false;
+    for (int64_t u = 0; u < nchunks; ++u) {
+      const acc_t v = mx[u * m + r];
+      nan |= v != v;
+      top = std::max(top, v);
+    }
+    if (nan || top == inf) {
+      std::fill(orow, orow + Ev, std::numeric_limits<acc_t>::quiet_NaN());
+      c[r] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    std::fill(orow, orow + Ev, acc_t(0));
+    acc_t sum = 0;
+    for (int64_t u = 0; u < nchunks; ++u) {
+      const acc_t v = mx[u * m + r];
+      if (v == -inf) continue;
+      const acc_t f = std::exp(v - top);
+      sum += f * l[u * m + r];
+      axpy(orow, o + (u * m + r) * Ev, f, Ev);
+    }
+    if (!(sum > acc_t(0))) {
+      std::fill(orow, orow + Ev, acc_t(0));
+      c[r] = std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const acc_t inv = acc_t(1) / sum;
+    for (int64_t e = 0; e < Ev; ++e) orow[e] *= inv;
+    c[r] = static_cast<float>(top + std::log(sum));
+  }
+}
+
 #define AK_INSTANTIATE_SOFTMAX(T)                                                                              \
   template void softmax_forward_block<T>(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t, T*, T*, \
                                          float*, T*, T*);                                                     \
   template void softmax_backward_block<T>(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t,      \
                                           const float*, const T*, const T*, T*, T*, T*, T*, T*, T*,             \
-                                          std::vector<float>&);
+                                          std::vector<float>&);                                        \
+  template void softmax_decode_chunk<T>(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, \
+                                        T*, T*, T*, T*);                                                      \
+  template void softmax_merge_chunks<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, T*, float*);
 AK_INSTANTIATE_SOFTMAX(float)
 AK_INSTANTIATE_SOFTMAX(double)
 
