@@ -56,12 +56,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def interleaved(ours: Callable[[], object], theirs: Callable[[], object], rounds: int) -> tuple[float, float, float]:
-    """(median ratio ours/theirs, median ours s, median theirs s) over rounds,
-    the two alternating (order flipped every round) after one warm-up each."""
-    ours(), theirs()
+# Seconds a case may take: slower cases get fewer rounds (at least one after the warm-up).
+CASE_BUDGET_S = 90.0
+
+
+def interleaved(ours: Callable[[], object], theirs: Callable[[], object],
+                rounds: int) -> tuple[float, float, float, int]:
+    """(median ratio ours/theirs, median ours s, median theirs s, rounds) over
+    rounds, the two alternating (order flipped every round) after one warm-up
+    each. When both warm-up calls take over a second, first-call costs are
+    noise and the warm-up counts as the first round; rounds are cut to fit
+    CASE_BUDGET_S."""
     ratios, t_ours, t_theirs = [], [], []
-    for r in range(rounds):
+    t0 = time.perf_counter()
+    ours()
+    t1 = time.perf_counter()
+    theirs()
+    t2 = time.perf_counter()
+    if min(t1 - t0, t2 - t1) > 1.0:
+        t_ours.append(t1 - t0)
+        t_theirs.append(t2 - t1)
+        ratios.append((t1 - t0) / (t2 - t1))
+    rounds = max(1, min(rounds, int(CASE_BUDGET_S / (t2 - t0))))
+    for r in range(len(ratios), rounds):
         order = (ours, theirs) if r % 2 == 0 else (theirs, ours)
         times = {}
         for fn in order:
@@ -71,7 +88,7 @@ def interleaved(ours: Callable[[], object], theirs: Callable[[], object], rounds
         t_ours.append(times[ours])
         t_theirs.append(times[theirs])
         ratios.append(times[ours] / times[theirs])
-    return statistics.median(ratios), statistics.median(t_ours), statistics.median(t_theirs)
+    return statistics.median(ratios), statistics.median(t_ours), statistics.median(t_theirs), len(ratios)
 
 
 def attention_call(fn, q, k, v, mode: str, dout):
@@ -181,19 +198,19 @@ def main() -> None:
             torch.set_num_threads(threads)
             title = f"### {dtype_name}, {threads} thread{'s' if threads > 1 else ''}"
             print(title, flush=True)
-            lines += [title, "", "| case | normalizer | mode | ratio | target | attnkern ms | PyTorch ms |",
-                      "|---|---|---|---:|---:|---:|---:|"]
+            lines += [title, "", "| case | normalizer | mode | ratio | target | attnkern ms | PyTorch ms | rounds |",
+                      "|---|---|---|---:|---:|---:|---:|---:|"]
             cases = [attention_cases(sizes, dtype, rounds_for), decode_cases(dtype, args.rounds),
                      rowwise_cases(dtype, args.rounds)]
             for gen in cases:
-                for case, name, mode, target, (ratio, ours, theirs) in gen:
+                for case, name, mode, target, (ratio, ours, theirs, n) in gen:
                     ok = "" if ratio <= target else " ✗"
                     row = (f"| {case} | {name} | {mode} | {ratio:.2f}{ok} | ≤ {target:g} | "
-                           f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} |")
+                           f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {n} |")
                     print(row, flush=True)
                     lines.append(row)
                     results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode,
-                                        ratio=ratio, target=target, ours_s=ours, torch_s=theirs))
+                                        ratio=ratio, target=target, ours_s=ours, torch_s=theirs, rounds=n))
             lines.append("")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
