@@ -105,11 +105,14 @@ def _first_order_only(name: str):
     backward, forward mode and torch.func transforms raise an error naming the
     op instead of a silent wrong answer (torch would run the non-differentiable
     backward op and return zeros for the second derivative) or torch's generic
-    message. The checks run in eager mode; Dynamo traces `.apply` itself."""
+    message. The checks run in eager mode; Dynamo traces `.apply` itself.
+    A class may define forward_without_graph(*args), called instead of the
+    Function when no tensor argument needs a gradient."""
 
     def wrap(cls):
         first_order_backward = cls.backward
         first_order_apply = cls.apply  # Function.apply bound to cls
+        without_graph = getattr(cls, "forward_without_graph", None)
 
         def backward(ctx, *grads):
             if torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -126,6 +129,12 @@ def _first_order_only(name: str):
                     isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args):
                 raise RuntimeError(f"{name}: forward-mode AD is not implemented by the fused kernels; "
                                    "use backend='reference'")
+            if without_graph is not None and not torch.compiler.is_compiling() and not (
+                    torch.is_grad_enabled()
+                    and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+                # Nothing to differentiate (inference, decoding): skip the
+                # autograd node and what it saves.
+                return without_graph(*args)
             return first_order_apply(*args)
 
         cls.backward, cls.apply = staticmethod(backward), staticmethod(apply)
@@ -303,6 +312,13 @@ class AttentionFunction(torch.autograd.Function):
     with seed, an int64 scalar tensor from which both passes regenerate the
     keep mask.
     """
+
+    @staticmethod
+    def forward_without_graph(q, k, v, mask, alpha, is_causal: bool, scale: float, normalizer: str, impl: str,
+                              dropout_p: float = 0.0, seed=None):
+        """The output alone, when no input needs a gradient (see _first_order_only)."""
+        fwd, _ = _attention_impl(impl)
+        return fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, seed)[0]
 
     @staticmethod
     def forward(ctx, q, k, v, mask, alpha, is_causal: bool, scale: float, normalizer: str, impl: str,

@@ -229,11 +229,10 @@ TILE_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", list(TILE_CASES))
-def test_softmax_tiles_match_reference(case, dtype):
-    (B, H, Hk, L, S, E, Ev), mask_kind = TILE_CASES[case]
-    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, noncontig=True))
+def _softmax_matches_reference(shape, mask_kind, dtype, **make):
+    """Softmax attention forward and q, k, v gradients against the reference."""
+    B, H, Hk, L, S, E, Ev = shape
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, **make))
     mask, causal = attention_mask(mask_kind, B, H, L, S)
     go = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(5), dtype=dtype)
     out = attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, backend="cpu")
@@ -242,6 +241,12 @@ def test_softmax_tiles_match_reference(case, dtype):
     for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), go),
                           torch.autograd.grad(ref, (q, k, v), go), strict=True):
         assert_close_tol(g, w, GRAD_TOL[dtype], name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(TILE_CASES))
+def test_softmax_tiles_match_reference(case, dtype):
+    _softmax_matches_reference(*TILE_CASES[case], dtype, noncontig=True)
 
 
 # Decoding (at most 4 query rows, softmax) splits each head over chunks of 512 keys.
@@ -259,16 +264,7 @@ DECODE_CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_softmax_decoding_matches_reference(case, dtype):
-    (B, H, Hk, L, S, E, Ev), mask_kind = DECODE_CASES[case]
-    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, seed=7))
-    mask, causal = attention_mask(mask_kind, B, H, L, S)
-    go = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(5), dtype=dtype)
-    out = attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, backend="cpu")
-    ref = ref_attention(q, k, v, mask, causal, "softmax", None)
-    assert_close_tol(out, ref, TOL[dtype], "out")
-    for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), go),
-                          torch.autograd.grad(ref, (q, k, v), go), strict=True):
-        assert_close_tol(g, w, GRAD_TOL[dtype], name)
+    _softmax_matches_reference(*DECODE_CASES[case], dtype, seed=7)
 
 
 def test_softmax_decoding_large_scores_and_thread_count():
