@@ -64,15 +64,18 @@ template <typename acc_t, Family FAM>
 acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n, acc_t b,
                    bool want_alpha);
 
-// The generic family's backward on a sparse row (b > 0): g = p^(1-b) costs a
-// power, so only the support's entries are gathered and powered. gbuf holds
-// the gathered g (first k entries) and dp (next k). Returns false (having
-// done nothing) when the support is too large for this to pay.
-template <typename acc_t>
+// The backward of a sparse family on a sparse row: only the support's entries
+// are gathered (positions_above, one pass over p), so g (a power for the
+// generic family, a square root for entmax15) and the two sums cost O(support)
+// instead of two passes over the row. gbuf holds the gathered g (first k
+// entries) and dp (next k). Returns false (having done nothing) when the
+// support is over a quarter of the row, where the dense passes are as cheap.
+template <typename acc_t, Family FAM>
 bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
-                         acc_t b, acc_t* sums) {
+                         acc_t b) {
+  static_assert(FAM != Family::kSoftmax, "softmax rows are dense");
   const int64_t k = positions_above(p, n, acc_t(0), gbuf, idx);
-  if (4 * k > n) return false;
+  if (k == 0 || 4 * k > n) return false;  // k = 0: a NaN or empty row, which the dense passes handle
   acc_t* g = gbuf;
   acc_t* dpk = gbuf + k;
   for (int64_t i = 0; i < k; ++i) dpk[i] = dp[idx[i]];
@@ -80,24 +83,29 @@ bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf
   int64_t i = 0;
   V vgsum(0), vgdp(0);
   for (; i + V::size() <= k; i += V::size()) {
-    // pow_unit takes exponents in (0, 1); for b > 1 (α > 2) the exponent is negative.
     const V pv = V::loadu(g + i);
-    V gv = b < acc_t(1) ? pow_unit<acc_t>(pv, acc_t(1) - b) : (V(acc_t(1) - b) * pv.log()).exp();
+    V gv;
+    if constexpr (FAM == Family::kSparsemax) {
+      gv = V(acc_t(1));
+    } else if constexpr (FAM == Family::kEntmax15) {
+      gv = pv.sqrt();
+    } else {
+      // pow_unit takes exponents in (0, 1); for b > 1 (α > 2) the exponent is negative.
+      gv = b < acc_t(1) ? pow_unit<acc_t>(pv, acc_t(1) - b) : (V(acc_t(1) - b) * pv.log()).exp();
+    }
     gv.store(g + i);
     vgsum += gv;
     vgdp += gv * V::loadu(dpk + i);
   }
   acc_t gsum = hsum(vgsum), gdp = hsum(vgdp);
   for (; i < k; ++i) {
-    g[i] = math::entmax_g_from_p<acc_t>(g[i], b, Family::kGeneric);
+    g[i] = math::entmax_g_from_p<acc_t>(g[i], b, FAM);
     gsum += g[i];
     gdp += g[i] * dpk[i];
   }
   const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
   std::fill(dx, dx + n, acc_t(0));
   for (i = 0; i < k; ++i) dx[idx[i]] = g[i] * (dpk[i] - mean);
-  sums[0] = gsum;
-  sums[1] = gdp;
   return true;
 }
 
@@ -121,10 +129,10 @@ acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int3
       return V::blendv(vzero, g, pv > vzero);
     }
   };
-  if constexpr (FAM == Family::kGeneric) {
-    // (With the α gradient wanted, the dense pass keeps dp intact for it.)
-    acc_t sums[2];
-    if (!want_alpha && b > acc_t(0) && backward_row_sparse<acc_t>(p, dp, dx, gbuf, idx, n, b, sums)) return 0;
+  if constexpr (kSparse) {
+    // (With the α gradient wanted, the dense pass keeps dp intact for it; the
+    // generic family at b <= 0 has no zeros.)
+    if (!want_alpha && b > acc_t(0) && backward_row_sparse<acc_t, FAM>(p, dp, dx, gbuf, idx, n, b)) return 0;
   }
   V vgsum(0), vgdp(0);
   int64_t j = 0;
