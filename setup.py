@@ -74,7 +74,7 @@ ISA_LEVELS = {
 
 def _isa_levels():
     isa = os.environ.get("ATTNKERN_CPU_ISA", "all")
-    levels = {"all": ["AVX2", "AVX512"], "avx512": ["AVX2", "AVX512"], "avx2": ["AVX2"], "none": []}
+    levels = {"all": ["AVX2", "AVX512"], "avx2": ["AVX2"], "none": []}
     if isa not in levels:
         raise SystemExit(f"ATTNKERN_CPU_ISA must be 'all', 'avx2' or 'none', got {isa!r}")
     import platform

@@ -190,7 +190,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed() if dropout_p > 0 else None
     out = AttentionFunction.apply(q4, k4, v4, mask4, alpha_h, is_causal, scale, normalizer, impl, dropout_p, seed)
-    out = out if out.dim() == 4 and len(batch) == 1 and out.shape[1] == H else out.reshape(batch + (H, L, Ev))
+    if out.shape != batch + (H, L, Ev):
+        out = out.reshape(batch + (H, L, Ev))
     return _unpad(out if out.dtype == query.dtype else out.to(query.dtype), added)
 
 

@@ -6,7 +6,7 @@ median over rounds of attnkern's time divided by PyTorch's (below 1: attnkern
 is faster). Every table names the CPU, the instruction set attnkern's CPU
 kernels dispatched to, PyTorch's CPU capability, the dtype and the threads.
 
-    python benchmarks/ratios.py                      # everything (~20 min on 2 cores)
+    python benchmarks/ratios.py                      # everything (~35 min on 2 cores)
     python benchmarks/ratios.py --quick              # N = 2048 and the row-wise shapes
     python benchmarks/ratios.py --dtypes float32 --threads 2
 
@@ -36,7 +36,7 @@ import attnkern
 
 B, H, E = 1, 8, 64
 
-# Targets of issue 12: the largest ratio that passes.
+# The speed targets: the largest ratio that passes.
 ATTN_TARGET = {
     ("softmax", "fwd"): 1.0, ("softmax", "fwd+bwd"): 1.0,
     ("sparsemax", "fwd"): 0.7, ("sparsemax", "fwd+bwd"): 0.5,
@@ -127,12 +127,12 @@ def attention_cases(sizes, dtype, rounds_for):
 
                 ours = attention_call(ours_fn, q, k, v, mode, dout)
                 yield (f"attention N={n}", name, mode, ATTN_TARGET[(name, mode)],
-                       interleaved(ours, sdpa, rounds_for(n, mode)))
+                       interleaved(ours, sdpa, rounds_for(n)))
             # causal softmax
             ours = attention_call(lambda a, b, c: attnkern.attention(a, b, c, is_causal=True), q, k, v, mode, dout)
             theirs = attention_call(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
                                     q, k, v, mode, dout)
-            yield (f"causal N={n}", "softmax", mode, 1.0, interleaved(ours, theirs, rounds_for(n, mode)))
+            yield (f"causal N={n}", "softmax", mode, 1.0, interleaved(ours, theirs, rounds_for(n)))
 
 
 def decode_cases(dtype, rounds):
@@ -177,12 +177,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="N = 2048 only")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--rounds", type=int, default=5, help="rounds per case (N = 8192 fwd+bwd: at least 3)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds per case (N = 8192: half, at least 3; cut further to fit CASE_BUDGET_S)")
     ap.add_argument("--out", default="results/bench/ratios", help="prefix of the .md and .json written")
     args = ap.parse_args()
     sizes = [2048] if args.quick else [2048, 8192]
 
-    def rounds_for(n, mode):
+    def rounds_for(n):
         return max(3, args.rounds // 2) if n >= 8192 else args.rounds
 
     level = attnkern.isa.dispatch()

@@ -25,6 +25,18 @@ using namespace attn;  // NOLINT(build/namespaces)
 
 // ------------------------------------------------------------ scheduling
 
+template <typename acc_t>
+bool all_softmax_heads(const Problem<acc_t>& P) {
+  return std::all_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
+}
+
+// Whether the forward takes the decoding path (decode_forward), which reads K
+// in place: no packed copy is needed.
+template <typename acc_t>
+bool decodes(const Problem<acc_t>& P) {
+  return P.L <= kDecodeRows && all_softmax_heads(P);
+}
+
 // Decoding: every (batch, head) split over fixed chunks of keys, one task per
 // chunk, then the chunks of each head merged in order.
 template <typename acc_t>
@@ -57,8 +69,8 @@ template <typename acc_t>
 void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   // Softmax heads run online over key tiles and need only BM x
   // softmax_block_keys() of scores; the sparse normalizers need whole rows.
-  const bool all_softmax = std::all_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
-  if (all_softmax && P.L <= kDecodeRows) return decode_forward(P, out, shift);
+  if (decodes(P)) return decode_forward(P, out, shift);
+  const bool all_softmax = all_softmax_heads(P);
   const int64_t BM = all_softmax ? softmax_block_rows(P.L) : block_rows(P.S, P.L, sizeof(acc_t));
   const int64_t tile = std::min(softmax_block_keys(), round_up_panel<acc_t>(P.S));
   const int64_t nb = (P.L + BM - 1) / BM;
@@ -291,11 +303,6 @@ bool has_softmax_head(const Problem<acc_t>& P) {
   return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
 }
 
-template <typename acc_t>
-bool has_sparse_head(const Problem<acc_t>& P) {
-  return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f != Family::kSoftmax; });
-}
-
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const c10::optional<Tensor>& mask_in, bool is_causal, double scale,
                                          c10::string_view normalizer, const c10::optional<Tensor>& alpha_in,
@@ -315,9 +322,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     if (out_p.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
-      // The decoding path (forward_kernel) reads K in place.
-      const bool decoding = c.L <= kDecodeRows && !has_sparse_head(P);
-      Tensor kpack = has_softmax_head(P) && !decoding ? pack_heads<scalar_t>(k) : Tensor();
+      Tensor kpack = has_softmax_head(P) && !decodes(P) ? pack_heads<scalar_t>(k) : Tensor();
       if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();
       forward_kernel<scalar_t>(P, out_p.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
     }

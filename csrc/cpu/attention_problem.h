@@ -117,19 +117,30 @@ inline void add_row(acc_t* y, int64_t n, const acc_t* m, int64_t ms) {
   }
 }
 
+// Adds the mask to the scores y (m x w, row stride ldy) of query rows
+// [i0, i0 + m) against keys [j0, j0 + w), and sets -inf above the causal
+// diagonal.
+template <typename acc_t>
+inline void mask_scores(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
+                        acc_t* y, int64_t ldy) {
+  if (!P.mask && !P.causal) return;
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * ldy;
+    if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
+    if (P.causal) {
+      for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j)
+        row[j] = -std::numeric_limits<acc_t>::infinity();
+    }
+  }
+}
+
 // y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
 // diagonal.
 template <typename acc_t>
 inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
   gemm<acc_t>(false, true, m, n, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, h / P.group()), P.E,
               acc_t(0), y, n);
-  for (int64_t r = 0; r < m; ++r) {
-    acc_t* row = y + r * n;
-    if (P.mask) add_row(row, n, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl, P.mss);
-    if (P.causal) {
-      for (int64_t j = i0 + r + 1; j < n; ++j) row[j] = -std::numeric_limits<acc_t>::infinity();
-    }
-  }
+  mask_scores(P, bi, h, i0, m, 0, n, y, n);
 }
 
 

@@ -19,17 +19,9 @@ namespace attn {
 template <typename acc_t>
 void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
                 acc_t* y, int64_t ldy) {
-  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
                    kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
-  if (!P.mask && !P.causal) return;
-  for (int64_t r = 0; r < m; ++r) {
-    acc_t* row = y + r * ldy;
-    if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
-    if (P.causal) {
-      for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j) row[j] = -inf;
-    }
-  }
+  mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
 }
 
 // Softmax forward of one block of query rows, online over key tiles (as
@@ -181,12 +173,9 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
   const int64_t hk = h / P.group();
   gemm<acc_t>(false, true, m, w, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, hk) + j0 * P.E, P.E,
               acc_t(0), y, w);
+  mask_scores(P, bi, h, i0, m, j0, w, y, w);
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * w;
-    if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
-    if (P.causal) {
-      for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j) row[j] = -inf;
-    }
     const acc_t bm = row_max(row, w);
     mx[r] = bm;
     if (bm != bm || bm == -inf) {  // NaN row, or nothing allowed in this chunk
