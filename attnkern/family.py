@@ -56,11 +56,13 @@ def takes_alpha(normalizer: str) -> bool:
     return normalizer == Family.ENTMAX.normalizer
 
 
-# |α - 1| below which α-entmax is computed as softmax (its forward), and below
-# which ∂p/∂α takes its softmax limit: kSoftmaxForwardBand and
-# kAlphaGradLimitBand of csrc/include/attnkern/family.h and entmax_math.h.
+# |α - 1| below which α-entmax is computed as softmax (its forward):
+# kSoftmaxForwardBand of csrc/include/attnkern/family.h.
 SOFTMAX_BAND = 1e-6
-ALPHA_GRAD_BAND = SOFTMAX_BAND
+# |α - 1| below which the gradient in α is taken in its form without the
+# closed form's 1/(α - 1)² cancellation: kAlphaGradSeriesBand of
+# csrc/include/attnkern/entmax_math.h.
+ALPHA_GRAD_SERIES_BAND = 0.25
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -258,9 +258,10 @@ __device__ acc_t backward_row(const G& grp, const scalar_t* __restrict__ p, cons
     for (int64_t j = grp.lane(); j < n; j += grp.size())
       a.add(static_cast<double>(load_acc<acc_t>(p, j, stride)), static_cast<double>(load_acc<acc_t>(dp, j, stride)),
             bd);
-    double r[8] = {a.sp, a.gsum, a.gdp, a.pdp, a.pl, a.pldp, a.pl2, a.pl2dp};
-    grp.template sum<8>(r);
-    a.sp = r[0], a.gsum = r[1], a.gdp = r[2], a.pdp = r[3], a.pl = r[4], a.pldp = r[5], a.pl2 = r[6], a.pl2dp = r[7];
+    double r[math::AlphaGradSums::kCount];
+    a.to_array(r);
+    grp.template sum<math::AlphaGradSums::kCount>(r);
+    a.from_array(r);
     dalpha = static_cast<acc_t>(a.grad(bd));
   }
   const acc_t mean = s[0] > acc_t(0) ? s[1] / s[0] : acc_t(0);

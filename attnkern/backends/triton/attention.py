@@ -14,7 +14,7 @@ import torch
 import triton
 from triton import knobs
 
-from attnkern.family import ALPHA_GRAD_BAND, NORMALIZERS, Family, acc_dtype
+from attnkern.family import ALPHA_GRAD_SERIES_BAND, NORMALIZERS, Family, acc_dtype
 
 # Newton steps in the threshold search before giving up on a row (each one
 # re-reads K). Rows converge in 3-11 steps for b <= 1; bisection fallbacks for
@@ -283,7 +283,7 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), ALPHA_GRAD_BAND, *drop,
+        H, H // Hk, L, S, E, Ev, float(scale), ALPHA_GRAD_SERIES_BAND, *drop,
         STATS=stats, ALPHA_GRAD=bool(alpha_grad), **common,
     )
     kern.attn_bwd_dkdv[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hk)](

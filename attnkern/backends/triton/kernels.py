@@ -58,6 +58,32 @@ def _expm1(x):
 
 
 @triton.jit
+def _expm1_excess(x):
+    # φ(x) = (eˣ - 1 - x)/x² (float64): its Taylor series Σ x^k/(k+2)!, k <= 8,
+    # for |x| < 0.1, the closed form beyond (AlphaGradSums in entmax_math.h).
+    small = tl.abs(x) < 0.1
+    xs = tl.where(small, x, 0.0)
+    s = 1.0 / 3628800.0
+    s = s * xs + 1.0 / 362880.0
+    s = s * xs + 1.0 / 40320.0
+    s = s * xs + 1.0 / 5040.0
+    s = s * xs + 1.0 / 720.0
+    s = s * xs + 1.0 / 120.0
+    s = s * xs + 1.0 / 24.0
+    s = s * xs + 1.0 / 6.0
+    s = s * xs + 0.5
+    xl = tl.where(small, 1.0, x)
+    return tl.where(small, s, (_expm1(xl) - xl) / (xl * xl))
+
+
+@triton.jit
+def _expm1_ratio(x):
+    # ψ(x) = (eˣ - 1)/x, ψ(0) = 1.
+    nz = x != 0.0
+    return tl.where(nz, _expm1(x) / tl.where(nz, x, 1.0), 1.0)
+
+
+@triton.jit
 def _phi_g(y, b, FAMILY: tl.constexpr):
     """p = φ_b(y) and g = p^(2-α) = p / (1 + b·y) on the support, 0 elsewhere.
 
@@ -538,16 +564,21 @@ def _attn_bwd_dq_kernel(
         gsum = tl.zeros((BLOCK_M,), ACC)
         gdp = tl.zeros((BLOCK_M,), ACC)
         # The α-gradient sums, in float64 over the row renormalized on the sums
-        # (AlphaGradSums in entmax_math.h): the general formula cancels two
-        # O(1/b) terms, so float32 sums would be off by ~eps / b².
+        # (AlphaGradSums in entmax_math.h): the closed form cancels two O(1/b)
+        # terms, so near b = 0 it is taken in its form without cancellation.
         sp = tl.zeros((BLOCK_M,), tl.float64)
         gsum_d = tl.zeros((BLOCK_M,), tl.float64)
         gdp_d = tl.zeros((BLOCK_M,), tl.float64)
         pdp = tl.zeros((BLOCK_M,), tl.float64)
         pl = tl.zeros((BLOCK_M,), tl.float64)
         pldp = tl.zeros((BLOCK_M,), tl.float64)
-        pl2 = tl.zeros((BLOCK_M,), tl.float64)
-        pl2dp = tl.zeros((BLOCK_M,), tl.float64)
+        pq = tl.zeros((BLOCK_M,), tl.float64)
+        pqdp = tl.zeros((BLOCK_M,), tl.float64)
+        pr = tl.zeros((BLOCK_M,), tl.float64)
+        prdp = tl.zeros((BLOCK_M,), tl.float64)
+        bd = b.to(tl.float64)
+        near_one = (bd > -alpha_band) & (bd < alpha_band)
+        b_near = tl.where(near_one, bd, 0.0)
         for start_n in range(0, n_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
@@ -565,36 +596,41 @@ def _attn_bwd_dq_kernel(
                     pd = p.to(tl.float64)
                     dpd = dp.to(tl.float64)
                     lnp = tl.log(tl.where(pd > 0.0, pd, 1.0))
-                    gd = tl.where(pd > 0.0, tl.exp((1.0 - b.to(tl.float64)) * lnp), 0.0)
+                    gd = tl.where(pd > 0.0, tl.exp((1.0 - bd) * lnp), 0.0)
                     plnp = pd * lnp
+                    x = -b_near * lnp
+                    qd = plnp * lnp * _expm1_excess(x)
+                    rd = plnp * _expm1_ratio(x)
                     sp += tl.sum(pd, 1)
                     gsum_d += tl.sum(gd, 1)
                     gdp_d += tl.sum(gd * dpd, 1)
                     pdp += tl.sum(pd * dpd, 1)
                     pl += tl.sum(plnp, 1)
                     pldp += tl.sum(plnp * dpd, 1)
-                    pl2 += tl.sum(plnp * lnp, 1)
-                    pl2dp += tl.sum(plnp * lnp * dpd, 1)
+                    pq += tl.sum(qd, 1)
+                    pqdp += tl.sum(qd * dpd, 1)
+                    pr += tl.sum(rd, 1)
+                    prdp += tl.sum(rd * dpd, 1)
         has = gsum > 0.0
         delta = tl.where(has, gdp / tl.where(has, gsum, 1.0), 0.0)
         tl.store(Delta + row_base + offs_m, delta, mask=row_ok)
         if ALPHA_GRAD:
             # AlphaGradSums::grad of entmax_math.h.
-            bd = b.to(tl.float64)
             ok = (sp > 0.0) & (gsum_d > 0.0)
             sp_s = tl.where(ok, sp, 1.0)
+            gsum_s = tl.where(ok, gsum_d, 1.0)
             lsp = tl.log(sp_s)
             t_pdp = pdp / sp_s
             t_pldp = (pldp - lsp * pdp) / sp_s
             t_ent = -(pl / sp_s - lsp)
-            t_pl2dp = (pl2dp - 2.0 * lsp * pldp + lsp * lsp * pdp) / sp_s
-            t_pl2 = (pl2 - 2.0 * lsp * pl + lsp * lsp * sp) / sp_s
-            ghat_dp = gdp_d / tl.where(ok, gsum_d, 1.0)
-            b_nz = tl.where(bd == 0.0, 1.0, bd)
-            general = (t_pdp - ghat_dp) / (b_nz * b_nz) - (t_pldp + t_ent * ghat_dp) / b_nz
-            limit = -0.5 * (t_pl2dp - t_pdp * t_pl2)
-            near_one = (bd > -alpha_band) & (bd < alpha_band)
-            da = tl.where(ok, tl.where(near_one, limit, general), 0.0)
+            t_pq = (pq - lsp * pr + 0.5 * lsp * lsp * gsum_d) / sp_s
+            t_pqdp = (pqdp - lsp * prdp + 0.5 * lsp * lsp * gdp_d) / sp_s
+            t_z = gsum_s * tl.exp(b_near * lsp) / sp_s
+            near = (t_pdp * t_pq - t_pqdp - b_near * t_pq * t_pldp - b_near * t_ent * t_pqdp) / t_z
+            ghat_dp = gdp_d / gsum_s
+            b_far = tl.where(near_one, 1.0, bd)
+            general = (t_pdp - ghat_dp) / (b_far * b_far) - (t_pldp + t_ent * ghat_dp) / b_far
+            da = tl.where(ok, tl.where(near_one, near, general), 0.0)
             tl.store(DAlphaRow + row_base + offs_m, da, mask=row_ok)
     else:
         delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)

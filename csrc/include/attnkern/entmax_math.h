@@ -27,11 +27,6 @@ namespace attnkern {
 namespace math {
 ATTNKERN_ISA_BEGIN
 
-// Below this |α - 1| the gradient in α uses its softmax limit (truncation
-// error O(|α - 1|)); above it the general formula, evaluated in double on the
-// renormalized row (AlphaGradSums), is accurate for float32 and float64 input.
-constexpr double kAlphaGradLimitBand = kSoftmaxForwardBand;
-
 // d = 1 + b·y, the base of the power in φ_b; entries with d <= 0 (b > 0) are
 // outside the support.
 template <typename acc_t>
@@ -148,37 +143,86 @@ AK_HD acc_t entmax_halley_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t curv, 
 }
 
 // Gradient of the loss in α for one row (dp = upstream gradient on p). With
-// g = p^(2-α) on the support, ĝ = g / Σg and H = -Σ p ln p:
-//   general b:  dα = (Σ p dp - Σ ĝ dp)/b² - (Σ p ln p dp + H Σ ĝ dp)/b
-//   near b = 0: dα = -(Σ p (ln p)² dp - Σ p dp · Σ p (ln p)²) / 2
-// The two terms of the general formula are O(1/b) each and cancel to O(1),
-// so any error in Σp (a float32 p never sums to exactly 1) or in the sums is
-// divided by b². Hence every sum is taken in double, g is recomputed in
-// double from p, and p is renormalized (p̃ = p / Σp) before the formula: the
-// formula is then exact for p̃, itself a member of the family, and float32
-// input gives dα to ~1e-4 relative down to |b| = 1e-6 (docs/algorithms.md).
-// Renormalizing is done on the sums (ln p̃ = ln p - ln Σp), so one pass over
-// the support suffices; partial sums of a row merge with `merge`.
+// g = p^(2-α), ĝ = g / Σg, b = α - 1 and H = -Σ p ln p, the closed form
+//   dα = (Σ p dp - Σ ĝ dp)/b² - (Σ p ln p dp + H Σ ĝ dp)/b
+// has two O(1/b) terms that cancel to O(1): the rounding of the sums (even in
+// double) is divided by b², ~1e-4 relative at |b| = 1e-6. For |b| below
+// kAlphaGradSeriesBand the same quantity is taken in a form without
+// cancellation. With l = ln p, E = p^(-b) = e^(-b l) and
+//   Q = (E - 1 + b l)/b² = l² φ(-b l),   φ(x) = (eˣ - 1 - x)/x²,
+// (so p^(1-b) = p (1 - b l + b² Q)) and Z = Σ p E,
+//   dα = (Σp dp · ΣpQ - ΣpQ dp - b ΣpQ · Σp l dp - b H ΣpQ dp) / Z,
+// which at b = 0 is the softmax limit -(Σ p l² dp - Σ p dp Σ p l²)/2.
+// Every sum is in double over p renormalized to p̃ = p / Σp (a float32 p never
+// sums to exactly 1; the formula is exact for p̃, itself a member of the
+// family). Renormalizing is done on the sums: ln p̃ = l - Λ with Λ = ln Σp, and
+// Q(l - Λ) = Q - Λ R + Λ²/2 E + O(Λ³ b) with R = dQ/dl = l ψ(-b l), so
+// one pass over the support suffices (|Λ| ~ 1e-7 for float32 rows) and
+// partial sums of a row merge with `merge`.
+constexpr double kAlphaGradSeriesBand = 0.25;
+
+// φ(x) = (eˣ - 1 - x)/x²: its Taylor series Σ x^k/(k+2)! (k <= 8, error below
+// 3e-17) for |x| < 0.1, the closed form with expm1 beyond.
+AK_HD double expm1_excess(double x) {
+  if (x > -0.1 && x < 0.1) {
+    double s = 0.0, f = 1.0 / 39916800.0;  // 1/11!, then down to 1/2!
+    for (int k = 8; k >= 0; --k) {
+      f *= static_cast<double>(k + 3);
+      s = s * x + f;
+    }
+    return s;
+  }
+  return (std::expm1(x) - x) / (x * x);
+}
+
+// ψ(x) = (eˣ - 1)/x (ψ(0) = 1), accurate everywhere through expm1.
+AK_HD double expm1_ratio(double x) {
+  return x == 0.0 ? 1.0 : std::expm1(x) / x;
+}
+
 struct AlphaGradSums {
-  double sp = 0, gsum = 0, gdp = 0, pdp = 0, pl = 0, pldp = 0, pl2 = 0, pl2dp = 0;
+  // Σp, Σ p^(1-b), Σ p^(1-b) dp, Σ p dp, Σ p l, Σ p l dp (general and near
+  // forms); Σ p Q, Σ p Q dp, Σ p R, Σ p R dp (near form only).
+  double sp = 0, gsum = 0, gdp = 0, pdp = 0, pl = 0, pldp = 0, pq = 0, pqdp = 0, pr = 0, prdp = 0;
+  static constexpr int kCount = 10;
 
   // One support entry (p > 0); entries with p <= 0 are ignored.
   AK_HD void add(double p, double dp, double b) {
     if (!(p > 0)) return;
-    const double l = std::log(p), g = std::exp((1.0 - b) * l), pl_ = p * l;
+    const double l = std::log(p), pl_ = p * l;
     sp += p;
-    gsum += g;
-    gdp += g * dp;
     pdp += p * dp;
     pl += pl_;
     pldp += pl_ * dp;
-    pl2 += pl_ * l;
-    pl2dp += pl_ * l * dp;
+    if (b > -kAlphaGradSeriesBand && b < kAlphaGradSeriesBand) {
+      const double x = -b * l, g = p * std::exp(x);
+      const double q = p * l * l * expm1_excess(x), r = pl_ * expm1_ratio(x);
+      gsum += g;
+      gdp += g * dp;
+      pq += q;
+      pqdp += q * dp;
+      pr += r;
+      prdp += r * dp;
+    } else {
+      const double g = std::exp((1.0 - b) * l);
+      gsum += g;
+      gdp += g * dp;
+    }
   }
 
   AK_HD void merge(const AlphaGradSums& o) {
-    sp += o.sp, gsum += o.gsum, gdp += o.gdp, pdp += o.pdp;
-    pl += o.pl, pldp += o.pldp, pl2 += o.pl2, pl2dp += o.pl2dp;
+    sp += o.sp, gsum += o.gsum, gdp += o.gdp, pdp += o.pdp, pl += o.pl, pldp += o.pldp;
+    pq += o.pq, pqdp += o.pqdp, pr += o.pr, prdp += o.prdp;
+  }
+
+  // The sums as an array (for reductions across threads) and back.
+  AK_HD void to_array(double* a) const {
+    a[0] = sp, a[1] = gsum, a[2] = gdp, a[3] = pdp, a[4] = pl;
+    a[5] = pldp, a[6] = pq, a[7] = pqdp, a[8] = pr, a[9] = prdp;
+  }
+  AK_HD void from_array(const double* a) {
+    sp = a[0], gsum = a[1], gdp = a[2], pdp = a[3], pl = a[4];
+    pldp = a[5], pq = a[6], pqdp = a[7], pr = a[8], prdp = a[9];
   }
 
   // dα of the row; 0 for a row without support.
@@ -189,10 +233,11 @@ struct AlphaGradSums {
     const double t_pdp = pdp * inv;
     const double t_pldp = (pldp - L * pdp) * inv;
     const double t_ent = -(pl * inv - L);
-    if (b > -kAlphaGradLimitBand && b < kAlphaGradLimitBand) {
-      const double t_pl2dp = (pl2dp - 2.0 * L * pldp + L * L * pdp) * inv;
-      const double t_pl2 = (pl2 - 2.0 * L * pl + L * L * sp) * inv;
-      return -0.5 * (t_pl2dp - t_pdp * t_pl2);
+    if (b > -kAlphaGradSeriesBand && b < kAlphaGradSeriesBand) {
+      const double t_pq = (pq - L * pr + 0.5 * L * L * gsum) * inv;
+      const double t_pqdp = (pqdp - L * prdp + 0.5 * L * L * gdp) * inv;
+      const double t_z = gsum * std::exp(b * L) * inv;
+      return (t_pdp * t_pq - t_pqdp - b * t_pq * t_pldp - b * t_ent * t_pqdp) / t_z;
     }
     const double ghat_dp = gdp / gsum;
     return (t_pdp - ghat_dp) / (b * b) - (t_pldp + t_ent * ghat_dp) / b;
