@@ -13,10 +13,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -222,18 +218,17 @@ inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit,
   for (int64_t r = 0; r < m; ++r) {
     const acc_t* row = y + r * n;
     int64_t j = 0;
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<acc_t, float> && Vec<float>::size() == 8) {
-      const Vec<float> zero(0.f);
-      for (; j + 8 <= n; j += 8) {
-        int bits = _mm256_movemask_ps(static_cast<__m256>(Vec<float>::loadu(row + j) != zero));
+    {
+      using V = Vec<acc_t>;
+      const V zero(0);
+      for (; j + V::size() <= n; j += V::size()) {
+        int bits = lane_mask<acc_t>(V::loadu(row + j) != zero);
         while (bits) {
           idx.push_back(static_cast<int32_t>(j + __builtin_ctz(bits)));
           bits &= bits - 1;
         }
       }
     }
-#endif
     for (; j < n; ++j)
       if (!(row[j] == acc_t(0))) idx.push_back(static_cast<int32_t>(j));
     ptr[r + 1] = static_cast<int64_t>(idx.size());

@@ -350,13 +350,11 @@ inline int64_t positions_above(const acc_t* y, int64_t n, acc_t cut, acc_t* vals
   constexpr int kLanes = V::size();
   const V vcut(cut);
   int64_t k = 0, j = 0;
-  if constexpr (kLanes == 8) {
-    for (; j + kLanes <= n; j += kLanes) {
-      V v = V::loadu(y + j);
-      int mask = lane_mask<acc_t>(v > vcut);
-      left_pack(vals + k, v, mask);
-      k += left_pack_index(idx + k, static_cast<int32_t>(j), mask);
-    }
+  for (; j + kLanes <= n; j += kLanes) {
+    V v = V::loadu(y + j);
+    int mask = lane_mask<acc_t>(v > vcut);
+    left_pack(vals + k, v, mask);
+    k += left_pack_index<kLanes>(idx + k, static_cast<int32_t>(j), mask);
   }
   for (; j < n; ++j) {
     if (y[j] > cut) {

@@ -1,5 +1,5 @@
 // SIMD building blocks of the CPU kernels (ATen's Vectorized, plus
-// hand-written AVX2 forms where they pay): horizontal sums, stream
+// hand-written AVX2 and AVX-512 forms where they pay): horizontal sums, stream
 // compaction (left-packing), fast reciprocals and powers, the row max and
 // shifts, and a scope guard that flushes denormals.
 #pragma once
@@ -56,14 +56,22 @@ inline int left_pack(acc_t* dst, const Vec<acc_t>& v, int mask) {
   return k;
 }
 
-#if !defined(CPU_CAPABILITY_AVX2)
-inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
+// The positions j..j+lanes-1 of the lanes selected by mask, stored at dst
+// (scalar; the AVX2 and AVX-512 forms below are used where they apply).
+template <int lanes>
+inline int left_pack_index_scalar(int32_t* dst, int32_t j, int mask) {
   int k = 0;
-  for (int l = 0; l < 8; ++l) {
+  for (int l = 0; l < lanes; ++l) {
     dst[k] = j + l;
     k += (mask >> l) & 1;
   }
   return k;
+}
+
+#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+template <int lanes>
+inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
+  return left_pack_index_scalar<lanes>(dst, j, mask);
 }
 #endif
 
@@ -93,13 +101,13 @@ inline int left_pack<float>(float* dst, const Vec<float>& v, int mask) {
   return __builtin_popcount(mask);
 }
 
-// The positions j..j+7 of the lanes selected by mask, stored at dst.
+template <int lanes>
 inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
+  if constexpr (lanes != 8) return left_pack_index_scalar<lanes>(dst, j, mask);
   __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLeftPack.idx[mask]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_add_epi32(perm, _mm256_set1_epi32(j)));
   return __builtin_popcount(mask);
 }
-#define ATTNKERN_HAS_LEFT_PACK_INDEX 1
 
 template <>
 inline int lane_mask<float>(const Vec<float>& cmp) {
@@ -107,8 +115,49 @@ inline int lane_mask<float>(const Vec<float>& cmp) {
 }
 #endif
 
-// 1/d: exact division in general; on AVX2 float, the hardware estimate with
-// one Newton-Raphson step (~2 ulp), which keeps the divider (one ymm division
+#if defined(CPU_CAPABILITY_AVX512)
+// AVX-512: compaction is vcompress into a register, then a plain store (the
+// compress-to-memory form is microcoded and slow on AMD Zen 4).
+template <>
+inline int left_pack<float>(float* dst, const Vec<float>& v, int mask) {
+  _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(static_cast<__mmask16>(mask), __m512(v)));
+  return __builtin_popcount(mask);
+}
+
+template <>
+inline int left_pack<double>(double* dst, const Vec<double>& v, int mask) {
+  _mm512_storeu_pd(dst, _mm512_maskz_compress_pd(static_cast<__mmask8>(mask), __m512d(v)));
+  return __builtin_popcount(mask);
+}
+
+template <int lanes>
+inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
+  if constexpr (lanes != 16 && lanes != 8) return left_pack_index_scalar<lanes>(dst, j, mask);
+  const __m512i idx = _mm512_add_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(j));
+  const __mmask16 m = static_cast<__mmask16>(lanes == 16 ? mask : mask & 0xff);
+  if constexpr (lanes == 16) {
+    _mm512_storeu_si512(dst, _mm512_maskz_compress_epi32(m, idx));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_castsi512_si256(_mm512_maskz_compress_epi32(m, idx)));
+  }
+  return __builtin_popcount(mask);
+}
+
+template <>
+inline int lane_mask<float>(const Vec<float>& cmp) {
+  return _mm512_movepi32_mask(_mm512_castps_si512(__m512(cmp)));
+}
+
+template <>
+inline int lane_mask<double>(const Vec<double>& cmp) {
+  return _mm512_movepi64_mask(_mm512_castpd_si512(__m512d(cmp)));
+}
+#endif
+
+// 1/d: exact division in general; on AVX2 and AVX-512 float, the hardware
+// estimate with one Newton-Raphson step (~2 ulp), which keeps the divider (one ymm division
 // per 5 cycles) off the critical path of the power passes.
 template <typename acc_t>
 inline Vec<acc_t> recip(const Vec<acc_t>& d) {
@@ -121,6 +170,16 @@ inline Vec<float> recip<float>(const Vec<float>& dv) {
   __m256 d = __m256(dv);
   __m256 r = _mm256_rcp_ps(d);
   return Vec<float>(_mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.0f))));
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// AVX-512: the 14-bit estimate with one Newton-Raphson step (~1 ulp).
+template <>
+inline Vec<float> recip<float>(const Vec<float>& dv) {
+  __m512 d = __m512(dv);
+  __m512 r = _mm512_rcp14_ps(d);
+  return Vec<float>(_mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))));
 }
 #endif
 

@@ -14,9 +14,10 @@
 // N must be a multiple of kPanel<T> (the callers pad head dims once).
 //
 // The micro-kernel keeps a kRows x kPanel block of C in registers (12 of the
-// 16 AVX2 registers for float), one FMA per broadcast and loaded vector; the
-// driver loops over B panels outside and row strips inside, so a panel
-// (K x kPanel, <= 16 KiB for K <= 256) stays in L1 while A streams from L2.
+// 16 AVX2 registers, 16 of the 32 AVX-512 ones), one FMA per broadcast and
+// loaded vector; the driver loops over B panels outside and row strips
+// inside, so a float panel (K x kPanel: 64·K bytes on AVX2, 128·K on
+// AVX-512, 8 / 16 KiB at K = 128) stays in L1 while A streams from L2.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -26,7 +27,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+#if (defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)) && !defined(_MSC_VER)
 #include <immintrin.h>
 #endif
 
@@ -36,7 +37,14 @@ inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
 template <typename T>
 inline constexpr int64_t kPanel = 2 * at::vec::Vectorized<T>::size();
+// Rows of C a micro-kernel call keeps in registers (2 vectors each): 6 on
+// AVX2 (12 of its 16 vector registers), 8 on AVX-512 (16 of 32).
+inline constexpr int kMaxRows = 8;
+#if defined(CPU_CAPABILITY_AVX512)
+inline constexpr int kRows = 8;
+#else
 inline constexpr int kRows = 6;
+#endif
 
 template <typename T>
 inline int64_t round_up_panel(int64_t n) {
@@ -51,7 +59,7 @@ inline void micro_kernel(int64_t K, const T* __restrict A, int64_t ars, int64_t 
   using V = at::vec::Vectorized<T>;
   constexpr int W = V::size();
   V c0[MR], c1[MR];
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     c0[r] = V(T(0));
     c1[r] = V(T(0));
@@ -59,7 +67,7 @@ inline void micro_kernel(int64_t K, const T* __restrict A, int64_t ars, int64_t 
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     const V b0 = V::loadu(B + k * bs), b1 = V::loadu(B + k * bs + W);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const V a(A[r * ars + k * aks]);
       c0[r] = at::vec::fmadd(a, b0, c0[r]);
@@ -67,7 +75,7 @@ inline void micro_kernel(int64_t K, const T* __restrict A, int64_t ars, int64_t 
     }
   }
   const V va(alpha);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     V x0 = c0[r] * va, x1 = c1[r] * va;
     if (accumulate) {
@@ -79,16 +87,45 @@ inline void micro_kernel(int64_t K, const T* __restrict A, int64_t ars, int64_t 
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
-// AVX2 float and double: the same kernel with the accumulators as named
-// __m256 / __m256d values. GCC kept arrays of Vectorized<T> objects in stack
+#if (defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)) && !defined(_MSC_VER)
+#define ATTNKERN_REG_GEMM 1
+// AVX2 and AVX-512, float and double: the same kernel with the accumulators
+// as named register values. GCC kept arrays of Vectorized<T> objects in stack
 // memory inside the extension, storing them back on every k step (a third of
 // the kernel's samples in perf) and zeroing them with rep stos at every call;
 // plain register variables it keeps in registers.
 template <typename R>
-struct Avx2;
+struct Regs;
+#if defined(CPU_CAPABILITY_AVX512)
 template <>
-struct Avx2<float> {
+struct Regs<float> {
+  using reg = __m512;
+  static constexpr int W = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+};
+template <>
+struct Regs<double> {
+  using reg = __m512d;
+  static constexpr int W = 8;
+  static reg zero() { return _mm512_setzero_pd(); }
+  static reg bcast(const double* p) { return _mm512_set1_pd(*p); }
+  static reg set1(double x) { return _mm512_set1_pd(x); }
+  static reg load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, reg x) { _mm512_storeu_pd(p, x); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_pd(a, b, c); }
+  static reg mul(reg a, reg b) { return _mm512_mul_pd(a, b); }
+  static reg add(reg a, reg b) { return _mm512_add_pd(a, b); }
+};
+#else
+template <>
+struct Regs<float> {
   using reg = __m256;
   static constexpr int W = 8;
   static reg zero() { return _mm256_setzero_ps(); }
@@ -101,7 +138,7 @@ struct Avx2<float> {
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
 };
 template <>
-struct Avx2<double> {
+struct Regs<double> {
   using reg = __m256d;
   static constexpr int W = 4;
   static reg zero() { return _mm256_setzero_pd(); }
@@ -113,25 +150,23 @@ struct Avx2<double> {
   static reg mul(reg a, reg b) { return _mm256_mul_pd(a, b); }
   static reg add(reg a, reg b) { return _mm256_add_pd(a, b); }
 };
+#endif
 
 template <typename T, int MR>
-inline void micro_kernel_avx2(int64_t K, const T* __restrict A, int64_t ars, int64_t aks, const T* __restrict B,
+inline void micro_kernel_regs(int64_t K, const T* __restrict A, int64_t ars, int64_t aks, const T* __restrict B,
                               int64_t bs, T* C, int64_t cs, T alpha, bool accumulate) {
-  using X = Avx2<T>;
+  static_assert(MR >= 1 && MR <= kMaxRows, "rows");
+  using X = Regs<T>;
   using reg = typename X::reg;
-  reg c00 = X::zero(), c01 = X::zero(), c10 = X::zero(), c11 = X::zero(), c20 = X::zero(), c21 = X::zero();
-  reg c30 = X::zero(), c31 = X::zero(), c40 = X::zero(), c41 = X::zero(), c50 = X::zero(), c51 = X::zero();
-  const T* a0 = A;
-  const T* a1 = A + ars;
-  const T* a2 = A + 2 * ars;
-  const T* a3 = A + 3 * ars;
-  const T* a4 = A + 4 * ars;
-  const T* a5 = A + 5 * ars;
-#define ATTNKERN_ROW(r)                       \
-  if constexpr (MR > r) {                     \
-    const reg a = X::bcast(a##r + k * aks);   \
-    c##r##0 = X::fma(a, b0, c##r##0);         \
-    c##r##1 = X::fma(a, b1, c##r##1);         \
+#define ATTNKERN_ACC(r) reg c##r##0 = X::zero(), c##r##1 = X::zero();
+  ATTNKERN_ACC(0) ATTNKERN_ACC(1) ATTNKERN_ACC(2) ATTNKERN_ACC(3) ATTNKERN_ACC(4) ATTNKERN_ACC(5)
+  ATTNKERN_ACC(6) ATTNKERN_ACC(7)
+#undef ATTNKERN_ACC
+#define ATTNKERN_ROW(r)                                   \
+  if constexpr (MR > r) {                                 \
+    const reg a = X::bcast(A + r * ars + k * aks);        \
+    c##r##0 = X::fma(a, b0, c##r##0);                     \
+    c##r##1 = X::fma(a, b1, c##r##1);                     \
   }
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
@@ -142,6 +177,8 @@ inline void micro_kernel_avx2(int64_t K, const T* __restrict A, int64_t ars, int
     ATTNKERN_ROW(3)
     ATTNKERN_ROW(4)
     ATTNKERN_ROW(5)
+    ATTNKERN_ROW(6)
+    ATTNKERN_ROW(7)
   }
 #undef ATTNKERN_ROW
   const reg va = X::set1(alpha);
@@ -161,6 +198,8 @@ inline void micro_kernel_avx2(int64_t K, const T* __restrict A, int64_t ars, int
   ATTNKERN_STORE(3)
   ATTNKERN_STORE(4)
   ATTNKERN_STORE(5)
+  ATTNKERN_STORE(6)
+  ATTNKERN_STORE(7)
 #undef ATTNKERN_STORE
 }
 #endif
@@ -168,27 +207,34 @@ inline void micro_kernel_avx2(int64_t K, const T* __restrict A, int64_t ars, int
 template <typename T>
 inline void micro_kernel_rows(int rows, int64_t K, const T* A, int64_t ars, int64_t aks, const T* B, int64_t bs,
                               T* C, int64_t cs, T alpha, bool accumulate) {
-#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+#define ATTNKERN_CASE(kernel, r) \
+  case r: return kernel<T, r>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
+#if defined(ATTNKERN_REG_GEMM)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-    static_assert(kPanel<T> == 2 * Avx2<T>::W, "panel width");
+    static_assert(kPanel<T> == 2 * Regs<T>::W, "panel width");
     switch (rows) {
-      case 6: return micro_kernel_avx2<T, 6>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-      case 5: return micro_kernel_avx2<T, 5>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-      case 4: return micro_kernel_avx2<T, 4>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-      case 3: return micro_kernel_avx2<T, 3>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-      case 2: return micro_kernel_avx2<T, 2>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-      default: return micro_kernel_avx2<T, 1>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
+      ATTNKERN_CASE(micro_kernel_regs, 8)
+      ATTNKERN_CASE(micro_kernel_regs, 7)
+      ATTNKERN_CASE(micro_kernel_regs, 6)
+      ATTNKERN_CASE(micro_kernel_regs, 5)
+      ATTNKERN_CASE(micro_kernel_regs, 4)
+      ATTNKERN_CASE(micro_kernel_regs, 3)
+      ATTNKERN_CASE(micro_kernel_regs, 2)
+      default: return micro_kernel_regs<T, 1>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
     }
   }
 #endif
   switch (rows) {
-    case 6: return micro_kernel<T, 6>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-    case 5: return micro_kernel<T, 5>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-    case 4: return micro_kernel<T, 4>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-    case 3: return micro_kernel<T, 3>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
-    case 2: return micro_kernel<T, 2>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
+    ATTNKERN_CASE(micro_kernel, 8)
+    ATTNKERN_CASE(micro_kernel, 7)
+    ATTNKERN_CASE(micro_kernel, 6)
+    ATTNKERN_CASE(micro_kernel, 5)
+    ATTNKERN_CASE(micro_kernel, 4)
+    ATTNKERN_CASE(micro_kernel, 3)
+    ATTNKERN_CASE(micro_kernel, 2)
     default: return micro_kernel<T, 1>(K, A, ars, aks, B, bs, C, cs, alpha, accumulate);
   }
+#undef ATTNKERN_CASE
 }
 
 }  // namespace detail
