@@ -322,7 +322,8 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     if (out_p.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
-      Tensor kpack = has_softmax_head(P) && !decodes(P) ? pack_heads<scalar_t>(k) : Tensor();
+      // Key panels for the score GEMMs of every normalizer (decoding reads K as it is).
+      Tensor kpack = !decodes(P) ? pack_heads<scalar_t>(k) : Tensor();
       if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();
       forward_kernel<scalar_t>(P, out_p.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
     }
@@ -373,13 +374,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
-      Tensor kpack, vpack, delta;
+      Tensor kpack = pack_heads<scalar_t>(k), vpack, delta;  // key panels: every score GEMM
+      P.kp = kpack.const_data_ptr<scalar_t>();
       if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs
         // δ = dO·O per query row (its Σ_j p_j dp_j).
         delta = (grad_out.to(c.acc) * out.to(c.acc)).sum(-1).contiguous();
-        kpack = pack_heads<scalar_t>(k);
         vpack = pack_heads<scalar_t>(v);
-        P.kp = kpack.const_data_ptr<scalar_t>();
         P.vp = vpack.const_data_ptr<scalar_t>();
       }
       backward_kernel<scalar_t>(P, dout.const_data_ptr<scalar_t>(), shift.const_data_ptr<float>(),

@@ -131,11 +131,26 @@ inline void mask_scores(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t 
 }
 
 // y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
-// diagonal.
+// diagonal. With packed key panels (P.kp) through tile_gemm: the whole panels
+// straight into y, the last partial one through a small scratch (its columns
+// past n are scores against padding keys); else through BLAS.
 template <typename acc_t>
 inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
-  gemm<acc_t>(false, true, m, n, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, h / P.group()), P.E,
-              acc_t(0), y, n);
+  const acc_t* q = P.q_rows(bi, h, i0);
+  if (P.kp) {
+    constexpr int64_t NR = kPanel<acc_t>;
+    const acc_t* kp = P.kp_head(bi, h / P.group());
+    const int64_t full = n - n % NR;
+    if (full > 0) tile_gemm<acc_t>(m, full, P.E, P.scale, q, P.E, 1, kp, NR, P.E * NR, y, n, false);
+    if (full < n) {
+      thread_local std::vector<acc_t> tail;
+      tail.resize(m * NR);
+      tile_gemm<acc_t>(m, NR, P.E, P.scale, q, P.E, 1, kp + full * P.E, NR, P.E * NR, tail.data(), NR, false);
+      for (int64_t r = 0; r < m; ++r) std::copy_n(tail.data() + r * NR, n - full, y + r * n + full);
+    }
+  } else {
+    gemm<acc_t>(false, true, m, n, P.E, P.scale, q, P.E, P.k_head(bi, h / P.group()), P.E, acc_t(0), y, n);
+  }
   mask_scores(P, bi, h, i0, m, 0, n, y, n);
 }
 
@@ -209,31 +224,37 @@ inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, std::vector<std::
 
 // The support of each row of y (m x n) as CSR: the indices of the non-zero
 // (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]]. Gives up (returns
-// false) once there are more than `limit` entries.
+// false) once there are more than `limit` entries. A counting pass (popcounts
+// of lane masks, stopping past the limit) comes first, so dense rows cost one
+// cheap read; the indices are then written by vector compaction.
 template <typename acc_t>
 inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit, std::vector<int32_t>& idx,
                      std::vector<int64_t>& ptr) {
-  idx.clear();
+  using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
+  const V zero(0);
   ptr.assign(m + 1, 0);
+  int64_t total = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    const acc_t* row = y + r * n;
+    int64_t j = 0, count = 0;
+    for (; j + kLanes <= n; j += kLanes) count += __builtin_popcount(lane_mask<acc_t>(V::loadu(row + j) != zero));
+    for (; j < n; ++j) count += !(row[j] == acc_t(0));
+    total += count;
+    ptr[r + 1] = total;
+    if (total > limit) return false;
+  }
+  idx.resize(total + kLanes);  // room for the last whole-vector store
+  int32_t* out = idx.data();
   for (int64_t r = 0; r < m; ++r) {
     const acc_t* row = y + r * n;
     int64_t j = 0;
-    {
-      using V = Vec<acc_t>;
-      const V zero(0);
-      for (; j + V::size() <= n; j += V::size()) {
-        int bits = lane_mask<acc_t>(V::loadu(row + j) != zero);
-        while (bits) {
-          idx.push_back(static_cast<int32_t>(j + __builtin_ctz(bits)));
-          bits &= bits - 1;
-        }
-      }
-    }
+    for (; j + kLanes <= n; j += kLanes)
+      out += left_pack_index<kLanes>(out, static_cast<int32_t>(j), lane_mask<acc_t>(V::loadu(row + j) != zero));
     for (; j < n; ++j)
-      if (!(row[j] == acc_t(0))) idx.push_back(static_cast<int32_t>(j));
-    ptr[r + 1] = static_cast<int64_t>(idx.size());
-    if (ptr[r + 1] > limit) return false;
+      if (!(row[j] == acc_t(0))) *out++ = static_cast<int32_t>(j);
   }
+  idx.resize(total);
   return true;
 }
 

@@ -248,10 +248,11 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
     std::fill(o, o + m * P.Ev, acc_t(0));
     return;
   }
+  // O = Σ over the runs of P[:, run] · V[run] (V row-major is its own panel
+  // layout: its width Ev is a multiple of the panel).
   bool first = true;
   for (auto [j0, j1] : ws.runs) {
-    gemm<acc_t>(false, false, m, P.Ev, j1 - j0, acc_t(1), y + j0, n, vh + j0 * P.Ev, P.Ev, first ? acc_t(0) : acc_t(1),
-                o, P.Ev);
+    tile_gemm<acc_t>(m, P.Ev, j1 - j0, acc_t(1), y + j0, n, 1, vh + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev, !first);
     first = false;
   }
 }

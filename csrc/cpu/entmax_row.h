@@ -63,18 +63,6 @@ inline void add_shift_terms(const Vec<acc_t>& t, acc_t b, Vec<acc_t>& sp, Vec<ac
   }
 }
 
-// The scalar tail of add_shift_terms.
-template <typename acc_t, Family FAM>
-inline void add_shift_terms(acc_t t, acc_t b, ShiftSums<acc_t>& s) {
-  acc_t p = math::entmax_phi<acc_t>(t, b, FAM);
-  if (p > acc_t(0)) {
-    acc_t g = math::entmax_g_from_p<acc_t>(p, b, FAM);
-    s.p += p;
-    s.g += g;
-    s.h += g / math::entmax_base<acc_t>(t, b);
-  }
-}
-
 // Evaluates the sums at c over cand[0:n] and, in the same pass, drops the
 // entries not above `cut` (cand is compacted in place). Returns the new count.
 template <typename acc_t, Family FAM>
@@ -90,17 +78,24 @@ inline int64_t eval_compact(acc_t* cand, int64_t n, acc_t c, acc_t b, acc_t cut,
     add_shift_terms<acc_t, FAM>(v - vc, b, sp, sg, sh);
     k += left_pack(cand + k, v, keep);
   }
-  ShiftSums<acc_t> s;
-  s.p = hsum(sp);
-  s.g = hsum(sg);
-  s.h = hsum(sh);
-  for (; j < n; ++j) {
-    acc_t e = cand[j];
-    if (!(e > cut)) continue;
-    cand[k++] = e;
-    add_shift_terms<acc_t, FAM>(e - c, b, s);
+  if (j < n) {
+    // The tail as one masked vector (the fill c gives finite terms, masked out).
+    const int64_t rest = n - j;
+    const V v = load_tail(cand + j, rest, c), live = tail_lanes<acc_t>(rest), vzero(0);
+    const int keep = lane_mask<acc_t>(v > vcut) & ((1 << rest) - 1);
+    V tp(0), tg(0), th(0);
+    add_shift_terms<acc_t, FAM>(v - vc, b, tp, tg, th);
+    sp += V::blendv(vzero, tp, live);
+    sg += V::blendv(vzero, tg, live);
+    sh += V::blendv(vzero, th, live);
+    alignas(64) acc_t packed[kLanes];
+    const int kept = left_pack(packed, v, keep);
+    std::copy_n(packed, kept, cand + k);
+    k += kept;
   }
-  out = s;
+  out.p = hsum(sp);
+  out.g = hsum(sg);
+  out.h = hsum(sh);
   return k;
 }
 
@@ -112,12 +107,16 @@ inline void eval_shift(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t& sum_p
   V sp(0), sg(0), sh(0);
   int64_t j = 0;
   for (; j + V::size() <= n; j += V::size()) add_shift_terms<acc_t, FAM>(V::loadu(y + j) - vc, b, sp, sg, sh);
-  ShiftSums<acc_t> s;
-  s.p = hsum(sp);
-  s.g = hsum(sg);
-  for (; j < n; ++j) add_shift_terms<acc_t, FAM>(y[j] - c, b, s);
-  sum_p = s.p;
-  sum_g = s.g;
+  if (j < n) {
+    const int64_t rest = n - j;
+    const V live = tail_lanes<acc_t>(rest), vzero(0);
+    V tp(0), tg(0), th(0);
+    add_shift_terms<acc_t, FAM>(load_tail(y + j, rest, c) - vc, b, tp, tg, th);
+    sp += V::blendv(vzero, tp, live);
+    sg += V::blendv(vzero, tg, live);
+  }
+  sum_p = hsum(sp);
+  sum_g = hsum(sg);
 }
 
 // Appends the entries of src[0:n] greater than `cut` to dst (which may alias
@@ -241,15 +240,21 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
     acc_t c = 0;
     int64_t k;
     if (b > acc_t(0)) {
-      int64_t ks;
-      acc_t csp = sparsemax_shift(y, n, work, &ks);
+      // For b < 1/2, φ_b >= φ_(1/2) too, and entmax15's shift (cheap: its
+      // power is a square; it starts from sparsemax's itself) is a closer
+      // left start than sparsemax's.
+      acc_t csp = 0;
+      bool started = false;
       if constexpr (FAM == Family::kGeneric) {
-        // For b < 1/2, φ_b >= φ_(1/2) too, and entmax15's shift (cheap: its
-        // power is a square) is a closer left start than sparsemax's.
         if (b < acc_t(0.5)) {
           acc_t unused;
           csp = find_shift<acc_t, Family::kEntmax15>(y, n, acc_t(0.5), work, &unused);
+          started = true;
         }
+      }
+      if (!started) {
+        int64_t ks;
+        csp = sparsemax_shift(y, n, work, &ks);
       }
       if (b <= acc_t(1)) {
         lo = c = csp;
@@ -274,6 +279,7 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
     bool c_is_left = convex && c == lo;
     int64_t k_prev = -1;
     ShiftSums<acc_t> s;
+    bool s_at_c = false;
     for (int it = 0; it < kMaxIterations; ++it) {
       acc_t cut = b > acc_t(0) ? (c_is_left ? c : lo) - acc_t(1) / b : kNoCut;
       k = eval_compact<acc_t, FAM>(work, k, c, b, cut, s);
@@ -292,6 +298,7 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
       } else {
         hi = c;
       }
+      s_at_c = true;
       if (math::entmax_converged<acc_t>(s.p, lo, hi, k)) break;
       acc_t next;
       if (convex) {
@@ -303,13 +310,15 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
       }
       if (next == c) break;  // below the dtype's resolution
       c = next;
+      s_at_c = false;
     }
     if constexpr (FAM == Family::kEntmax15) {
       int64_t ke = compact_above(work, k, c - acc_t(2), work, static_cast<acc_t*>(nullptr));
       acc_t ce = exact_shift<acc_t, FAM>(work, ke);
       if (ce == ce) return ce;
     }
-    eval_compact<acc_t, FAM>(work, k, c, b, kNoCut, s);
+    // (The loop's last sums are at c unless it ran out of iterations.)
+    if (!s_at_c) eval_compact<acc_t, FAM>(work, k, c, b, kNoCut, s);
     if (s.p > acc_t(0)) *norm = acc_t(1) / s.p;
     return c;
   }
@@ -320,26 +329,25 @@ template <typename acc_t, Family FAM>
 inline void write_probs(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t norm, acc_t* out) {
   using V = Vec<acc_t>;
   const V vc(c), vone(1), vzero(0), vb(b), vinv_b(acc_t(1) / b), vnorm(norm);
-  int64_t j = 0;
-  for (; j + V::size() <= n; j += V::size()) {
-    V t = V::loadu(y + j) - vc;
-    V p;
+  auto probs = [&](const V& t) {
     if constexpr (FAM == Family::kSoftmax) {
-      p = t.exp_u20();
+      return t.exp_u20() * vnorm;
     } else if constexpr (FAM == Family::kSparsemax) {
-      p = at::vec::maximum(vone + t, vzero);
+      return at::vec::maximum(vone + t, vzero) * vnorm;
     } else if constexpr (FAM == Family::kEntmax15) {
       V d = at::vec::maximum(vone + t * V(acc_t(0.5)), vzero);
-      p = d * d;
+      return d * d * vnorm;
     } else {
       V bt = vb * t;
       V pos = (vone + bt) > vzero;
-      p = V::blendv(vzero, b >= kFastPowMinB<acc_t> ? pow_unit<acc_t>(vone + bt, acc_t(1) / b) : (bt.log1p() * vinv_b).exp(),
-                    pos);
+      return V::blendv(vzero,
+                       b >= kFastPowMinB<acc_t> ? pow_unit<acc_t>(vone + bt, acc_t(1) / b) : (bt.log1p() * vinv_b).exp(),
+                       pos) * vnorm;
     }
-    (p * vnorm).store(out + j);
-  }
-  for (; j < n; ++j) out[j] = norm * math::entmax_phi<acc_t>(y[j] - c, b, FAM);
+  };
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) probs(V::loadu(y + j) - vc).store(out + j);
+  if (j < n) probs(load_tail(y + j, n - j, c) - vc).store(out + j, static_cast<int>(n - j));
 }
 
 // Positions (idx) and values (vals) of the entries of y[0:n] above `cut`;

@@ -40,6 +40,20 @@ inline acc_t hsum(const Vec<acc_t>& v) {
   return at::vec::vec_reduce_all<acc_t>([](Vec<acc_t>& a, Vec<acc_t>& b) { return a + b; }, v);
 }
 
+// The rest < size() entries at x as a vector whose other lanes hold `fill`
+// (reads only the rest entries), and the mask of those first `rest` lanes:
+// vector tails instead of scalar loops, whose libm calls cost more than the
+// vector body once rows are compacted to a few hundred candidates.
+template <typename acc_t>
+inline Vec<acc_t> load_tail(const acc_t* x, int64_t rest, acc_t fill) {
+  return Vec<acc_t>::set(Vec<acc_t>(fill), Vec<acc_t>::loadu(x, rest), rest);
+}
+
+template <typename acc_t>
+inline Vec<acc_t> tail_lanes(int64_t rest) {
+  return Vec<acc_t>::arange(acc_t(0), acc_t(1)) < Vec<acc_t>(static_cast<acc_t>(rest));
+}
+
 // Stores the lanes of v selected by `mask` (bit l = lane l) contiguously at
 // dst and returns how many: branch-free stream compaction. dst must have
 // room for a whole vector (it may alias the lanes just loaded: the store never
