@@ -374,13 +374,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
-      Tensor kpack = pack_heads<scalar_t>(k), vpack, delta;  // key panels: every score GEMM
+      // Key and value panels for the S and dP GEMMs of every normalizer.
+      Tensor kpack = pack_heads<scalar_t>(k), vpack = pack_heads<scalar_t>(v), delta;
       P.kp = kpack.const_data_ptr<scalar_t>();
+      P.vp = vpack.const_data_ptr<scalar_t>();
       if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs
         // δ = dO·O per query row (its Σ_j p_j dp_j).
         delta = (grad_out.to(c.acc) * out.to(c.acc)).sum(-1).contiguous();
-        vpack = pack_heads<scalar_t>(v);
-        P.vp = vpack.const_data_ptr<scalar_t>();
       }
       backward_kernel<scalar_t>(P, dout.const_data_ptr<scalar_t>(), shift.const_data_ptr<float>(),
                                 delta.defined() ? delta.const_data_ptr<scalar_t>() : nullptr,

@@ -130,24 +130,35 @@ inline void mask_scores(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t 
   }
 }
 
+// Columns [j0, j1) of C (m x n, row stride n) = alpha · A · Bᵀ, with A
+// (m x K, row stride K) and B (n x K) as packed panels (pack_panels), through
+// tile_gemm: the whole panels straight into C, a last partial one through a
+// small scratch (its columns past n are products with padding rows). The
+// columns from j0 rounded down to a panel boundary are written too.
+template <typename acc_t>
+inline void gemm_packed_cols(int64_t m, int64_t n, int64_t j0, int64_t j1, int64_t K, acc_t alpha, const acc_t* A,
+                             const acc_t* packed, acc_t* C) {
+  constexpr int64_t NR = kPanel<acc_t>;
+  const int64_t lo = j0 - j0 % NR, whole = n - n % NR, hi = std::min(j1, whole);
+  if (hi > lo) {
+    const int64_t w = round_up_panel<acc_t>(hi - lo);
+    tile_gemm<acc_t>(m, w, K, alpha, A, K, 1, packed + lo * K, NR, K * NR, C + lo, n, false);
+  }
+  if (j1 > whole) {
+    thread_local std::vector<acc_t> tail;
+    tail.resize(m * NR);
+    tile_gemm<acc_t>(m, NR, K, alpha, A, K, 1, packed + whole * K, NR, K * NR, tail.data(), NR, false);
+    for (int64_t r = 0; r < m; ++r) std::copy_n(tail.data() + r * NR, n - whole, C + r * n + whole);
+  }
+}
+
 // y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
-// diagonal. With packed key panels (P.kp) through tile_gemm: the whole panels
-// straight into y, the last partial one through a small scratch (its columns
-// past n are scores against padding keys); else through BLAS.
+// diagonal: over the packed key panels (P.kp) when there are, else BLAS.
 template <typename acc_t>
 inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
   const acc_t* q = P.q_rows(bi, h, i0);
   if (P.kp) {
-    constexpr int64_t NR = kPanel<acc_t>;
-    const acc_t* kp = P.kp_head(bi, h / P.group());
-    const int64_t full = n - n % NR;
-    if (full > 0) tile_gemm<acc_t>(m, full, P.E, P.scale, q, P.E, 1, kp, NR, P.E * NR, y, n, false);
-    if (full < n) {
-      thread_local std::vector<acc_t> tail;
-      tail.resize(m * NR);
-      tile_gemm<acc_t>(m, NR, P.E, P.scale, q, P.E, 1, kp + full * P.E, NR, P.E * NR, tail.data(), NR, false);
-      for (int64_t r = 0; r < m; ++r) std::copy_n(tail.data() + r * NR, n - full, y + r * n + full);
-    }
+    gemm_packed_cols<acc_t>(m, n, 0, n, P.E, P.scale, q, P.kp_head(bi, h / P.group()), y);
   } else {
     gemm<acc_t>(false, true, m, n, P.E, P.scale, q, P.E, P.k_head(bi, h / P.group()), P.E, acc_t(0), y, n);
   }

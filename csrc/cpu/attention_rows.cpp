@@ -303,9 +303,14 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
     std::fill(dqb, dqb + m * P.E, acc_t(0));
     return;
   }
-  // dP = dO · Vᵀ on the runs.
-  for (auto [j0, j1] : runs)
-    gemm<acc_t>(false, true, m, j1 - j0, P.Ev, acc_t(1), dob, P.Ev, vh + j0 * P.Ev, P.Ev, acc_t(0), d + j0, n);
+  // dP = dO · Vᵀ on the runs (over packed value panels when there are).
+  for (auto [j0, j1] : runs) {
+    if (P.vp) {
+      gemm_packed_cols<acc_t>(m, n, j0, j1, P.Ev, acc_t(1), dob, P.vp_head(bi, h / P.group()), d);
+    } else {
+      gemm<acc_t>(false, true, m, j1 - j0, P.Ev, acc_t(1), dob, P.Ev, vh + j0 * P.Ev, P.Ev, acc_t(0), d + j0, n);
+    }
+  }
   // With dropout: dP of the kept weights, times 1 / (1 - p), and P dropped
   // for dV, on the support's key chunks (elsewhere g = 0 and p = 0); the
   // normalizer's backward needs P whole, so it runs on a copy.
@@ -318,11 +323,12 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   bool first = true;
   for (auto [j0, j1] : runs) {
     const int64_t w = j1 - j0;
-    // dQ = dS · K, dK += dSᵀ · Q, dV += Pᵀ · dO.
-    gemm<acc_t>(false, false, m, P.E, w, acc_t(1), d + j0, n, kh + j0 * P.E, P.E, first ? acc_t(0) : acc_t(1), dqb,
-                P.E);
-    gemm<acc_t>(true, false, w, P.E, m, acc_t(1), d + j0, n, qb, P.E, acc_t(1), dk + j0 * P.E, P.E);
-    gemm<acc_t>(true, false, w, P.Ev, m, acc_t(1), y + j0, n, dob, P.Ev, acc_t(1), dv + j0 * P.Ev, P.Ev);
+    // dQ = dS · K, dK += dSᵀ · Q, dV += Pᵀ · dO (the transposed operands by
+    // their strides; K, Q, dO row-major are their own panel layouts).
+    constexpr int64_t NR = kPanel<acc_t>;
+    tile_gemm<acc_t>(m, P.E, w, acc_t(1), d + j0, n, 1, kh + j0 * P.E, P.E, NR, dqb, P.E, !first);
+    tile_gemm<acc_t>(w, P.E, m, acc_t(1), d + j0, 1, n, qb, P.E, NR, dk + j0 * P.E, P.E, true);
+    tile_gemm<acc_t>(w, P.Ev, m, acc_t(1), y + j0, 1, n, dob, P.Ev, NR, dv + j0 * P.Ev, P.Ev, true);
     first = false;
   }
 }
