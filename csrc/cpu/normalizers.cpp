@@ -80,29 +80,32 @@ bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf
   acc_t* dpk = gbuf + k;
   for (int64_t i = 0; i < k; ++i) dpk[i] = dp[idx[i]];
   using V = Vec<acc_t>;
+  auto g_of = [&](const V& pv) -> V {
+    if constexpr (FAM == Family::kSparsemax) {
+      return V(acc_t(1));
+    } else if constexpr (FAM == Family::kEntmax15) {
+      return pv.sqrt();
+    } else {
+      // pow_unit takes exponents in (0, 1); for b > 1 (α > 2) the exponent is negative.
+      return b < acc_t(1) ? pow_unit<acc_t>(pv, acc_t(1) - b) : (V(acc_t(1) - b) * pv.log()).exp();
+    }
+  };
   int64_t i = 0;
   V vgsum(0), vgdp(0);
   for (; i + V::size() <= k; i += V::size()) {
-    const V pv = V::loadu(g + i);
-    V gv;
-    if constexpr (FAM == Family::kSparsemax) {
-      gv = V(acc_t(1));
-    } else if constexpr (FAM == Family::kEntmax15) {
-      gv = pv.sqrt();
-    } else {
-      // pow_unit takes exponents in (0, 1); for b > 1 (α > 2) the exponent is negative.
-      gv = b < acc_t(1) ? pow_unit<acc_t>(pv, acc_t(1) - b) : (V(acc_t(1) - b) * pv.log()).exp();
-    }
+    const V gv = g_of(V::loadu(g + i));
     gv.store(g + i);
     vgsum += gv;
     vgdp += gv * V::loadu(dpk + i);
   }
-  acc_t gsum = hsum(vgsum), gdp = hsum(vgdp);
-  for (; i < k; ++i) {
-    g[i] = math::entmax_g_from_p<acc_t>(g[i], b, FAM);
-    gsum += g[i];
-    gdp += g[i] * dpk[i];
+  if (i < k) {  // the tail as one masked vector (fill 1: a valid p)
+    const int64_t rest = k - i;
+    const V gv = V::blendv(V(0), g_of(load_tail(g + i, rest, acc_t(1))), tail_lanes<acc_t>(rest));
+    gv.store(g + i, static_cast<int>(rest));
+    vgsum += gv;
+    vgdp += gv * V::loadu(dpk + i, rest);
   }
+  const acc_t gsum = hsum(vgsum), gdp = hsum(vgdp);
   const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
   std::fill(dx, dx + n, acc_t(0));
   for (i = 0; i < k; ++i) dx[idx[i]] = g[i] * (dpk[i] - mean);
