@@ -244,6 +244,20 @@ def test_backward_matches_reference(name, fn, rfn, dtype):
     assert_close(xk.grad, xr.grad, dtype=dtype, scale=4.0)
 
 
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [1, 33, 97, 1025])
+def test_half_rows_are_float32_rounded_once(name, fn, rfn, dtype, n):
+    # Half-precision rows are widened and rounded a vector at a time: the result must be
+    # exactly the float32 computation rounded once, NaN rows included. (The gradient starts
+    # from the rounded output, so it is checked against the reference elsewhere.)
+    x = make_scores((5, n), torch.float32, scale=3.0, seed=40).to(dtype)
+    if n > 1:
+        x[0, n // 2] = float("nan")
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), fn(x.float()).to(dtype), rtol=0, atol=0, equal_nan=True)
+
+
 def test_alpha_gradient_per_head_float32():
     x = make_scores((2, 4, 6, 50), torch.float32, seed=18)
     g = make_scores((2, 4, 6, 50), torch.float32, seed=19)

@@ -24,6 +24,52 @@ namespace {
 
 using at::Tensor;
 
+// dst[0:n] = src[0:n] · scale rounded to scalar_t (bfloat16 / half), a vector
+// at a time: the values of scaling in float and casting.
+template <typename scalar_t>
+void store_scaled(const float* src, int64_t n, float scale, scalar_t* dst) {
+  using Vf = Vec<float>;
+  const Vf vs(scale);
+  int64_t j = 0;
+  if constexpr (at::is_reduced_floating_point_v<scalar_t>) {
+    for (; j + 2 * Vf::size() <= n; j += 2 * Vf::size())
+      at::vec::convert_from_float<scalar_t>(Vf::loadu(src + j) * vs, Vf::loadu(src + j + Vf::size()) * vs)
+          .store(dst + j);
+  }
+  for (; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j] * scale);
+}
+
+// The softmax backward of one row p, dp (float) into dx (bfloat16 / half):
+// dx = p (dp - m), m = Σ p dp / Σ p, rounded a vector at a time.
+template <typename scalar_t>
+void softmax_backward_store(const float* p, const float* dp, int64_t n, scalar_t* dx) {
+  using Vf = Vec<float>;
+  Vf vs(0), vsd(0);
+  int64_t j = 0;
+  for (; j + Vf::size() <= n; j += Vf::size()) {
+    const Vf pv = Vf::loadu(p + j);
+    vs += pv;
+    vsd += pv * Vf::loadu(dp + j);
+  }
+  float sum = hsum(vs), sum_dp = hsum(vsd);
+  for (; j < n; ++j) {
+    sum += p[j];
+    sum_dp += p[j] * dp[j];
+  }
+  const float m = sum > 0.f ? sum_dp / sum : 0.f;
+  const Vf vm(m);
+  j = 0;
+  if constexpr (at::is_reduced_floating_point_v<scalar_t>) {
+    constexpr int64_t W = Vf::size();
+    for (; j + 2 * W <= n; j += 2 * W) {
+      const Vf a = Vf::loadu(p + j) * (Vf::loadu(dp + j) - vm);
+      const Vf c = Vf::loadu(p + j + W) * (Vf::loadu(dp + j + W) - vm);
+      at::vec::convert_from_float<scalar_t>(a, c).store(dx + j);
+    }
+  }
+  for (; j < n; ++j) dx[j] = static_cast<scalar_t>(p[j] * (dp[j] - m));
+}
+
 template <typename scalar_t, Family FAM>
 void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -35,6 +81,7 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
   // Rows already contiguous in the accumulation type are read and written in
   // place; others are gathered into a buffer first.
   const bool direct = lay.inner == 1 && std::is_same_v<scalar_t, acc_t>;
+  constexpr bool kHalfSoftmax = FAM == Family::kSoftmax && at::is_reduced_floating_point_v<scalar_t>;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     RowScratch<acc_t> scratch(n);
@@ -49,6 +96,21 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
         normalize_row_alpha<acc_t, FAM>(reinterpret_cast<const acc_t*>(xp + base), n, b,
                                         reinterpret_cast<acc_t*>(op + base), y, work, idx);
       } else {
+        if constexpr (kHalfSoftmax) {
+          if (lay.inner == 1) {
+            // Half-precision softmax rows: the final scaling is fused into the
+            // rounding store (one pass over the row fewer; same values).
+            lay.load(xp + base, row);
+            const acc_t m = row_max(row, n);
+            if (special_row(m, row, n)) {
+              lay.store(row, op + base);
+            } else {
+              const acc_t inv = acc_t(1) / exp_shifted(row, n, m, row);
+              store_scaled(row, n, inv, op + base);
+            }
+            continue;
+          }
+        }
         lay.load(xp + base, row);
         normalize_row_alpha<acc_t, FAM>(row, n, b, row, y, work, idx);
         lay.store(row, op + base);
@@ -243,6 +305,7 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
   acc_t* dap = dalpha.defined() ? dalpha.mutable_data_ptr<acc_t>() : nullptr;
   const int64_t n = lay.n;
   const bool direct = lay.inner == 1 && std::is_same_v<scalar_t, acc_t>;
+  constexpr bool kHalfSoftmax = FAM == Family::kSoftmax && at::is_reduced_floating_point_v<scalar_t>;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     RowScratch<acc_t> scratch(n);
@@ -261,6 +324,14 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
       } else {
         lay.load(pp + base, pb);
         lay.load(gp + base, db);
+        if constexpr (kHalfSoftmax) {
+          if (lay.inner == 1) {
+            // Half-precision softmax rows: dx = p (dp - Σ p dp / Σ p) formed in
+            // the rounding store (one pass over the row fewer).
+            softmax_backward_store(pb, db, n, dxp + base);
+            continue;
+          }
+        }
         da = backward_row_alpha<acc_t, FAM>(pb, db, db, gb, idx, n, b, dap != nullptr);
         lay.store(db, dxp + base);
       }

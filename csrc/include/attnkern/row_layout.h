@@ -5,6 +5,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#if !defined(__CUDACC__) && !defined(__HIPCC__)
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -39,7 +43,20 @@ struct RowLayout {
       if constexpr (std::is_same_v<scalar_t, acc_t>) {
         std::memcpy(dst, src, sizeof(acc_t) * n);
       } else {
-        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<acc_t>(src[j]);
+        int64_t j = 0;
+#if !defined(__CUDACC__) && !defined(__HIPCC__)
+        if constexpr (at::is_reduced_floating_point_v<scalar_t> && std::is_same_v<acc_t, float>) {
+          // bfloat16 / half rows widened a vector at a time (exact).
+          using Vs = at::vec::Vectorized<scalar_t>;
+          constexpr int64_t kHalf = at::vec::Vectorized<float>::size();
+          for (; j + Vs::size() <= n; j += Vs::size()) {
+            auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vs::loadu(src + j));
+            lo.store(dst + j);
+            hi.store(dst + j + kHalf);
+          }
+        }
+#endif
+        for (; j < n; ++j) dst[j] = static_cast<acc_t>(src[j]);
       }
     } else {
       for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<acc_t>(src[j * inner]);
@@ -52,7 +69,16 @@ struct RowLayout {
       if constexpr (std::is_same_v<scalar_t, acc_t>) {
         std::memcpy(dst, src, sizeof(acc_t) * n);
       } else {
-        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j]);
+        int64_t j = 0;
+#if !defined(__CUDACC__) && !defined(__HIPCC__)
+        if constexpr (at::is_reduced_floating_point_v<scalar_t> && std::is_same_v<acc_t, float>) {
+          // Rounded to bfloat16 / half a vector at a time (to nearest even, as the scalar cast).
+          using Vf = at::vec::Vectorized<float>;
+          for (; j + 2 * Vf::size() <= n; j += 2 * Vf::size())
+            at::vec::convert_from_float<scalar_t>(Vf::loadu(src + j), Vf::loadu(src + j + Vf::size())).store(dst + j);
+        }
+#endif
+        for (; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j]);
       }
     } else {
       for (int64_t j = 0; j < n; ++j) dst[j * inner] = static_cast<scalar_t>(src[j]);
