@@ -171,8 +171,12 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
                           int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   const int64_t hk = h / P.group();
-  gemm<acc_t>(false, true, m, w, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, hk) + j0 * P.E, P.E,
-              acc_t(0), y, w);
+  // A few query rows: dot products and axpys, each key and value row read
+  // once for all the rows (BLAS calls on 1-row products cost more than they do).
+  const acc_t* qr = P.q_rows(bi, h, i0);
+  const acc_t* kh = P.k_head(bi, hk) + j0 * P.E;
+  for (int64_t j = 0; j < w; ++j)
+    for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, kh + j * P.E, P.E);
   mask_scores(P, bi, h, i0, m, j0, w, y, w);
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * w;
@@ -186,7 +190,11 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
     l[r] = exp_shifted(row, w, bm, row);
   }
   if (P.drop.on) apply_dropout(P.drop, y, m, w, w, P.row_id(bi, h, i0), j0);
-  gemm<acc_t>(false, false, m, P.Ev, w, acc_t(1), y, w, P.v_head(bi, hk) + j0 * P.Ev, P.Ev, acc_t(0), o, P.Ev);
+  std::fill(o, o + m * P.Ev, acc_t(0));
+  const acc_t* vh = P.v_head(bi, hk) + j0 * P.Ev;
+  for (int64_t j = 0; j < w; ++j)
+    for (int64_t r = 0; r < m; ++r)
+      if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, vh + j * P.Ev, y[r * w + j], P.Ev);
 }
 
 // The output rows (m x Ev) and log-sum-exp c of one head from its nchunks
