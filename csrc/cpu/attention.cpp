@@ -78,7 +78,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Workspace<acc_t> ws;
     ws.y.resize(BM * std::max<int64_t>({all_softmax ? 0 : P.S, tile, 1}));
-    ws.work.resize(std::max<int64_t>(P.S, 1));
+    ws.work.resize(std::max<int64_t>(2 * P.S, 1));  // normalize_scores: candidates + scratch
     ws.pidx.resize(std::max<int64_t>(P.S, 1));
     ws.mrow.resize(BM);
     ws.lsum.resize(BM);
@@ -122,7 +122,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
     Workspace<acc_t> ws;
     ws.y.resize(buf);
     ws.d.resize(buf);
-    ws.work.resize(std::max<int64_t>(P.S, 1));
+    ws.work.resize(std::max<int64_t>(2 * P.S, 1));  // normalize_scores: candidates + scratch
     ws.pidx.resize(std::max<int64_t>(P.S, 1));
     ws.lse.resize(BMs);
     FlushDenormals ftz;

@@ -317,7 +317,7 @@ using Runs = std::vector<std::pair<int64_t, int64_t>>;
 template <typename acc_t>
 struct Workspace {
   std::vector<acc_t> y, d;          // scores / probabilities and dP of a block
-  std::vector<acc_t> work;          // one row: shift candidates, support values
+  std::vector<acc_t> work;          // two rows: shift candidates and search scratch, support values
   std::vector<acc_t> mrow, lsum;    // softmax forward: running max and sum per row
   std::vector<acc_t> lse;           // softmax backward: the shift per row
   std::vector<acc_t> dps, kept, pkept;

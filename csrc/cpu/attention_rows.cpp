@@ -32,18 +32,8 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) 
     std::fill(y, y + n, std::numeric_limits<acc_t>::quiet_NaN());
     return std::numeric_limits<acc_t>::quiet_NaN();
   }
-  subtract(y, n, m);
-  {
-    acc_t norm;
-    const acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
-    if constexpr (FAM == Family::kGeneric) {
-      // Powers only over the support (work and idx are free again).
-      write_probs_sparse<acc_t>(y, n, c, b, norm, y, work, idx);
-    } else {
-      write_probs<acc_t, FAM>(y, n, c, b, norm, y);
-    }
-    return m + c;
-  }
+  // work: 2n entries (the shift candidates, then find_shift's scratch).
+  return m + solve_row<acc_t, FAM>(y, n, m, b, y, work, work + n, idx);
 }
 
 // p = φ_b(s - c) for one row of scores (in place). In double, the float32
@@ -83,9 +73,9 @@ void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t
     }
   }
   if constexpr (FAM == Family::kGeneric) {
-    write_probs_sparse<acc_t>(y, n, c, b, acc_t(1), y, vals, idx);
+    write_probs_sparse<acc_t>(y, n, acc_t(0), c, b, acc_t(1), y, vals, idx);
   } else {
-    write_probs<acc_t, FAM>(y, n, c, b, acc_t(1), y);
+    write_probs<acc_t, FAM>(y, n, acc_t(0), c, b, acc_t(1), y);
   }
 }
 

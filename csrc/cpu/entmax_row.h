@@ -3,6 +3,9 @@
 // probabilities. Shared by the row-wise normalizers and the fused attention
 // kernels, so each threshold algorithm has one home.
 //
+// A row is read three times: its max, one pass that gathers the entries that
+// can be in the support at all (solve_row), and the write of the
+// probabilities; the search for the shift runs over the gathered candidates.
 // The shift is found by safeguarded Newton from the left with the candidate
 // list compacted after every step: an entry outside the support at a point
 // left of the root stays outside, so after a step or two the iterations touch
@@ -88,10 +91,7 @@ inline int64_t eval_compact(acc_t* cand, int64_t n, acc_t c, acc_t b, acc_t cut,
     sp += V::blendv(vzero, tp, live);
     sg += V::blendv(vzero, tg, live);
     sh += V::blendv(vzero, th, live);
-    alignas(64) acc_t packed[kLanes];
-    const int kept = left_pack(packed, v, keep);
-    std::copy_n(packed, kept, cand + k);
-    k += kept;
+    k += left_pack_bounded(cand + k, v, keep);
   }
   out.p = hsum(sp);
   out.g = hsum(sg);
@@ -135,15 +135,15 @@ inline int64_t compact_above(const acc_t* src, int64_t n, acc_t cut, acc_t* dst,
     vsum += V::blendv(vzero, v, keep);
     k += left_pack(dst + k, v, lane_mask<acc_t>(keep));
   }
-  acc_t sum = hsum(vsum);
-  for (; j < n; ++j) {
-    acc_t e = src[j];
-    if (e > cut) {
-      dst[k++] = e;
-      sum += e;
-    }
+  if (j < n) {
+    // The tail as one masked vector (fill `cut`: never kept); nothing is
+    // written past dst[n).
+    const V v = load_tail(src + j, n - j, cut);
+    const V keep = v > vcut;
+    vsum += V::blendv(vzero, v, keep);
+    k += left_pack_bounded(dst + k, v, lane_mask<acc_t>(keep));
   }
-  if (sum_out) *sum_out = sum;
+  if (sum_out) *sum_out = hsum(vsum);
   return k;
 }
 
@@ -192,21 +192,34 @@ inline acc_t exp_shifted(const acc_t* y, int64_t n, acc_t m, acc_t* e) {
 template <typename acc_t, Family FAM>
 inline acc_t exact_shift(const acc_t* a, int64_t k) {
   static_assert(FAM == Family::kEntmax15, "closed form implemented for entmax15 (sparsemax: Michelot)");
-  acc_t s = 0;
-  for (int64_t j = 0; j < k; ++j) s += a[j];
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vzero(0);
+  // Sums over a[0:k] a vector at a time, the tail masked (filled with `fill`).
+  auto reduce = [&](acc_t fill, auto term) {
+    V acc(0);
+    int64_t j = 0;
+    for (; j + W <= k; j += W) acc += term(V::loadu(a + j));
+    if (j < k) acc += V::blendv(vzero, term(load_tail(a + j, k - j, fill)), tail_lanes<acc_t>(k - j));
+    return hsum(acc);
+  };
   // With a_i = 1 + y_i/2: mean and population variance, two-pass.
-  acc_t mean_y = s / acc_t(k);
-  acc_t ss = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    acc_t t = a[j] - mean_y;
-    ss += t * t;
-  }
+  const acc_t mean_y = reduce(acc_t(0), [](const V& v) { return v; }) / acc_t(k);
+  const V vmean(mean_y);
+  const acc_t ss = reduce(mean_y, [&](const V& v) { return (v - vmean) * (v - vmean); });
   acc_t var_a = acc_t(0.25) * ss / acc_t(k);
   acc_t mean_a = acc_t(1) + acc_t(0.5) * mean_y;
   acc_t c = math::entmax15_shift_on_support<acc_t>(mean_a, var_a, k);
   if (c != c) return c;
-  for (int64_t j = 0; j < k; ++j)
-    if (!(acc_t(1) + acc_t(0.5) * (a[j] - c) > acc_t(0))) return std::numeric_limits<acc_t>::quiet_NaN();
+  // Every candidate inside the support at c (the smallest decides).
+  acc_t lowest = std::numeric_limits<acc_t>::infinity();
+  if (k >= W) {
+    V vmin = V::loadu(a);
+    for (int64_t j = W; j + W <= k; j += W) vmin = at::vec::minimum(vmin, V::loadu(a + j));
+    lowest = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::minimum(x, y); }, vmin);
+  }
+  for (int64_t j = k - k % W; j < k; ++j) lowest = std::min(lowest, a[j]);
+  if (!(acc_t(1) + acc_t(0.5) * (lowest - c) > acc_t(0))) return std::numeric_limits<acc_t>::quiet_NaN();
   return c;
 }
 
@@ -324,11 +337,11 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
   }
 }
 
-// out[j] = norm · φ(y[j] - c).
+// out[j] = norm · φ((x[j] - m) - c) (out may alias x).
 template <typename acc_t, Family FAM>
-inline void write_probs(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t norm, acc_t* out) {
+inline void write_probs(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, acc_t norm, acc_t* out) {
   using V = Vec<acc_t>;
-  const V vc(c), vone(1), vzero(0), vb(b), vinv_b(acc_t(1) / b), vnorm(norm);
+  const V vm(m), vc(c), vone(1), vzero(0), vb(b), vinv_b(acc_t(1) / b), vnorm(norm);
   auto probs = [&](const V& t) {
     if constexpr (FAM == Family::kSoftmax) {
       return t.exp_u20() * vnorm;
@@ -346,27 +359,28 @@ inline void write_probs(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t norm,
     }
   };
   int64_t j = 0;
-  for (; j + V::size() <= n; j += V::size()) probs(V::loadu(y + j) - vc).store(out + j);
-  if (j < n) probs(load_tail(y + j, n - j, c) - vc).store(out + j, static_cast<int>(n - j));
+  for (; j + V::size() <= n; j += V::size()) probs((V::loadu(x + j) - vm) - vc).store(out + j);
+  if (j < n) probs((load_tail(x + j, n - j, m) - vm) - vc).store(out + j, static_cast<int>(n - j));
 }
 
-// Positions (idx) and values (vals) of the entries of y[0:n] above `cut`;
-// returns their count.
+// Positions (idx) and values y = x - m (vals) of the entries of x[0:n] with
+// y above `cut`; returns their count.
 template <typename acc_t>
-inline int64_t positions_above(const acc_t* y, int64_t n, acc_t cut, acc_t* vals, int32_t* idx) {
+inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, acc_t* vals, int32_t* idx) {
   using V = Vec<acc_t>;
   constexpr int kLanes = V::size();
-  const V vcut(cut);
+  const V vm(m), vcut(cut);
   int64_t k = 0, j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    V v = V::loadu(y + j);
+    V v = V::loadu(x + j) - vm;
     int mask = lane_mask<acc_t>(v > vcut);
     left_pack(vals + k, v, mask);
     k += left_pack_index<kLanes>(idx + k, static_cast<int32_t>(j), mask);
   }
   for (; j < n; ++j) {
-    if (y[j] > cut) {
-      vals[k] = y[j];
+    const acc_t v = x[j] - m;
+    if (v > cut) {
+      vals[k] = v;
       idx[k++] = static_cast<int32_t>(j);
     }
   }
@@ -377,15 +391,64 @@ inline int64_t positions_above(const acc_t* y, int64_t n, acc_t cut, acc_t* vals
 // the powers of the support entries only, scattered to their positions.
 // Falls back to the dense pass when the support is a large part of the row.
 template <typename acc_t>
-inline void write_probs_sparse(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t norm, acc_t* out, acc_t* vals,
-                               int32_t* idx) {
-  if (!(b > acc_t(0))) return write_probs<acc_t, Family::kGeneric>(y, n, c, b, norm, out);
+inline void write_probs_sparse(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, acc_t norm, acc_t* out,
+                               acc_t* vals, int32_t* idx) {
+  if (!(b > acc_t(0))) return write_probs<acc_t, Family::kGeneric>(x, n, m, c, b, norm, out);
   // The support: entries with 1 + b(y - c) > 0.
-  const int64_t k = positions_above(y, n, c - acc_t(1) / b, vals, idx);
-  if (4 * k > n) return write_probs<acc_t, Family::kGeneric>(y, n, c, b, norm, out);
-  write_probs<acc_t, Family::kGeneric>(vals, k, c, b, norm, vals);
+  const int64_t k = positions_above(x, n, m, c - acc_t(1) / b, vals, idx);
+  if (4 * k > n) return write_probs<acc_t, Family::kGeneric>(x, n, m, c, b, norm, out);
+  write_probs<acc_t, Family::kGeneric>(vals, k, acc_t(0), c, b, norm, vals);
   std::fill(out, out + n, acc_t(0));
   for (int64_t i = 0; i < k; ++i) out[idx[i]] = vals[i];
+}
+
+// The entries of x[0:n] whose y = x - m is above `cut`, as y, into dst (not
+// aliasing x); returns their count. One pass: a row's shift candidates.
+template <typename acc_t>
+inline int64_t shifted_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, acc_t* dst) {
+  using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
+  const V vm(m), vcut(cut);
+  int64_t k = 0, j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const V v = V::loadu(x + j) - vm;
+    const int keep = lane_mask<acc_t>(v > vcut);
+    if (keep) k += left_pack(dst + k, v, keep);
+  }
+  for (; j < n; ++j) {
+    const acc_t v = x[j] - m;
+    if (v > cut) dst[k++] = v;
+  }
+  return k;
+}
+
+// Shift and probabilities of one row x[0:n] of a sparse family (or the
+// generic one) whose max m is finite: out = norm · φ((x - m) - c), returns c.
+// out may alias x; cand and work are scratch of n entries each, idx of n.
+//
+// With y = x - m, the max entry alone gives φ(-c) <= 1, so c >= 0 and for
+// b > 0 no entry with y <= -1/b is ever in the support: the search runs over
+// the entries above -1/b only, gathered in one pass (for random scores a
+// tenth of the row for entmax15), and the row itself is read once more, to
+// write the probabilities.
+template <typename acc_t, Family FAM>
+inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, acc_t* cand, acc_t* work,
+                       int32_t* idx) {
+  static_assert(FAM != Family::kSoftmax, "softmax rows have no shift search");
+  int64_t k = n;
+  if (b > acc_t(0)) {
+    k = shifted_above(x, n, m, -acc_t(1) / b, cand);
+  } else {
+    subtract_into(x, n, m, cand);
+  }
+  acc_t norm;
+  const acc_t c = find_shift<acc_t, FAM>(cand, k, b, work, &norm);
+  if constexpr (FAM == Family::kGeneric) {
+    write_probs_sparse<acc_t>(x, n, m, c, b, norm, out, work, idx);
+  } else {
+    write_probs<acc_t, FAM>(x, n, m, c, b, norm, out);
+  }
+  return c;
 }
 
 }  // namespace CPU_CAPABILITY

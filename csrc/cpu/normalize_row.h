@@ -55,14 +55,7 @@ inline void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t*
     acc_t inv = acc_t(1) / exp_shifted(x, n, m, out);
     at::vec::map([inv](Vec<acc_t> v) { return v * Vec<acc_t>(inv); }, out, out, n);
   } else {
-    subtract_into(x, n, m, y);
-    acc_t norm;
-    acc_t c = find_shift<acc_t, FAM>(y, n, b, work, &norm);
-    if constexpr (FAM == Family::kGeneric) {
-      write_probs_sparse<acc_t>(y, n, c, b, norm, out, work, idx);
-    } else {
-      write_probs<acc_t, FAM>(y, n, c, b, norm, out);
-    }
+    solve_row<acc_t, FAM>(x, n, m, b, out, y, work, idx);
   }
 }
 

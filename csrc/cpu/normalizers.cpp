@@ -136,7 +136,7 @@ template <typename acc_t, Family FAM>
 bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
                          acc_t b) {
   static_assert(FAM != Family::kSoftmax, "softmax rows are dense");
-  const int64_t k = positions_above(p, n, acc_t(0), gbuf, idx);
+  const int64_t k = positions_above(p, n, acc_t(0), acc_t(0), gbuf, idx);
   if (k == 0 || 4 * k > n) return false;  // k = 0: a NaN or empty row, which the dense passes handle
   acc_t* g = gbuf;
   acc_t* dpk = gbuf + k;

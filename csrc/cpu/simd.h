@@ -70,6 +70,17 @@ inline int left_pack(acc_t* dst, const Vec<acc_t>& v, int mask) {
   return k;
 }
 
+// left_pack that writes only the selected lanes (for the end of a buffer).
+template <typename acc_t>
+inline int left_pack_bounded(acc_t* dst, const Vec<acc_t>& v, int mask) {
+  alignas(64) acc_t lanes[Vec<acc_t>::size()];
+  v.store(lanes);
+  int k = 0;
+  for (int l = 0; l < Vec<acc_t>::size(); ++l)
+    if ((mask >> l) & 1) dst[k++] = lanes[l];
+  return k;
+}
+
 // The positions j..j+lanes-1 of the lanes selected by mask, stored at dst
 // (scalar; the AVX2 and AVX-512 forms below are used where they apply).
 template <int lanes>
@@ -142,6 +153,22 @@ template <>
 inline int left_pack<double>(double* dst, const Vec<double>& v, int mask) {
   _mm512_storeu_pd(dst, _mm512_maskz_compress_pd(static_cast<__mmask8>(mask), __m512d(v)));
   return __builtin_popcount(mask);
+}
+
+template <>
+inline int left_pack_bounded<float>(float* dst, const Vec<float>& v, int mask) {
+  const int kept = __builtin_popcount(mask);
+  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << kept) - 1),
+                        _mm512_maskz_compress_ps(static_cast<__mmask16>(mask), __m512(v)));
+  return kept;
+}
+
+template <>
+inline int left_pack_bounded<double>(double* dst, const Vec<double>& v, int mask) {
+  const int kept = __builtin_popcount(mask);
+  _mm512_mask_storeu_pd(dst, static_cast<__mmask8>((1u << kept) - 1),
+                        _mm512_maskz_compress_pd(static_cast<__mmask8>(mask), __m512d(v)));
+  return kept;
 }
 
 template <int lanes>
@@ -262,8 +289,18 @@ inline acc_t row_max(const acc_t* y, int64_t n) {
   int64_t j = 0;
   acc_t m = -std::numeric_limits<acc_t>::infinity();
   if (n >= V::size()) {
-    V vm = V::loadu(y);
-    for (j = V::size(); j + V::size() <= n; j += V::size()) vm = at::vec::maximum(vm, V::loadu(y + j));
+    // Four running maxima: at::vec::maximum propagates NaN (a compare and a
+    // blend after the max), a chain too long for one accumulator.
+    V vm = V::loadu(y), v1 = vm, v2 = vm, v3 = vm;
+    j = V::size();
+    for (; j + 4 * V::size() <= n; j += 4 * V::size()) {
+      vm = at::vec::maximum(vm, V::loadu(y + j));
+      v1 = at::vec::maximum(v1, V::loadu(y + j + V::size()));
+      v2 = at::vec::maximum(v2, V::loadu(y + j + 2 * V::size()));
+      v3 = at::vec::maximum(v3, V::loadu(y + j + 3 * V::size()));
+    }
+    for (; j + V::size() <= n; j += V::size()) vm = at::vec::maximum(vm, V::loadu(y + j));
+    vm = at::vec::maximum(at::vec::maximum(vm, v1), at::vec::maximum(v2, v3));
     m = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, vm);
   }
   for (; j < n; ++j) {

@@ -80,6 +80,9 @@ AK_HD acc_t entmax_g_from_p(acc_t p, acc_t b, Family fam) {
 // c = (1 - n^(-b)) / b every entry has p <= 1/n, so Σp <= 1.
 template <typename acc_t>
 AK_HD acc_t entmax_shift_upper(int64_t n, acc_t b) {
+  // sparsemax and entmax15 without libm calls (once per row on the CPU).
+  if (b == acc_t(1)) return acc_t(1) - acc_t(1) / acc_t(n);
+  if (b == acc_t(0.5)) return acc_t(2) - acc_t(2) / std::sqrt(acc_t(n));
   acc_t ln_n = std::log(acc_t(n));
   if (b == acc_t(0)) return ln_n;
   return -std::expm1(-b * ln_n) / b;
@@ -122,7 +125,18 @@ template <typename acc_t>
 AK_HD acc_t entmax_norm_newton_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t b, acc_t lo, acc_t hi) {
   acc_t next = std::numeric_limits<acc_t>::quiet_NaN();
   if (sum_g > acc_t(0) && sum_p > acc_t(0)) {
-    next = c - sum_p * std::expm1(-b * std::log(sum_p)) / (b * sum_g);
+    // (Σp)^(-b) - 1, without cancellation as Σp -> 1: by expm1 in general,
+    // by (1 - Σp) over a product for entmax15 and sparsemax (no libm calls).
+    acc_t ratio_m1;
+    if (b == acc_t(0.5)) {
+      const acc_t r = std::sqrt(sum_p);
+      ratio_m1 = (acc_t(1) - sum_p) / (r * (acc_t(1) + r));
+    } else if (b == acc_t(1)) {
+      ratio_m1 = (acc_t(1) - sum_p) / sum_p;
+    } else {
+      ratio_m1 = std::expm1(-b * std::log(sum_p));
+    }
+    next = c - sum_p * ratio_m1 / (b * sum_g);
   }
   if (!(next > lo && next < hi)) next = acc_t(0.5) * (lo + hi);
   return next;
