@@ -151,7 +151,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     acc = acc_dtype(query.dtype)
     if query.dtype in (torch.float16, torch.bfloat16):
         broadcast = q_heads_expanded or any(t.shape[:-3] != batch for t in (q, k, v))
-        if chosen == "cpu" or broadcast:
+        # Softmax decoding without gradients (a few query rows, as in
+        # generation) hands K and V to the CPU kernel in their own dtype: it
+        # reads them in place, where widened copies would cost several times
+        # the decoding itself.
+        decodes_in_place = (chosen == "cpu" and normalizer == "softmax" and L <= _CPU_DECODE_ROWS
+                            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+        if (chosen == "cpu" and not decodes_in_place) or broadcast:
             # The gradient of a broadcast input is a sum over the broadcast
             # dims: take it in float32 and round to the half type once (the
             # CPU kernel computes in float32 anyway, so this costs it nothing).
@@ -193,6 +199,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if out.shape != batch + (H, L, Ev):
         out = out.reshape(batch + (H, L, Ev))
     return _unpad(out if out.dtype == query.dtype else out.to(query.dtype), added)
+
+
+# Query rows up to which the CPU kernel's softmax forward takes its decoding
+# path (kDecodeRows in csrc/cpu/attention_problem.h).
+_CPU_DECODE_ROWS = 4
 
 
 def _unpad(res, added: int):

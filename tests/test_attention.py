@@ -267,6 +267,23 @@ def test_softmax_decoding_matches_reference(case, dtype):
     _softmax_matches_reference(*DECODE_CASES[case], dtype, seed=7)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_softmax_decoding_half_types_read_in_place(case, dtype):
+    """bfloat16 / float16 decoding reads K and V in their dtype (no widened
+    copies): the same float32 computation on the exactly widened inputs, up to
+    summation order, so at most one rounding step of dtype apart."""
+    (B, H, Hk, L, S, E, Ev), mask_kind = DECODE_CASES[case]
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, seed=7)
+    mask, causal = attention_mask(mask_kind, B, H, L, S)
+    out = attnkern.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, backend="cpu")
+    wide = attnkern.attention(q.float(), k.float(), v.float(), mask, is_causal=causal, enable_gqa=True,
+                              backend="cpu")
+    assert out.dtype == dtype and out.shape == (B, H, L, Ev)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), wide.to(dtype).float(), rtol=ulp, atol=1e-6)
+
+
 def test_softmax_decoding_large_scores_and_thread_count():
     q, k, v = make_qkv(1, 1, 1, 1, 2000, 16, 16, spread=30.0, seed=3)
     k[0, 0, 1700] = q[0, 0, 0] * 40  # one key far above the rest, in the last chunk

@@ -196,9 +196,11 @@ Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, 
                             const Tensor& mask, bool is_causal, double scale, Family fam, const Tensor& alpha) {
   Problem<acc_t> P;
   P.q = q.const_data_ptr<acc_t>();
-  P.k = k.const_data_ptr<acc_t>();
-  P.v = v.const_data_ptr<acc_t>();
-  P.B = c.B, P.H = c.H, P.Hk = c.Hk, P.L = c.L, P.S = c.S, P.E = q.size(3), P.Ev = v.size(3);
+  // (Undefined k and v: decoding reads half-precision K and V in place.)
+  P.k = k.defined() ? k.const_data_ptr<acc_t>() : nullptr;
+  P.v = v.defined() ? v.const_data_ptr<acc_t>() : nullptr;
+  P.B = c.B, P.H = c.H, P.Hk = c.Hk, P.L = c.L, P.S = c.S, P.E = q.size(3);
+  P.Ev = v.defined() ? v.size(3) : round_up_panel<acc_t>(c.Ev);
   P.scale = static_cast<acc_t>(scale);
   P.causal = is_causal;
   if (mask.defined()) {
@@ -317,11 +319,22 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
   Tensor shift = at::empty({c.B, c.H, c.L}, q_in.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_fwd", [&] {
     const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
-    Tensor q = padded(q_in, c.acc, Ep), k = padded(k_in, c.acc, Ep), v = padded(v_in, c.acc, Evp);
+    // Softmax decoding of bfloat16 / float16 reads K and V as they are.
+    const bool half_kv = fam == Family::kSoftmax && c.L <= kDecodeRows &&
+                         (k_in.scalar_type() == at::kBFloat16 || k_in.scalar_type() == at::kHalf) &&
+                         v_in.scalar_type() == k_in.scalar_type() && std::is_same_v<scalar_t, float>;
+    Tensor q = padded(q_in, c.acc, Ep);
+    Tensor k = half_kv ? Tensor() : padded(k_in, c.acc, Ep), v = half_kv ? Tensor() : padded(v_in, c.acc, Evp);
+    Tensor k_half = half_kv ? k_in.contiguous() : Tensor(), v_half = half_kv ? v_in.contiguous() : Tensor();
     Tensor out_p = at::empty({c.B, c.H, c.L, Evp}, q.options());
     if (out_p.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
+      if (half_kv) {
+        P.k_half = k_half.const_data_ptr(), P.v_half = v_half.const_data_ptr();
+        P.half_is_bf16 = k_in.scalar_type() == at::kBFloat16;
+        P.e_half = c.E, P.ev_half = c.Ev;
+      }
       // Key panels for the score GEMMs of every normalizer (decoding reads K as it is).
       Tensor kpack = !decodes(P) ? pack_heads<scalar_t>(k) : Tensor();
       if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();

@@ -88,6 +88,13 @@ struct Problem {
   std::vector<Family> fam;
   // Dropout on the weights (off when dropout_p = 0).
   Dropout drop;
+  // Decoding with bfloat16 / float16 inputs: K and V are read in their own
+  // dtype (rows of e_half and ev_half values, unpadded), not from widened
+  // copies, which would cost more than the decoding itself; k and v are null.
+  const void* k_half = nullptr;
+  const void* v_half = nullptr;
+  bool half_is_bf16 = true;
+  int64_t e_half = 0, ev_half = 0;
 
   int64_t group() const { return H / Hk; }
   // The global index of query row i of (batch bi, head h): the dropout counter.
@@ -287,6 +294,38 @@ inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
   acc_t r = hsum(s);
   for (; e < n; ++e) r += x[e] * y[e];
   return r;
+}
+
+// dot and axpy against a row of bfloat16 / float16 values, widened a vector
+// at a time.
+template <typename half_t, std::enable_if_t<at::is_reduced_floating_point_v<half_t>, int> = 0>
+inline float dot(const float* x, const half_t* y, int64_t n) {
+  using Vf = Vec<float>;
+  using Vh = Vec<half_t>;
+  Vf s0(0), s1(0);
+  int64_t e = 0;
+  for (; e + Vh::size() <= n; e += Vh::size()) {
+    auto [lo, hi] = at::vec::convert_to_float<half_t>(Vh::loadu(y + e));
+    s0 += Vf::loadu(x + e) * lo;
+    s1 += Vf::loadu(x + e + Vf::size()) * hi;
+  }
+  float r = hsum(s0 + s1);
+  for (; e < n; ++e) r += x[e] * static_cast<float>(y[e]);
+  return r;
+}
+
+template <typename half_t, std::enable_if_t<at::is_reduced_floating_point_v<half_t>, int> = 0>
+inline void axpy(float* y, const half_t* x, float a, int64_t n) {
+  using Vf = Vec<float>;
+  using Vh = Vec<half_t>;
+  const Vf va(a);
+  int64_t e = 0;
+  for (; e + Vh::size() <= n; e += Vh::size()) {
+    auto [lo, hi] = at::vec::convert_to_float<half_t>(Vh::loadu(x + e));
+    (Vf::loadu(y + e) + va * lo).store(y + e);
+    (Vf::loadu(y + e + Vf::size()) + va * hi).store(y + e + Vf::size());
+  }
+  for (; e < n; ++e) y[e] += a * static_cast<float>(x[e]);
 }
 
 // Keys per tile of the softmax forward and backward (a multiple of

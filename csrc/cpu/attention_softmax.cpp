@@ -5,6 +5,8 @@
 // product runs on the register-blocked kernel of tile_gemm.h over K and V
 // packed once per head, not on BLAS calls that would repack their operands at
 // every tile.
+#include <tuple>
+
 #include "attention_problem.h"
 
 namespace attnkern {
@@ -166,17 +168,61 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
 // unnormalised P·V, l = its row sums. softmax_merge_chunks combines the
 // chunks. K and V are read in place (no packing: with one query row the
 // packing would cost as much as the product). y: m x w scratch.
-template <typename acc_t>
-void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
-                          int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l) {
+// Two float vectors of a row of values from p (float, bfloat16 or float16).
+template <typename kv_t>
+inline void load_pair(const kv_t* p, Vec<float>& a, Vec<float>& b) {
+  if constexpr (std::is_same_v<kv_t, float>) {
+    a = Vec<float>::loadu(p);
+    b = Vec<float>::loadu(p + Vec<float>::size());
+  } else {
+    std::tie(a, b) = at::vec::convert_to_float<kv_t>(Vec<kv_t>::loadu(p));
+  }
+}
+
+// o[0:ev] = Σ_j y[j] v[j, 0:ev] over the keys with y[j] != 0 (o zero on
+// entry), the columns in register blocks of four vectors: an axpy per key
+// would carry every column through a store and a reload. Keys are added in
+// order, as by the axpys.
+template <typename kv_t>
+void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_t ev, float* o) {
+  using Vf = Vec<float>;
+  constexpr int64_t W2 = 2 * Vf::size();
+  int64_t c = 0;
+  for (; c + 2 * W2 <= ev; c += 2 * W2) {
+    Vf a0(0), a1(0), a2(0), a3(0), x0, x1, x2, x3;
+    for (int64_t j = 0; j < w; ++j) {
+      if (y[j] == 0.f) continue;
+      const Vf p(y[j]);
+      load_pair(v + j * ldv + c, x0, x1);
+      load_pair(v + j * ldv + c + W2, x2, x3);
+      a0 = a0 + p * x0, a1 = a1 + p * x1, a2 = a2 + p * x2, a3 = a3 + p * x3;
+    }
+    a0.store(o + c), a1.store(o + c + Vf::size()), a2.store(o + c + W2), a3.store(o + c + W2 + Vf::size());
+  }
+  for (; c + W2 <= ev; c += W2) {
+    Vf a0(0), a1(0), x0, x1;
+    for (int64_t j = 0; j < w; ++j) {
+      if (y[j] == 0.f) continue;
+      const Vf p(y[j]);
+      load_pair(v + j * ldv + c, x0, x1);
+      a0 = a0 + p * x0, a1 = a1 + p * x1;
+    }
+    a0.store(o + c), a1.store(o + c + Vf::size());
+  }
+  if (c < ev)
+    for (int64_t j = 0; j < w; ++j)
+      if (y[j] != 0.f) axpy(o + c, v + j * ldv + c, y[j], ev - c);
+}
+
+template <typename acc_t, typename kv_t>
+void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
+                  const kv_t* kh, int64_t ek, const kv_t* vh, int64_t ev, acc_t* y, acc_t* o, acc_t* mx, acc_t* l) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
-  const int64_t hk = h / P.group();
   // A few query rows: dot products and axpys, each key and value row read
   // once for all the rows (BLAS calls on 1-row products cost more than they do).
   const acc_t* qr = P.q_rows(bi, h, i0);
-  const acc_t* kh = P.k_head(bi, hk) + j0 * P.E;
   for (int64_t j = 0; j < w; ++j)
-    for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, kh + j * P.E, P.E);
+    for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, kh + j * ek, ek);
   mask_scores(P, bi, h, i0, m, j0, w, y, w);
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * w;
@@ -190,11 +236,34 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
     l[r] = exp_shifted(row, w, bm, row);
   }
   if (P.drop.on) apply_dropout(P.drop, y, m, w, w, P.row_id(bi, h, i0), j0);
-  std::fill(o, o + m * P.Ev, acc_t(0));
-  const acc_t* vh = P.v_head(bi, hk) + j0 * P.Ev;
-  for (int64_t j = 0; j < w; ++j)
-    for (int64_t r = 0; r < m; ++r)
-      if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, vh + j * P.Ev, y[r * w + j], P.Ev);
+  std::fill(o, o + m * P.Ev, acc_t(0));  // (columns ev.. of o are padding: zeros)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    for (int64_t r = 0; r < m; ++r) accumulate_pv(y + r * w, w, vh, ev, ev, o + r * P.Ev);
+  } else {
+    for (int64_t j = 0; j < w; ++j)
+      for (int64_t r = 0; r < m; ++r)
+        if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, vh + j * ev, y[r * w + j], ev);
+  }
+}
+
+template <typename acc_t>
+void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
+                          int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l) {
+  const int64_t hk = h / P.group();
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (P.k_half) {
+      const int64_t head = bi * P.Hk + hk;
+      auto run = [&](auto tag) {
+        using half_t = decltype(tag);
+        const half_t* kh = static_cast<const half_t*>(P.k_half) + (head * P.S + j0) * P.e_half;
+        const half_t* vh = static_cast<const half_t*>(P.v_half) + (head * P.S + j0) * P.ev_half;
+        decode_chunk(P, bi, h, i0, m, j0, w, kh, P.e_half, vh, P.ev_half, y, o, mx, l);
+      };
+      return P.half_is_bf16 ? run(c10::BFloat16()) : run(c10::Half());
+    }
+  }
+  decode_chunk(P, bi, h, i0, m, j0, w, P.k_head(bi, hk) + j0 * P.E, P.E, P.v_head(bi, hk) + j0 * P.Ev, P.Ev, y,
+               o, mx, l);
 }
 
 // The output rows (m x Ev) and log-sum-exp c of one head from its nchunks
