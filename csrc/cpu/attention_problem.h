@@ -296,8 +296,7 @@ inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
   return r;
 }
 
-// dot and axpy against a row of bfloat16 / float16 values, widened a vector
-// at a time.
+// dot against a row of bfloat16 / float16 values, widened a vector at a time.
 template <typename half_t, std::enable_if_t<at::is_reduced_floating_point_v<half_t>, int> = 0>
 inline float dot(const float* x, const half_t* y, int64_t n) {
   using Vf = Vec<float>;
@@ -312,20 +311,6 @@ inline float dot(const float* x, const half_t* y, int64_t n) {
   float r = hsum(s0 + s1);
   for (; e < n; ++e) r += x[e] * static_cast<float>(y[e]);
   return r;
-}
-
-template <typename half_t, std::enable_if_t<at::is_reduced_floating_point_v<half_t>, int> = 0>
-inline void axpy(float* y, const half_t* x, float a, int64_t n) {
-  using Vf = Vec<float>;
-  using Vh = Vec<half_t>;
-  const Vf va(a);
-  int64_t e = 0;
-  for (; e + Vh::size() <= n; e += Vh::size()) {
-    auto [lo, hi] = at::vec::convert_to_float<half_t>(Vh::loadu(x + e));
-    (Vf::loadu(y + e) + va * lo).store(y + e);
-    (Vf::loadu(y + e + Vf::size()) + va * hi).store(y + e + Vf::size());
-  }
-  for (; e < n; ++e) y[e] += a * static_cast<float>(x[e]);
 }
 
 // Keys per tile of the softmax forward and backward (a multiple of

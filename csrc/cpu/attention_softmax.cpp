@@ -162,12 +162,6 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
   }
 }
 
-// Softmax forward of a few query rows (decoding) split over key chunks: the
-// scores of keys [j0, j0 + w) against the m rows from i0, exponentiated
-// against the chunk's own row max mx; o (m x Ev) = that chunk's
-// unnormalised P·V, l = its row sums. softmax_merge_chunks combines the
-// chunks. K and V are read in place (no packing: with one query row the
-// packing would cost as much as the product). y: m x w scratch.
 // Two float vectors of a row of values from p (float, bfloat16 or float16).
 template <typename kv_t>
 inline void load_pair(const kv_t* p, Vec<float>& a, Vec<float>& b) {
@@ -209,11 +203,25 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_
     }
     a0.store(o + c), a1.store(o + c + Vf::size());
   }
-  if (c < ev)
-    for (int64_t j = 0; j < w; ++j)
-      if (y[j] != 0.f) axpy(o + c, v + j * ldv + c, y[j], ev - c);
+  if (c == ev) return;
+  for (int64_t j = 0; j < w; ++j) {  // the last columns (fewer than a pair of vectors)
+    if (y[j] == 0.f) continue;
+    if constexpr (std::is_same_v<kv_t, float>) {
+      axpy(o + c, v + j * ldv + c, y[j], ev - c);
+    } else {
+      for (int64_t e = c; e < ev; ++e) o[e] += y[j] * static_cast<float>(v[j * ldv + e]);
+    }
+  }
 }
 
+// Softmax forward of a few query rows (decoding) split over key chunks: the
+// scores of keys [j0, j0 + w) against the m rows from i0, exponentiated
+// against the chunk's own row max mx; o (m x Ev) = that chunk's
+// unnormalised P·V, l = its row sums. softmax_merge_chunks combines the
+// chunks. K and V are read in place (no packing: with one query row the
+// packing would cost as much as the product). y: m x w scratch.
+// K and V rows hold ek and ev values of kv_t (float, or the half type of the
+// inputs).
 template <typename acc_t, typename kv_t>
 void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
                   const kv_t* kh, int64_t ek, const kv_t* vh, int64_t ev, acc_t* y, acc_t* o, acc_t* mx, acc_t* l) {

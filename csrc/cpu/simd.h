@@ -310,15 +310,6 @@ inline acc_t row_max(const acc_t* y, int64_t n) {
   return m;
 }
 
-template <typename acc_t>
-inline void subtract(acc_t* y, int64_t n, acc_t m) {
-  using V = Vec<acc_t>;
-  const V vm(m);
-  int64_t j = 0;
-  for (; j + V::size() <= n; j += V::size()) (V::loadu(y + j) - vm).store(y + j);
-  for (; j < n; ++j) y[j] -= m;
-}
-
 // dst = src - m.
 template <typename acc_t>
 inline void subtract_into(const acc_t* src, int64_t n, acc_t m, acc_t* dst) {
