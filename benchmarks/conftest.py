@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
+
+
+def steady_heap() -> bool:
+    """Makes glibc's malloc keep freed memory (no trimming, no mmap per large
+    block), as a long-running training process sees it. With the default
+    dynamic thresholds, whether a 16 MB tensor comes back as fresh pages (a
+    page fault every 4 KiB) depends on what was allocated and freed before, so
+    the same op measured 8 ms or 28 ms (torch.softmax forward and backward at
+    [4096, 1024]) depending on the case before it. Applies to both contenders
+    alike; returns False (changing nothing) where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(mallopt(m_trim_threshold, 2**31 - 1)) and bool(mallopt(m_mmap_max, 0))
+
+
+steady_heap()
 
 
 def run(benchmark, fn, x: torch.Tensor, mode: str, rounds: int, grad: torch.Tensor | None = None):

@@ -17,6 +17,10 @@ Cases (B = 1, H = 8, E = 64 unless said):
   decode      one query against S = 8192 keys, H = 8 and H = 1 (fwd)
   row-wise    [4096, 1024] and [256, 32768], fwd+bwd against torch.softmax;
               attnkern.softmax also fwd
+
+The process's heap keeps the memory it frees (conftest.steady_heap), so that
+neither contender pays page faults for fresh tensors in some cases and not in
+others.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from conftest import steady_heap
 
 import attnkern
 
@@ -187,6 +192,7 @@ def main() -> None:
                     help="rounds per case (N = 8192: half, at least 3; cut further to fit CASE_BUDGET_S)")
     ap.add_argument("--out", default="results/bench/ratios", help="prefix of the .md and .json written")
     args = ap.parse_args()
+    heap = "steady (glibc mallopt)" if steady_heap() else "the C library's default"
     sizes = [2048] if args.quick else [2048, 8192]
 
     def rounds_for(n):
@@ -196,7 +202,8 @@ def main() -> None:
     head = (f"CPU: {cpu_model()}; attnkern CPU kernels at {level.get('active', '?')} "
             f"(this CPU runs up to {level.get('machine', '?')}); torch {torch.__version__} "
             f"CPU capability {torch.backends.cpu.get_cpu_capability()}.\n"
-            "Ratio = attnkern time / PyTorch time, median of interleaved rounds (< 1: attnkern faster).")
+            f"Ratio = attnkern time / PyTorch time, median of interleaved rounds (< 1: attnkern faster); "
+            f"heap: {heap}.")
     print(head, flush=True)
     results, lines = [], [head, ""]
     for dtype_name in args.dtypes:

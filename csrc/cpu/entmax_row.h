@@ -66,32 +66,34 @@ inline void add_shift_terms(const Vec<acc_t>& t, acc_t b, Vec<acc_t>& sp, Vec<ac
   }
 }
 
-// Evaluates the sums at c over cand[0:n] and, in the same pass, drops the
-// entries not above `cut` (cand is compacted in place). Returns the new count.
+// Evaluates the sums at c over src[0:n] and, in the same pass, appends the
+// entries above `cut` to dst (which may alias src: it never runs ahead of the
+// read position). Returns their count.
 template <typename acc_t, Family FAM>
-inline int64_t eval_compact(acc_t* cand, int64_t n, acc_t c, acc_t b, acc_t cut, ShiftSums<acc_t>& out) {
+inline int64_t eval_compact(const acc_t* src, int64_t n, acc_t c, acc_t b, acc_t cut, acc_t* dst,
+                            ShiftSums<acc_t>& out) {
   using V = Vec<acc_t>;
   constexpr int kLanes = V::size();
   const V vc(c), vcut(cut);
   V sp(0), sg(0), sh(0);
   int64_t j = 0, k = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    V v = V::loadu(cand + j);
+    V v = V::loadu(src + j);
     const int keep = lane_mask<acc_t>(v > vcut);
     add_shift_terms<acc_t, FAM>(v - vc, b, sp, sg, sh);
-    k += left_pack(cand + k, v, keep);
+    k += left_pack(dst + k, v, keep);
   }
   if (j < n) {
     // The tail as one masked vector (the fill c gives finite terms, masked out).
     const int64_t rest = n - j;
-    const V v = load_tail(cand + j, rest, c), live = tail_lanes<acc_t>(rest), vzero(0);
+    const V v = load_tail(src + j, rest, c), live = tail_lanes<acc_t>(rest), vzero(0);
     const int keep = lane_mask<acc_t>(v > vcut) & ((1 << rest) - 1);
     V tp(0), tg(0), th(0);
     add_shift_terms<acc_t, FAM>(v - vc, b, tp, tg, th);
     sp += V::blendv(vzero, tp, live);
     sg += V::blendv(vzero, tg, live);
     sh += V::blendv(vzero, th, live);
-    k += left_pack_bounded(cand + k, v, keep);
+    k += left_pack_bounded(dst + k, v, keep);
   }
   out.p = hsum(sp);
   out.g = hsum(sg);
@@ -238,7 +240,8 @@ constexpr int kMaxIterations = 200;
 // - b > 1: the sparsemax shift is right of the root; start from the max.
 // - b < 0: the log-sum-exp is left of the root (φ_b >= exp there).
 // Each pass also drops the candidates that are outside the support at the
-// last point known to be left of the root.
+// last point known to be left of the root. (solve_row takes the generic
+// family with 0 < b < 1 to solve_generic_convex instead.)
 template <typename acc_t, Family FAM>
 acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
   *norm = acc_t(1);
@@ -253,22 +256,8 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
     acc_t c = 0;
     int64_t k;
     if (b > acc_t(0)) {
-      // For b < 1/2, φ_b >= φ_(1/2) too, and entmax15's shift (cheap: its
-      // power is a square; it starts from sparsemax's itself) is a closer
-      // left start than sparsemax's.
-      acc_t csp = 0;
-      bool started = false;
-      if constexpr (FAM == Family::kGeneric) {
-        if (b < acc_t(0.5)) {
-          acc_t unused;
-          csp = find_shift<acc_t, Family::kEntmax15>(y, n, acc_t(0.5), work, &unused);
-          started = true;
-        }
-      }
-      if (!started) {
-        int64_t ks;
-        csp = sparsemax_shift(y, n, work, &ks);
-      }
+      int64_t ks;
+      const acc_t csp = sparsemax_shift(y, n, work, &ks);
       if (b <= acc_t(1)) {
         lo = c = csp;
         k = compact_above(y, n, csp - acc_t(1) / b, work, static_cast<acc_t*>(nullptr));
@@ -295,7 +284,7 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
     bool s_at_c = false;
     for (int it = 0; it < kMaxIterations; ++it) {
       acc_t cut = b > acc_t(0) ? (c_is_left ? c : lo) - acc_t(1) / b : kNoCut;
-      k = eval_compact<acc_t, FAM>(work, k, c, b, cut, s);
+      k = eval_compact<acc_t, FAM>(work, k, c, b, cut, work, s);
       if (s.p >= acc_t(1)) {
         lo = c;
         if constexpr (FAM == Family::kEntmax15) {
@@ -331,7 +320,7 @@ acc_t find_shift(const acc_t* y, int64_t n, acc_t b, acc_t* work, acc_t* norm) {
       if (ce == ce) return ce;
     }
     // (The loop's last sums are at c unless it ran out of iterations.)
-    if (!s_at_c) eval_compact<acc_t, FAM>(work, k, c, b, kNoCut, s);
+    if (!s_at_c) eval_compact<acc_t, FAM>(work, k, c, b, kNoCut, work, s);
     if (s.p > acc_t(0)) *norm = acc_t(1) / s.p;
     return c;
   }
@@ -413,13 +402,119 @@ inline int64_t shifted_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, acc_
   for (; j + kLanes <= n; j += kLanes) {
     const V v = V::loadu(x + j) - vm;
     const int keep = lane_mask<acc_t>(v > vcut);
-    if (keep) k += left_pack(dst + k, v, keep);
+    k += left_pack(dst + k, v, keep);
   }
   for (; j < n; ++j) {
     const acc_t v = x[j] - m;
     if (v > cut) dst[k++] = v;
   }
   return k;
+}
+
+// The generic family's probabilities at the shift c of a row (0 < b < 1), if
+// c is converged: gathers the support (y - c > -1/b) with positions_above,
+// takes its powers and, when their sum is within entmax_sum_converged's
+// tolerance of 1, writes out = φ(y - c) / Σ and returns true. Otherwise
+// (also when the support is over a quarter of the row, where the dense write
+// is as cheap) it writes nothing and returns false. out may alias x; vals
+// and idx are scratch of n entries.
+template <typename acc_t>
+inline bool write_if_converged(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, acc_t* out, acc_t* vals,
+                               int32_t* idx) {
+  using V = Vec<acc_t>;
+  const int64_t k = positions_above(x, n, m, c - acc_t(1) / b, vals, idx);
+  if (k == 0 || 4 * k > n) return false;
+  const V vc(c), vb(b), vone(1);
+  const acc_t inv_b = acc_t(1) / b;
+  V vsum(0);
+  int64_t i = 0;
+  // Every gathered entry is in the support (1 + b(y - c) > 0).
+  for (; i + V::size() <= k; i += V::size()) {
+    const V p = pow_unit<acc_t>(vone + vb * (V::loadu(vals + i) - vc), inv_b);
+    p.store(vals + i);
+    vsum += p;
+  }
+  if (i < k) {
+    const int64_t rest = k - i;
+    const V p = V::blendv(V(0), pow_unit<acc_t>(vone + vb * (load_tail(vals + i, rest, c) - vc), inv_b),
+                          tail_lanes<acc_t>(rest));
+    p.store(vals + i, static_cast<int>(rest));
+    vsum += p;
+  }
+  const acc_t sum = hsum(vsum);
+  if (!math::entmax_sum_converged<acc_t>(sum, k)) return false;
+  const acc_t norm = acc_t(1) / sum;
+  std::fill(out, out + n, acc_t(0));
+  for (i = 0; i < k; ++i) out[idx[i]] = vals[i] * norm;
+  return true;
+}
+
+// Residual |Σp - 1| below which the next step of solve_generic_convex is
+// expected to converge (Halley's error is cubic: 0.05 leaves ~1e-6), so its
+// evaluation is the write itself (write_if_converged).
+constexpr double kFinishResidual = 0.05;
+
+// The generic family with 0 < b < 1 (1 < α < 2), the range a learned α
+// mostly lives in: shift and probabilities of one row x[0:n] with finite max
+// m; returns c. cand, work: scratch of n entries; idx: n.
+//
+// The entries that can be in the support (y > -1/b, see solve_row) are
+// gathered; the start is entmax15's shift for b < 1/2 (φ_b >= φ_(1/2): left
+// of the root; its power is a square, so it costs little) or sparsemax's;
+// then Halley's steps on the norm h = (Σp)^b (entmax_norm_halley_update).
+// Each evaluation compacts the candidates to those inside the support at its
+// point, into the other buffer, kept only if the point turns out left of the
+// root (Σp >= 1; Halley's step may overshoot, unlike Newton's). Once the
+// residual is small, the next point is not evaluated but written directly,
+// and accepted if its sum is within tolerance: on a random row of 1024 the
+// search costs two passes of powers over a few hundred candidates and the
+// write one over the support, where Newton's steps with a confirming
+// evaluation took four passes and the write.
+template <typename acc_t>
+inline acc_t solve_generic_convex(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, acc_t* cand,
+                                  acc_t* work, int32_t* idx) {
+  const acc_t inv_b = acc_t(1) / b;
+  int64_t k = shifted_above(x, n, m, -inv_b, cand);
+  acc_t c;
+  if (b < acc_t(0.5)) {
+    acc_t unused;
+    c = find_shift<acc_t, Family::kEntmax15>(cand, k, acc_t(0.5), work, &unused);
+  } else {
+    int64_t ks;
+    c = sparsemax_shift(cand, k, work, &ks);
+  }
+  acc_t lo = c, hi = math::entmax_shift_upper<acc_t>(n, b);
+  acc_t* live = work;   // the candidates
+  acc_t* spare = cand;  // the next compaction
+  k = compact_above(cand, k, c - inv_b, live, static_cast<acc_t*>(nullptr));
+  ShiftSums<acc_t> s;
+  bool s_at_c = false, finish = false, tried = false;
+  for (int it = 0; it < kMaxIterations; ++it) {
+    if (finish && !tried) {
+      // One attempt: it fails only on slow convergence or a dense support.
+      tried = true;
+      if (write_if_converged(x, n, m, c, b, out, spare, idx)) return c;
+    }
+    const int64_t kept = eval_compact<acc_t, Family::kGeneric>(live, k, c, b, c - inv_b, spare, s);
+    s_at_c = true;
+    if (s.p >= acc_t(1)) {
+      lo = c;
+      std::swap(live, spare);
+      k = kept;
+    } else {
+      hi = c;
+    }
+    if (math::entmax_converged<acc_t>(s.p, lo, hi, k)) break;
+    const acc_t next = math::entmax_norm_halley_update<acc_t>(c, s.p, s.g, s.h, b, lo, hi);
+    if (next == c) break;  // below the dtype's resolution
+    finish = std::abs(s.p - acc_t(1)) < acc_t(kFinishResidual);
+    c = next;
+    s_at_c = false;
+  }
+  if (!s_at_c) eval_compact<acc_t, Family::kGeneric>(live, k, c, b, c - inv_b, spare, s);
+  const acc_t norm = s.p > acc_t(0) ? acc_t(1) / s.p : acc_t(1);
+  write_probs_sparse<acc_t>(x, n, m, c, b, norm, out, spare, idx);
+  return c;
 }
 
 // Shift and probabilities of one row x[0:n] of a sparse family (or the
@@ -435,6 +530,9 @@ template <typename acc_t, Family FAM>
 inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, acc_t* cand, acc_t* work,
                        int32_t* idx) {
   static_assert(FAM != Family::kSoftmax, "softmax rows have no shift search");
+  if constexpr (FAM == Family::kGeneric) {
+    if (b > acc_t(0) && b < acc_t(1)) return solve_generic_convex<acc_t>(x, n, m, b, out, cand, work, idx);
+  }
   int64_t k = n;
   if (b > acc_t(0)) {
     k = shifted_above(x, n, m, -acc_t(1) / b, cand);

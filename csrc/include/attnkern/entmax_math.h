@@ -120,24 +120,49 @@ AK_HD acc_t entmax_newton_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t lo, ac
 // clipped affine map of c: convex and decreasing. Newton on h (rather than on
 // Σp) is exact for softmax (b -> 0: a log-sum-exp step) and for sparsemax on a
 // fixed support, lands left of the root from either side, and needs few steps
-// in between:  c <- c + Σp (1 - (Σp)^(-b)) / (b Σg).
+// in between:  c <- c + u / Σg  with  u = (h - 1) / (b (Σp)^(b-1)) = Σp (1 - (Σp)^(-b)) / b,
+// the residual of h in units of Σp's slope.
+template <typename acc_t>
+AK_HD acc_t entmax_norm_residual(acc_t sum_p, acc_t b) {
+  // (Σp)^(-b) - 1, without cancellation as Σp -> 1: by expm1 in general,
+  // by (1 - Σp) over a product for entmax15 and sparsemax (no libm calls).
+  acc_t ratio_m1;
+  if (b == acc_t(0.5)) {
+    const acc_t r = std::sqrt(sum_p);
+    ratio_m1 = (acc_t(1) - sum_p) / (r * (acc_t(1) + r));
+  } else if (b == acc_t(1)) {
+    ratio_m1 = (acc_t(1) - sum_p) / sum_p;
+  } else {
+    ratio_m1 = std::expm1(-b * std::log(sum_p));
+  }
+  return -sum_p * ratio_m1 / b;
+}
+
 template <typename acc_t>
 AK_HD acc_t entmax_norm_newton_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t b, acc_t lo, acc_t hi) {
   acc_t next = std::numeric_limits<acc_t>::quiet_NaN();
-  if (sum_g > acc_t(0) && sum_p > acc_t(0)) {
-    // (Σp)^(-b) - 1, without cancellation as Σp -> 1: by expm1 in general,
-    // by (1 - Σp) over a product for entmax15 and sparsemax (no libm calls).
-    acc_t ratio_m1;
-    if (b == acc_t(0.5)) {
-      const acc_t r = std::sqrt(sum_p);
-      ratio_m1 = (acc_t(1) - sum_p) / (r * (acc_t(1) + r));
-    } else if (b == acc_t(1)) {
-      ratio_m1 = (acc_t(1) - sum_p) / sum_p;
-    } else {
-      ratio_m1 = std::expm1(-b * std::log(sum_p));
-    }
-    next = c - sum_p * ratio_m1 / (b * sum_g);
-  }
+  if (sum_g > acc_t(0) && sum_p > acc_t(0)) next = c + entmax_norm_residual<acc_t>(sum_p, b) / sum_g;
+  if (!(next > lo && next < hi)) next = acc_t(0.5) * (lo + hi);
+  return next;
+}
+
+// Halley's step on the same h, for 0 < b < 1: cubic convergence, so from an
+// entmax15 start two steps usually reach float32 resolution where Newton's
+// needs three. With u as above, h'/(b Σp^(b-1)) = -Σg and
+// h''/(b Σp^(b-1)) = (1 - b)(Σ g/d - (Σg)²/Σp) >= 0 (Cauchy-Schwarz), so
+//   c <- c + 2 u Σg / (2 (Σg)² - u (1 - b)(Σ g/d - (Σg)²/Σp)).
+// Unlike Newton's, the step may land right of the root. Falls back to
+// Newton's step when the denominator is not positive or the step leaves
+// the bracket (lo, hi).
+template <typename acc_t>
+AK_HD acc_t entmax_norm_halley_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t sum_gd, acc_t b, acc_t lo, acc_t hi) {
+  if (!(sum_g > acc_t(0) && sum_p > acc_t(0))) return acc_t(0.5) * (lo + hi);
+  const acc_t u = entmax_norm_residual<acc_t>(sum_p, b);
+  const acc_t bend = (acc_t(1) - b) * (sum_gd - sum_g * sum_g / sum_p);
+  const acc_t denom = acc_t(2) * sum_g * sum_g - u * bend;
+  acc_t next = denom > acc_t(0) ? c + acc_t(2) * u * sum_g / denom : std::numeric_limits<acc_t>::quiet_NaN();
+  if (next > lo && next < hi) return next;
+  next = c + u / sum_g;
   if (!(next > lo && next < hi)) next = acc_t(0.5) * (lo + hi);
   return next;
 }
@@ -285,16 +310,21 @@ AK_HD PivotedMean<acc_t> entmax_pivoted_mean(const acc_t* g, const acc_t* dp, in
   return {pivot, gsum > acc_t(0) ? num / gsum : acc_t(0)};
 }
 
-// Convergence test for the iterative shift: Σp within a few ulps of 1 or a
-// bracket too narrow to split.
+// Convergence test for the iterative shift: Σp (of n terms) within a few
+// ulps of 1 ...
+template <typename acc_t>
+AK_HD bool entmax_sum_converged(acc_t sum_p, int64_t n) {
+  const acc_t err = sum_p - acc_t(1);
+  return (err < acc_t(0) ? -err : err) <= acc_t(4) * std::numeric_limits<acc_t>::epsilon() * std::sqrt(acc_t(n));
+}
+
+// ... or a bracket too narrow to split.
 template <typename acc_t>
 AK_HD bool entmax_converged(acc_t sum_p, acc_t lo, acc_t hi, int64_t n) {
   const acc_t eps = std::numeric_limits<acc_t>::epsilon();
-  acc_t err = sum_p - acc_t(1);
-  if (err < acc_t(0)) err = -err;
   acc_t w = hi - lo;
   acc_t mag = (lo < acc_t(0) ? -lo : lo) + (hi < acc_t(0) ? -hi : hi) + acc_t(1);
-  return err <= acc_t(4) * eps * std::sqrt(acc_t(n)) || w <= acc_t(4) * eps * mag;
+  return entmax_sum_converged<acc_t>(sum_p, n) || w <= acc_t(4) * eps * mag;
 }
 
 ATTNKERN_ISA_END
