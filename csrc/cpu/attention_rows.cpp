@@ -139,15 +139,22 @@ double alpha_grad_row(const acc_t* p, const acc_t* dp, const std::vector<std::pa
   return sums.grad(static_cast<double>(b));
 }
 
+// dS = scale · g ⊙ (dP - Σ g dP / Σ g) over the runs of each row, in place
+// in d. For the generic family (g a power) a row whose support is sparse
+// takes its powers on the support only (backward_row_sparse; d outside the
+// runs is not read there, only overwritten); gbuf: 2n, idx: n.
 template <typename acc_t, Family FAM>
 void backward_rows(acc_t* y, acc_t* d, int64_t m, int64_t n, const std::vector<std::pair<int64_t, int64_t>>& runs,
-                   acc_t b, acc_t scale, double* dalpha) {
+                   acc_t b, acc_t scale, double* dalpha, acc_t* gbuf, int32_t* idx) {
   for (int64_t r = 0; r < m; ++r) {
     const acc_t* p = y + r * n;
     acc_t* dp = d + r * n;
+    if (dalpha) *dalpha += alpha_grad_row<acc_t>(p, dp, runs, b);
+    if constexpr (FAM == Family::kGeneric) {
+      if (b > acc_t(0) && backward_row_sparse<acc_t, FAM>(p, dp, dp, gbuf, idx, n, b, scale)) continue;
+    }
     acc_t gsum = 0, gdp = 0;
     for (auto [j0, j1] : runs) reduce_g<acc_t, FAM>(p + j0, dp + j0, j1 - j0, b, gsum, gdp);
-    if (dalpha) *dalpha += alpha_grad_row<acc_t>(p, dp, runs, b);
     const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
     for (auto [j0, j1] : runs) apply_g<acc_t, FAM>(p + j0, dp + j0, j1 - j0, b, mean, scale);
   }
@@ -308,7 +315,7 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
     ws.pkept.assign(y, y + m * n);
     apply_dropout(P.drop, ws.pkept.data(), m, n, n, P.row_id(bi, h, i0), 0, d);
   }
-  backward_rows<acc_t, FAM>(y, d, m, n, runs, b, P.scale, da);
+  backward_rows<acc_t, FAM>(y, d, m, n, runs, b, P.scale, da, ws.work.data(), ws.pidx.data());
   if (P.drop.on) std::copy(ws.pkept.begin(), ws.pkept.end(), y);
   bool first = true;
   for (auto [j0, j1] : runs) {

@@ -1,6 +1,6 @@
 // Vectorized per-row building blocks of the α-entmax family on the CPU: the
-// row max, the threshold ("shift", see attnkern/entmax_math.h) and the
-// probabilities. Shared by the row-wise normalizers and the fused attention
+// row max, the threshold ("shift", see attnkern/entmax_math.h), the
+// probabilities and the backward of a sparse row. Shared by the row-wise normalizers and the fused attention
 // kernels, so each threshold algorithm has one home.
 //
 // A row is read three times: its max, one pass that gathers the entries that
@@ -547,6 +547,56 @@ inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, 
     write_probs<acc_t, FAM>(x, n, m, c, b, norm, out);
   }
   return c;
+}
+
+// The backward of a sparse family on a sparse row: only the support's entries
+// are gathered (positions_above, one pass over p), so g (a power for the
+// generic family, a square root for entmax15) and the two sums cost O(support)
+// instead of two passes over the row: dx = scale · g ⊙ (dp - Σ g dp / Σ g),
+// zero off the support (dx may alias dp). gbuf holds the gathered g (first k
+// entries) and dp (next k); idx: n entries. Returns false (having done
+// nothing) when the support is over a quarter of the row, where the dense
+// passes are as cheap.
+template <typename acc_t, Family FAM>
+inline bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
+                                acc_t b, acc_t scale) {
+  static_assert(FAM != Family::kSoftmax, "softmax rows are dense");
+  const int64_t k = positions_above(p, n, acc_t(0), acc_t(0), gbuf, idx);
+  if (k == 0 || 4 * k > n) return false;  // k = 0: a NaN or empty row, which the dense passes handle
+  acc_t* g = gbuf;
+  acc_t* dpk = gbuf + k;
+  for (int64_t i = 0; i < k; ++i) dpk[i] = dp[idx[i]];
+  using V = Vec<acc_t>;
+  auto g_of = [&](const V& pv) -> V {
+    if constexpr (FAM == Family::kSparsemax) {
+      return V(acc_t(1));
+    } else if constexpr (FAM == Family::kEntmax15) {
+      return pv.sqrt();
+    } else {
+      // pow_unit takes exponents in (0, 1); for b > 1 (α > 2) the exponent is negative.
+      return b < acc_t(1) ? pow_unit<acc_t>(pv, acc_t(1) - b) : (V(acc_t(1) - b) * pv.log()).exp();
+    }
+  };
+  int64_t i = 0;
+  V vgsum(0), vgdp(0);
+  for (; i + V::size() <= k; i += V::size()) {
+    const V gv = g_of(V::loadu(g + i));
+    gv.store(g + i);
+    vgsum += gv;
+    vgdp += gv * V::loadu(dpk + i);
+  }
+  if (i < k) {  // the tail as one masked vector (fill 1: a valid p)
+    const int64_t rest = k - i;
+    const V gv = V::blendv(V(0), g_of(load_tail(g + i, rest, acc_t(1))), tail_lanes<acc_t>(rest));
+    gv.store(g + i, static_cast<int>(rest));
+    vgsum += gv;
+    vgdp += gv * V::loadu(dpk + i, rest);
+  }
+  const acc_t gsum = hsum(vgsum), gdp = hsum(vgdp);
+  const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+  std::fill(dx, dx + n, acc_t(0));
+  for (i = 0; i < k; ++i) dx[idx[i]] = scale * g[i] * (dpk[i] - mean);
+  return true;
 }
 
 }  // namespace CPU_CAPABILITY

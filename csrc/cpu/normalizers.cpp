@@ -126,54 +126,6 @@ template <typename acc_t, Family FAM>
 acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n, acc_t b,
                    bool want_alpha);
 
-// The backward of a sparse family on a sparse row: only the support's entries
-// are gathered (positions_above, one pass over p), so g (a power for the
-// generic family, a square root for entmax15) and the two sums cost O(support)
-// instead of two passes over the row. gbuf holds the gathered g (first k
-// entries) and dp (next k). Returns false (having done nothing) when the
-// support is over a quarter of the row, where the dense passes are as cheap.
-template <typename acc_t, Family FAM>
-bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
-                         acc_t b) {
-  static_assert(FAM != Family::kSoftmax, "softmax rows are dense");
-  const int64_t k = positions_above(p, n, acc_t(0), acc_t(0), gbuf, idx);
-  if (k == 0 || 4 * k > n) return false;  // k = 0: a NaN or empty row, which the dense passes handle
-  acc_t* g = gbuf;
-  acc_t* dpk = gbuf + k;
-  for (int64_t i = 0; i < k; ++i) dpk[i] = dp[idx[i]];
-  using V = Vec<acc_t>;
-  auto g_of = [&](const V& pv) -> V {
-    if constexpr (FAM == Family::kSparsemax) {
-      return V(acc_t(1));
-    } else if constexpr (FAM == Family::kEntmax15) {
-      return pv.sqrt();
-    } else {
-      // pow_unit takes exponents in (0, 1); for b > 1 (α > 2) the exponent is negative.
-      return b < acc_t(1) ? pow_unit<acc_t>(pv, acc_t(1) - b) : (V(acc_t(1) - b) * pv.log()).exp();
-    }
-  };
-  int64_t i = 0;
-  V vgsum(0), vgdp(0);
-  for (; i + V::size() <= k; i += V::size()) {
-    const V gv = g_of(V::loadu(g + i));
-    gv.store(g + i);
-    vgsum += gv;
-    vgdp += gv * V::loadu(dpk + i);
-  }
-  if (i < k) {  // the tail as one masked vector (fill 1: a valid p)
-    const int64_t rest = k - i;
-    const V gv = V::blendv(V(0), g_of(load_tail(g + i, rest, acc_t(1))), tail_lanes<acc_t>(rest));
-    gv.store(g + i, static_cast<int>(rest));
-    vgsum += gv;
-    vgdp += gv * V::loadu(dpk + i, rest);
-  }
-  const acc_t gsum = hsum(vgsum), gdp = hsum(vgdp);
-  const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
-  std::fill(dx, dx + n, acc_t(0));
-  for (i = 0; i < k; ++i) dx[idx[i]] = g[i] * (dpk[i] - mean);
-  return true;
-}
-
 template <typename acc_t, Family FAM>
 acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n, acc_t b,
                    bool want_alpha) {
@@ -197,7 +149,7 @@ acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int3
   if constexpr (kSparse) {
     // (With the α gradient wanted, the dense pass keeps dp intact for it; the
     // generic family at b <= 0 has no zeros.)
-    if (!want_alpha && b > acc_t(0) && backward_row_sparse<acc_t, FAM>(p, dp, dx, gbuf, idx, n, b)) return 0;
+    if (!want_alpha && b > acc_t(0) && backward_row_sparse<acc_t, FAM>(p, dp, dx, gbuf, idx, n, b, acc_t(1))) return 0;
   }
   V vgsum(0), vgdp(0);
   int64_t j = 0;
