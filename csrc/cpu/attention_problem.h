@@ -245,28 +245,20 @@ inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, std::vector<std::
 
 // The support of each row of y (m x n) as CSR: the indices of the non-zero
 // (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]]. Gives up (returns
-// false) once there are more than `limit` entries. A counting pass (popcounts
-// of lane masks, stopping past the limit) comes first, so dense rows cost one
-// cheap read; the indices are then written by vector compaction.
+// false) once there are more than `limit` entries. One pass, by vector
+// compaction of the lane masks (a counting pass first made the block's
+// scores be read twice: 8% of entmax15 attention's forward).
 template <typename acc_t>
 inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit, std::vector<int32_t>& idx,
-                     std::vector<int64_t>& ptr) {
+                            std::vector<int64_t>& ptr) {
   using V = Vec<acc_t>;
   constexpr int kLanes = V::size();
   const V zero(0);
   ptr.assign(m + 1, 0);
-  int64_t total = 0;
-  for (int64_t r = 0; r < m; ++r) {
-    const acc_t* row = y + r * n;
-    int64_t j = 0, count = 0;
-    for (; j + kLanes <= n; j += kLanes) count += __builtin_popcount(lane_mask<acc_t>(V::loadu(row + j) != zero));
-    for (; j < n; ++j) count += !(row[j] == acc_t(0));
-    total += count;
-    ptr[r + 1] = total;
-    if (total > limit) return false;
-  }
-  idx.resize(total + kLanes);  // room for the last whole-vector store
-  int32_t* out = idx.data();
+  // Room for the row that crosses the limit and the last whole-vector store.
+  idx.resize(limit + n + kLanes);
+  int32_t* const first = idx.data();
+  int32_t* out = first;
   for (int64_t r = 0; r < m; ++r) {
     const acc_t* row = y + r * n;
     int64_t j = 0;
@@ -274,8 +266,10 @@ inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit,
       out += left_pack_index<kLanes>(out, static_cast<int32_t>(j), lane_mask<acc_t>(V::loadu(row + j) != zero));
     for (; j < n; ++j)
       if (!(row[j] == acc_t(0))) *out++ = static_cast<int32_t>(j);
+    ptr[r + 1] = out - first;
+    if (ptr[r + 1] > limit) return false;
   }
-  idx.resize(total);
+  idx.resize(ptr[m]);
   return true;
 }
 
