@@ -229,7 +229,18 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   // A few query rows: dot products and axpys, each key and value row read
   // once for all the rows (BLAS calls on 1-row products cost more than they do).
   const acc_t* qr = P.q_rows(bi, h, i0);
-  for (int64_t j = 0; j < w; ++j)
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<kv_t, float>) {
+    float s[8];
+    for (; j + 8 <= w; j += 8)
+      for (int64_t r = 0; r < m; ++r) {
+        dot8(qr + r * P.E, kh + j * ek, ek, ek, s);
+        for (int i = 0; i < 8; ++i) y[r * w + j + i] = P.scale * s[i];
+      }
+  }
+#endif
+  for (; j < w; ++j)
     for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, kh + j * ek, ek);
   mask_scores(P, bi, h, i0, m, j0, w, y, w);
   for (int64_t r = 0; r < m; ++r) {
