@@ -462,9 +462,10 @@ constexpr double kFinishResidual = 0.05;
 // gathered; the start is entmax15's shift for b < 1/2 (φ_b >= φ_(1/2): left
 // of the root; its power is a square, so it costs little) or sparsemax's;
 // then Halley's steps on the norm h = (Σp)^b (entmax_norm_halley_update).
-// Each evaluation compacts the candidates to those inside the support at its
-// point, into the other buffer, kept only if the point turns out left of the
-// root (Σp >= 1; Halley's step may overshoot, unlike Newton's). Once the
+// Each evaluation first compacts the candidates to those inside the support
+// at its point, into the other buffer, and takes powers of those only; the
+// shorter list is kept only if the point turns out left of the root
+// (Σp >= 1; Halley's step may overshoot, unlike Newton's). Once the
 // residual is small, the next point is not evaluated but written directly,
 // and accepted if its sum is within tolerance: on a random row of 1024 the
 // search costs two passes of powers over a few hundred candidates and the
@@ -495,7 +496,12 @@ inline acc_t solve_generic_convex(const acc_t* x, int64_t n, acc_t m, acc_t b, a
       tried = true;
       if (write_if_converged(x, n, m, c, b, out, spare, idx)) return c;
     }
-    const int64_t kept = eval_compact<acc_t, Family::kGeneric>(live, k, c, b, c - inv_b, spare, s);
+    // Entries at or below c - 1/b add nothing at c: they are dropped before
+    // their powers are taken, into the spare buffer (the sums at c are exact
+    // either way; the shorter list replaces the live one only if c is left
+    // of the root, since points left of c may need them).
+    int64_t kept = compact_above(live, k, c - inv_b, spare, static_cast<acc_t*>(nullptr));
+    kept = eval_compact<acc_t, Family::kGeneric>(spare, kept, c, b, c - inv_b, spare, s);
     s_at_c = true;
     if (s.p >= acc_t(1)) {
       lo = c;
