@@ -244,7 +244,8 @@ inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, std::vector<std::
 }
 
 // The support of each row of y (m x n) as CSR: the indices of the non-zero
-// (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]]. Gives up (returns
+// (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]] (idx may be longer than
+// ptr[m]). Gives up (returns
 // false) once there are more than `limit` entries. One pass, by vector
 // compaction of the lane masks (a counting pass first made the block's
 // scores be read twice: 8% of entmax15 attention's forward).
@@ -255,8 +256,10 @@ inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit,
   constexpr int kLanes = V::size();
   const V zero(0);
   ptr.assign(m + 1, 0);
-  // Room for the row that crosses the limit and the last whole-vector store.
-  idx.resize(limit + n + kLanes);
+  // Room for the row that crosses the limit and the last whole-vector store
+  // (grown only: a resize up would zero-fill the new part at every block).
+  const size_t room = static_cast<size_t>(limit + n + kLanes);
+  if (idx.size() < room) idx.resize(room);
   int32_t* const first = idx.data();
   int32_t* out = first;
   for (int64_t r = 0; r < m; ++r) {
@@ -269,7 +272,6 @@ inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit,
     ptr[r + 1] = out - first;
     if (ptr[r + 1] > limit) return false;
   }
-  idx.resize(ptr[m]);
   return true;
 }
 
