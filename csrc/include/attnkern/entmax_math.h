@@ -138,12 +138,17 @@ AK_HD acc_t entmax_norm_residual(acc_t sum_p, acc_t b) {
   return -sum_p * ratio_m1 / b;
 }
 
+// The step c + u / Σg from a residual u, bisecting when it leaves (lo, hi).
+template <typename acc_t>
+AK_HD acc_t entmax_norm_newton_step(acc_t c, acc_t u, acc_t sum_g, acc_t lo, acc_t hi) {
+  const acc_t next = c + u / sum_g;
+  return next > lo && next < hi ? next : acc_t(0.5) * (lo + hi);
+}
+
 template <typename acc_t>
 AK_HD acc_t entmax_norm_newton_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t b, acc_t lo, acc_t hi) {
-  acc_t next = std::numeric_limits<acc_t>::quiet_NaN();
-  if (sum_g > acc_t(0) && sum_p > acc_t(0)) next = c + entmax_norm_residual<acc_t>(sum_p, b) / sum_g;
-  if (!(next > lo && next < hi)) next = acc_t(0.5) * (lo + hi);
-  return next;
+  if (!(sum_g > acc_t(0) && sum_p > acc_t(0))) return acc_t(0.5) * (lo + hi);
+  return entmax_norm_newton_step<acc_t>(c, entmax_norm_residual<acc_t>(sum_p, b), sum_g, lo, hi);
 }
 
 // Halley's step on the same h, for 0 < b < 1: cubic convergence, so from an
@@ -162,9 +167,7 @@ AK_HD acc_t entmax_norm_halley_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t s
   const acc_t denom = acc_t(2) * sum_g * sum_g - u * bend;
   acc_t next = denom > acc_t(0) ? c + acc_t(2) * u * sum_g / denom : std::numeric_limits<acc_t>::quiet_NaN();
   if (next > lo && next < hi) return next;
-  next = c + u / sum_g;
-  if (!(next > lo && next < hi)) next = acc_t(0.5) * (lo + hi);
-  return next;
+  return entmax_norm_newton_step<acc_t>(c, u, sum_g, lo, hi);
 }
 
 // One safeguarded Halley update: f = sum_p - 1, f' = -sum_g, f'' = curv
