@@ -13,6 +13,8 @@
 // entmax15 finish with their closed form on the support.
 #pragma once
 
+#include <ATen/cpu/vec/functional.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -376,6 +378,37 @@ inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, ac
   return k;
 }
 
+// positions_above(p, n, 0, 0, ...) for a row stored in scalar_t: the
+// positions and values (widened to float for bfloat16 / half) of its
+// entries above zero (a NaN is not above zero).
+template <typename scalar_t, typename acc_t>
+inline int64_t positive_positions(const scalar_t* p, int64_t n, acc_t* vals, int32_t* idx) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return positions_above(p, n, acc_t(0), acc_t(0), vals, idx);
+  } else {
+    static_assert(std::is_same_v<acc_t, float>, "reduced-precision rows widen to float");
+    using V = Vec<float>;
+    constexpr int kLanes = V::size();
+    const V vzero(0);
+    int64_t k = 0, j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      V v;
+      at::vec::load_to_float(p + j, v);
+      const int mask = lane_mask<float>(v > vzero);
+      left_pack(vals + k, v, mask);
+      k += left_pack_index<kLanes>(idx + k, static_cast<int32_t>(j), mask);
+    }
+    for (; j < n; ++j) {
+      const float v = static_cast<float>(p[j]);
+      if (v > 0.f) {
+        vals[k] = v;
+        idx[k++] = static_cast<int32_t>(j);
+      }
+    }
+    return k;
+  }
+}
+
 // write_probs for the generic family with b > 0 on a sparse row: zeros, then
 // the powers of the support entries only, scattered to their positions.
 // Falls back to the dense pass when the support is a large part of the row.
@@ -572,28 +605,30 @@ inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, 
 }
 
 // The backward of a sparse family on a sparse row: only the support's entries
-// are gathered (positions_above, one pass over p), so g (a power for the
+// are gathered (positive_positions, one pass over p), so g (a power for the
 // generic family, a square root for entmax15) and the two sums cost O(support)
 // instead of two passes over the row: dx = scale · g ⊙ (dp - Σ g dp / Σ g),
-// zero off the support (dx may alias dp). gbuf holds the gathered g (first k
+// zero off the support (dx may alias dp). p, dp and dx are stored in scalar_t
+// (acc_t, or bfloat16 / half widened to float as read and rounded once as
+// written: no full row is converted). gbuf holds the gathered g (first k
 // entries) and dp (next k); idx: n entries. Returns false (having done
 // nothing) when the support is over a quarter of the row, where the dense
 // passes are as cheap.
-template <typename acc_t, Family FAM>
-inline bool backward_row_sparse(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
-                                acc_t b, acc_t scale) {
+template <typename acc_t, Family FAM, typename scalar_t = acc_t>
+inline bool backward_row_sparse(const scalar_t* p, const scalar_t* dp, scalar_t* dx, acc_t* gbuf, int32_t* idx,
+                                int64_t n, acc_t b, acc_t scale) {
   static_assert(FAM != Family::kSoftmax, "softmax rows are dense");
   // dp is read at the support's positions only, an access pattern the
   // hardware prefetcher does not follow: its lines are requested up front
   // (into L2), so that they arrive while p is scanned. On a Zen 3 the
   // gather's misses were a third of this function's time.
-  constexpr int64_t kLine = 64 / sizeof(acc_t);
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
   for (int64_t j = 0; j < n; j += kLine) __builtin_prefetch(dp + j, 0, 2);
-  const int64_t k = positions_above(p, n, acc_t(0), acc_t(0), gbuf, idx);
+  const int64_t k = positive_positions<scalar_t, acc_t>(p, n, gbuf, idx);
   if (k == 0 || 4 * k > n) return false;  // k = 0: a NaN or empty row, which the dense passes handle
   acc_t* g = gbuf;
   acc_t* dpk = gbuf + k;
-  for (int64_t i = 0; i < k; ++i) dpk[i] = dp[idx[i]];
+  for (int64_t i = 0; i < k; ++i) dpk[i] = static_cast<acc_t>(dp[idx[i]]);
   using V = Vec<acc_t>;
   auto g_of = [&](const V& pv) -> V {
     if constexpr (FAM == Family::kSparsemax) {

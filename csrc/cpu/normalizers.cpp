@@ -245,6 +245,25 @@ inline acc_t backward_row_alpha(const acc_t* p, const acc_t* dp, acc_t* dx, acc_
   }
 }
 
+// The sparse backward of one contiguous bfloat16 / half row read and written
+// in its own dtype (backward_row_sparse widens only the support's entries);
+// false when the row's family is dense, or its support is not sparse, or
+// α > 2 (whose backward runs in double: backward_row_edge).
+template <typename scalar_t, Family FAM>
+bool backward_row_reduced(const scalar_t* p, const scalar_t* dp, scalar_t* dx, float* gbuf, int32_t* idx,
+                          int64_t n, float b) {
+  return math::with_family(FAM == Family::kGeneric ? math::family_of<float>(b) : FAM, [&](auto tag) {
+    constexpr Family F = decltype(tag)::value;
+    if constexpr (F == Family::kSoftmax) {
+      return false;
+    } else {
+      if (F == Family::kGeneric && !(b > 0.f && b <= 1.f)) return false;
+      const float bf = F == Family::kGeneric ? b : math::fixed_b<F, float>();
+      return backward_row_sparse<float, F, scalar_t>(p, dp, dx, gbuf, idx, n, bf, 1.f);
+    }
+  });
+}
+
 template <typename scalar_t, Family FAM>
 void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor& alpha, Tensor& dalpha,
                    int64_t dim) {
@@ -274,6 +293,11 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
                                             reinterpret_cast<const acc_t*>(gp + base),
                                             reinterpret_cast<acc_t*>(dxp + base), gb, idx, n, b, dap != nullptr);
       } else {
+        if constexpr (at::is_reduced_floating_point_v<scalar_t> && FAM != Family::kSoftmax) {
+          if (lay.inner == 1 && dap == nullptr &&
+              backward_row_reduced<scalar_t, FAM>(pp + base, gp + base, dxp + base, gb, idx, n, b))
+            continue;
+        }
         lay.load(pp + base, pb);
         lay.load(gp + base, db);
         if constexpr (kHalfSoftmax) {
