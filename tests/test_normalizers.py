@@ -83,6 +83,31 @@ def test_many_random_rows_float32(alpha, n):
     assert_close(attnkern.entmax(x, alpha), ref.entmax(x.double(), alpha), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("alpha", [1.1, 1.3, 1.7])
+@pytest.mark.parametrize("n", [31, 32, 33, 64, 97, 1025])
+def test_alpha_start_from_lane_maxima(dtype, alpha, n):
+    """Rows long enough for the α solver's start from row_max's running maxima
+    (n >= 32 with AVX2, 64 with AVX-512): scales where the entries that can be
+    in the support are a few (the search and write on that list alone) or most
+    of the row (the general loop), masked entries among the maxima, a single
+    allowed entry, and ties."""
+    g = torch.Generator().manual_seed(n)
+    rows = []
+    for scale in (1e-3, 0.3, 1.0, 4.0, 30.0):
+        rows.append(scale * torch.randn(40, n, generator=g, dtype=torch.float64))
+    masked = 3.0 * torch.randn(40, n, generator=g, dtype=torch.float64)
+    masked[torch.rand(40, n, generator=g) < 0.9] = -math.inf
+    masked[:, 0] = 0.5
+    rows.append(masked)
+    single = torch.full((2, n), -math.inf, dtype=torch.float64)
+    single[:, n // 2] = 1.0
+    rows.append(single)
+    rows.append(torch.randint(0, 3, (40, n), generator=g).double())
+    x = torch.cat(rows).to(dtype)
+    assert_close(attnkern.entmax(x, alpha), ref.entmax(x.double(), alpha), dtype=dtype)
+
+
 @pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
 def test_long_rows_float32(name, fn, rfn):
     x = make_scores((3, 32768), torch.float32, scale=2.0, seed=7)

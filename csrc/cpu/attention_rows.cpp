@@ -23,7 +23,11 @@ namespace {
 template <typename acc_t, Family FAM>
 acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
-  const acc_t m = row_max(y, n);
+  // The generic family's search starts from row_max's running maxima.
+  constexpr int64_t kLanes = 4 * Vec<acc_t>::size();
+  acc_t lanes[kLanes];
+  const bool with_lanes = FAM == Family::kGeneric && n >= kLanes;
+  const acc_t m = row_max(y, n, with_lanes ? lanes : nullptr);
   if (m == -inf) {
     std::fill(y, y + n, acc_t(0));
     return inf;
@@ -33,7 +37,7 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) 
     return std::numeric_limits<acc_t>::quiet_NaN();
   }
   // work: 2n entries (the shift candidates, then find_shift's scratch).
-  return m + solve_row<acc_t, FAM>(y, n, m, b, y, work, work + n, idx);
+  return m + solve_row<acc_t, FAM>(y, n, m, b, y, work, work + n, idx, with_lanes ? lanes : nullptr);
 }
 
 // p = φ_b(s - c) for one row of scores (in place). In double, the float32

@@ -49,13 +49,17 @@ struct RowScratch {
 // One row: x (contiguous, acc type, may alias out) -> out. y, work, idx: scratch.
 template <typename acc_t, Family FAM>
 inline void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work, int32_t* idx) {
-  const acc_t m = row_max(x, n);
+  // The generic family's search starts from row_max's running maxima.
+  constexpr int64_t kLanes = 4 * Vec<acc_t>::size();
+  acc_t lanes[kLanes];
+  const bool with_lanes = FAM == Family::kGeneric && n >= kLanes;
+  const acc_t m = row_max(x, n, with_lanes ? lanes : nullptr);
   if (special_row(m, out, n)) return;
   if constexpr (FAM == Family::kSoftmax) {
     acc_t inv = acc_t(1) / exp_shifted(x, n, m, out);
     at::vec::map([inv](Vec<acc_t> v) { return v * Vec<acc_t>(inv); }, out, out, n);
   } else {
-    solve_row<acc_t, FAM>(x, n, m, b, out, y, work, idx);
+    solve_row<acc_t, FAM>(x, n, m, b, out, y, work, idx, with_lanes ? lanes : nullptr);
   }
 }
 

@@ -284,25 +284,39 @@ inline Vec<float> pow_unit<float>(const Vec<float>& dv, float e) {
   return VF::blendv(r * scale, VF(0.0f), tiny);
 }
 
+// The max of y[0:n] (NaN if any entry is NaN). With lanes given and
+// n >= 4 · V::size(), also the 4 · V::size() running maxima it reduces:
+// position j counts in lane j mod 4 · V::size() (the scalar tail in none),
+// so they are the maxima of disjoint sets, i.e. distinct entries of y.
 template <typename acc_t>
-inline acc_t row_max(const acc_t* y, int64_t n) {
+inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
   using V = Vec<acc_t>;
   int64_t j = 0;
   acc_t m = -std::numeric_limits<acc_t>::infinity();
-  if (n >= V::size()) {
+  auto reduce = [](V v) { return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, v); };
+  if (n >= 4 * V::size()) {
     // Four running maxima: at::vec::maximum propagates NaN (a compare and a
     // blend after the max), a chain too long for one accumulator.
-    V vm = V::loadu(y), v1 = vm, v2 = vm, v3 = vm;
-    j = V::size();
-    for (; j + 4 * V::size() <= n; j += 4 * V::size()) {
-      vm = at::vec::maximum(vm, V::loadu(y + j));
+    V v0 = V::loadu(y), v1 = V::loadu(y + V::size()), v2 = V::loadu(y + 2 * V::size()),
+      v3 = V::loadu(y + 3 * V::size());
+    for (j = 4 * V::size(); j + 4 * V::size() <= n; j += 4 * V::size()) {
+      v0 = at::vec::maximum(v0, V::loadu(y + j));
       v1 = at::vec::maximum(v1, V::loadu(y + j + V::size()));
       v2 = at::vec::maximum(v2, V::loadu(y + j + 2 * V::size()));
       v3 = at::vec::maximum(v3, V::loadu(y + j + 3 * V::size()));
     }
-    for (; j + V::size() <= n; j += V::size()) vm = at::vec::maximum(vm, V::loadu(y + j));
-    vm = at::vec::maximum(at::vec::maximum(vm, v1), at::vec::maximum(v2, v3));
-    m = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, vm);
+    for (; j + V::size() <= n; j += V::size()) v0 = at::vec::maximum(v0, V::loadu(y + j));
+    if (lanes) {
+      v0.store(lanes);
+      v1.store(lanes + V::size());
+      v2.store(lanes + 2 * V::size());
+      v3.store(lanes + 3 * V::size());
+    }
+    m = reduce(at::vec::maximum(at::vec::maximum(v0, v1), at::vec::maximum(v2, v3)));
+  } else if (n >= V::size()) {
+    V v0 = V::loadu(y);
+    for (j = V::size(); j + V::size() <= n; j += V::size()) v0 = at::vec::maximum(v0, V::loadu(y + j));
+    m = reduce(v0);
   }
   for (; j < n; ++j) {
     acc_t v = y[j];
