@@ -293,6 +293,36 @@ def test_half_rows_are_float32_rounded_once(name, fn, rfn, dtype, n):
         torch.testing.assert_close(fn(x), fn(x.float()).to(dtype), rtol=0, atol=0, equal_nan=True)
 
 
+def _row_backward_op(name, p, g):
+    ops = torch.ops.attnkern
+    if name.startswith("entmax α"):
+        alpha = torch.full((*p.shape[:-1], 1), 1.3)
+        return ops.entmax_bwd(p, g, alpha, -1, False)[0]
+    return getattr(ops, f"{name}_bwd")(p, g, -1)
+
+
+@pytest.mark.parametrize("name", ["softmax", "sparsemax", "entmax15", "entmax α=1.3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [1, 33, 97, 1025])
+def test_half_backward_reads_its_dtype(name, dtype, n):
+    # The bfloat16 / half row backward reads p and dp in their dtype (no float copy of the
+    # row): from the same rounded p and dp it must give the float32 backward, rounded once
+    # (sums in another order: within a rounding step of it), zeros where p is zero.
+    fwd = {"softmax": lambda t: attnkern.softmax(t, -1), "sparsemax": attnkern.sparsemax,
+           "entmax15": attnkern.entmax15, "entmax α=1.3": lambda t: attnkern.entmax_bisect(t, 1.3)}[name]
+    with torch.no_grad():
+        x = make_scores((6, n), torch.float32, scale=3.0, seed=41)
+        x[1] *= 1e-3  # dense rows: the dense passes
+        p = fwd(x.to(dtype))
+        g = make_scores((6, n), torch.float32, seed=42).to(dtype)
+        dx = _row_backward_op(name, p, g)
+        want = _row_backward_op(name, p.float(), g.float())
+    assert dx.dtype == dtype
+    torch.testing.assert_close(dx.float(), want.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+    if name != "softmax":
+        assert bool((dx[p == 0] == 0).all())
+
+
 def test_alpha_gradient_per_head_float32():
     x = make_scores((2, 4, 6, 50), torch.float32, seed=18)
     g = make_scores((2, 4, 6, 50), torch.float32, seed=19)

@@ -39,35 +39,41 @@ void store_scaled(const float* src, int64_t n, float scale, scalar_t* dst) {
   for (; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j] * scale);
 }
 
-// The softmax backward of one row p, dp (float) into dx (bfloat16 / half):
-// dx = p (dp - m), m = Σ p dp / Σ p, rounded a vector at a time.
+// The softmax backward of one bfloat16 / half row: dx = p (dp - m),
+// m = Σ p dp / Σ p, in float. p and dp are read in their dtype twice (for
+// the sums, then for dx), widened a vector at a time, and dx is rounded as
+// it is stored: no full row is converted.
 template <typename scalar_t>
-void softmax_backward_store(const float* p, const float* dp, int64_t n, scalar_t* dx) {
+void softmax_backward_reduced(const scalar_t* p, const scalar_t* dp, int64_t n, scalar_t* dx) {
+  static_assert(at::is_reduced_floating_point_v<scalar_t>);
   using Vf = Vec<float>;
-  Vf vs(0), vsd(0);
+  constexpr int64_t W = Vf::size();
+  Vf vs0(0), vs1(0), vd0(0), vd1(0);
   int64_t j = 0;
-  for (; j + Vf::size() <= n; j += Vf::size()) {
-    const Vf pv = Vf::loadu(p + j);
-    vs += pv;
-    vsd += pv * Vf::loadu(dp + j);
+  for (; j + 2 * W <= n; j += 2 * W) {
+    Vf p0, p1, d0, d1;
+    at::vec::load_to_float(p + j, p0, p1);
+    at::vec::load_to_float(dp + j, d0, d1);
+    vs0 += p0;
+    vs1 += p1;
+    vd0 = at::vec::fmadd(p0, d0, vd0);
+    vd1 = at::vec::fmadd(p1, d1, vd1);
   }
-  float sum = hsum(vs), sum_dp = hsum(vsd);
-  for (; j < n; ++j) {
-    sum += p[j];
-    sum_dp += p[j] * dp[j];
+  float sum = hsum(vs0 + vs1), sum_dp = hsum(vd0 + vd1);
+  for (int64_t i = j; i < n; ++i) {
+    const float pi = static_cast<float>(p[i]);
+    sum += pi;
+    sum_dp += pi * static_cast<float>(dp[i]);
   }
   const float m = sum > 0.f ? sum_dp / sum : 0.f;
   const Vf vm(m);
-  j = 0;
-  if constexpr (at::is_reduced_floating_point_v<scalar_t>) {
-    constexpr int64_t W = Vf::size();
-    for (; j + 2 * W <= n; j += 2 * W) {
-      const Vf a = Vf::loadu(p + j) * (Vf::loadu(dp + j) - vm);
-      const Vf c = Vf::loadu(p + j + W) * (Vf::loadu(dp + j + W) - vm);
-      at::vec::convert_from_float<scalar_t>(a, c).store(dx + j);
-    }
+  for (j = 0; j + 2 * W <= n; j += 2 * W) {
+    Vf p0, p1, d0, d1;
+    at::vec::load_to_float(p + j, p0, p1);
+    at::vec::load_to_float(dp + j, d0, d1);
+    at::vec::convert_from_float<scalar_t>(p0 * (d0 - vm), p1 * (d1 - vm)).store(dx + j);
   }
-  for (; j < n; ++j) dx[j] = static_cast<scalar_t>(p[j] * (dp[j] - m));
+  for (; j < n; ++j) dx[j] = static_cast<scalar_t>(static_cast<float>(p[j]) * (static_cast<float>(dp[j]) - m));
 }
 
 template <typename scalar_t, Family FAM>
@@ -298,16 +304,14 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
               backward_row_reduced<scalar_t, FAM>(pp + base, gp + base, dxp + base, gb, idx, n, b))
             continue;
         }
-        lay.load(pp + base, pb);
-        lay.load(gp + base, db);
         if constexpr (kHalfSoftmax) {
           if (lay.inner == 1) {
-            // Half-precision softmax rows: dx = p (dp - Σ p dp / Σ p) formed in
-            // the rounding store (one pass over the row fewer).
-            softmax_backward_store(pb, db, n, dxp + base);
+            softmax_backward_reduced(pp + base, gp + base, n, dxp + base);
             continue;
           }
         }
+        lay.load(pp + base, pb);
+        lay.load(gp + base, db);
         da = backward_row_alpha<acc_t, FAM>(pb, db, db, gb, idx, n, b, dap != nullptr);
         lay.store(db, dxp + base);
       }
