@@ -386,35 +386,47 @@ inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, ac
   return k;
 }
 
-// positions_above(p, n, 0, 0, ...) for a row stored in scalar_t: the
-// positions and values (widened to float for bfloat16 / half) of its
-// entries above zero (a NaN is not above zero).
+// The support of a row p (its entries above zero; a NaN is not) with dp at
+// the same positions: values to pk and dpk (widened to float for bfloat16 /
+// half), positions to idx; returns their count. p is scanned once; the lines
+// of dp under its support are prefetched as the scan finds them and gathered
+// after it. (Loading dp in the scan stalled it: each miss filled the reorder
+// window. Prefetching all of dp up front cost its whole bandwidth, though a
+// sparse support touches a few of its lines.)
 template <typename scalar_t, typename acc_t>
-inline int64_t positive_positions(const scalar_t* p, int64_t n, acc_t* vals, int32_t* idx) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return positions_above(p, n, acc_t(0), acc_t(0), vals, idx);
-  } else {
-    static_assert(std::is_same_v<acc_t, float>, "reduced-precision rows widen to float");
-    using V = Vec<float>;
-    constexpr int kLanes = V::size();
-    const V vzero(0);
-    int64_t k = 0, j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
+inline int64_t support_entries(const scalar_t* p, const scalar_t* dp, int64_t n, acc_t* pk, acc_t* dpk,
+                               int32_t* idx) {
+  static_assert(std::is_same_v<scalar_t, acc_t> || std::is_same_v<acc_t, float>,
+                "reduced-precision rows widen to float");
+  using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
+  auto load = [](const scalar_t* ptr) {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      return V::loadu(ptr);
+    } else {
       V v;
-      at::vec::load_to_float(p + j, v);
-      const int mask = lane_mask<float>(v > vzero);
-      left_pack(vals + k, v, mask);
-      k += left_pack_index<kLanes>(idx + k, static_cast<int32_t>(j), mask);
+      at::vec::load_to_float(ptr, v);
+      return v;
     }
-    for (; j < n; ++j) {
-      const float v = static_cast<float>(p[j]);
-      if (v > 0.f) {
-        vals[k] = v;
-        idx[k++] = static_cast<int32_t>(j);
-      }
-    }
-    return k;
+  };
+  const V vzero(0);
+  int64_t k = 0, j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const V v = load(p + j);
+    const int mask = lane_mask<acc_t>(v > vzero);
+    __builtin_prefetch(mask ? dp + j : dp, 0, 3);  // no branch: the mask is unpredictable
+    left_pack(pk + k, v, mask);
+    k += left_pack_index<kLanes>(idx + k, static_cast<int32_t>(j), mask);
   }
+  for (; j < n; ++j) {
+    const acc_t v = static_cast<acc_t>(p[j]);
+    if (v > acc_t(0)) {
+      pk[k] = v;
+      idx[k++] = static_cast<int32_t>(j);
+    }
+  }
+  for (int64_t i = 0; i < k; ++i) dpk[i] = static_cast<acc_t>(dp[idx[i]]);
+  return k;
 }
 
 // write_probs for the generic family with b > 0 on a sparse row: zeros, then
@@ -738,30 +750,23 @@ inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, 
 }
 
 // The backward of a sparse family on a sparse row: only the support's entries
-// are gathered (positive_positions, one pass over p), so g (a power for the
+// are gathered (support_entries, one pass over p), so g (a power for the
 // generic family, a square root for entmax15) and the two sums cost O(support)
 // instead of two passes over the row: dx = scale · g ⊙ (dp - Σ g dp / Σ g),
 // zero off the support (dx may alias dp). p, dp and dx are stored in scalar_t
 // (acc_t, or bfloat16 / half widened to float as read and rounded once as
-// written: no full row is converted). gbuf holds the gathered g (first k
-// entries) and dp (next k); idx: n entries. Returns false (having done
+// written: no full row is converted). gbuf: 2n entries, the gathered p then g
+// (first k) and dp (from n); idx: n entries. Returns false (having done
 // nothing) when the support is over a quarter of the row, where the dense
 // passes are as cheap.
 template <typename acc_t, Family FAM, typename scalar_t = acc_t>
 inline bool backward_row_sparse(const scalar_t* p, const scalar_t* dp, scalar_t* dx, acc_t* gbuf, int32_t* idx,
                                 int64_t n, acc_t b, acc_t scale) {
   static_assert(FAM != Family::kSoftmax, "softmax rows are dense");
-  // dp is read at the support's positions only, an access pattern the
-  // hardware prefetcher does not follow: its lines are requested up front
-  // (into L2), so that they arrive while p is scanned. On a Zen 3 the
-  // gather's misses were a third of this function's time.
-  constexpr int64_t kLine = 64 / sizeof(scalar_t);
-  for (int64_t j = 0; j < n; j += kLine) __builtin_prefetch(dp + j, 0, 2);
-  const int64_t k = positive_positions<scalar_t, acc_t>(p, n, gbuf, idx);
-  if (k == 0 || 4 * k > n) return false;  // k = 0: a NaN or empty row, which the dense passes handle
   acc_t* g = gbuf;
-  acc_t* dpk = gbuf + k;
-  for (int64_t i = 0; i < k; ++i) dpk[i] = static_cast<acc_t>(dp[idx[i]]);
+  acc_t* dpk = gbuf + n;
+  const int64_t k = support_entries<scalar_t, acc_t>(p, dp, n, g, dpk, idx);
+  if (k == 0 || 4 * k > n) return false;  // k = 0: a NaN or empty row, which the dense passes handle
   using V = Vec<acc_t>;
   auto g_of = [&](const V& pv) -> V {
     if constexpr (FAM == Family::kSparsemax) {

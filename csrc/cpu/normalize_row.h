@@ -35,15 +35,17 @@ inline bool special_row(acc_t m, acc_t* out, int64_t n) {
   return false;
 }
 
-// Scratch of one thread: three rows in the accumulation type and one of indices.
+// Scratch of one thread: rows in the accumulation type (row and y: n
+// entries each; work: 2n, as backward_row_sparse needs) and one of indices.
 template <typename acc_t>
 struct RowScratch {
+  int64_t n;
   std::vector<acc_t> buf;
   std::vector<int32_t> idx;
-  explicit RowScratch(int64_t n) : buf(3 * n), idx(n) {}
+  explicit RowScratch(int64_t n_) : n(n_), buf(4 * n_), idx(n_) {}
   acc_t* row() { return buf.data(); }
-  acc_t* y() { return buf.data() + buf.size() / 3; }
-  acc_t* work() { return buf.data() + 2 * (buf.size() / 3); }
+  acc_t* y() { return buf.data() + n; }
+  acc_t* work() { return buf.data() + 2 * n; }
 };
 
 // One row: x (contiguous, acc type, may alias out) -> out. y, work, idx: scratch.

@@ -126,7 +126,7 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
 }
 
 // Backward of one row: dx = g ⊙ (dp - Σ g dp / Σ g), g = p^(2-α) on the
-// support; dx may alias dp. gbuf: scratch for g (used by the generic family,
+// support; dx may alias dp. gbuf: 2n entries of scratch (g for the generic family,
 // whose g costs a power). Returns the row's α gradient if want_alpha.
 template <typename acc_t, Family FAM>
 acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n, acc_t b,
