@@ -246,7 +246,7 @@ template <typename acc_t>
 constexpr acc_t kFastPowMinB = acc_t(1.0 / 32);
 
 template <>
-inline Vec<float> pow_unit<float>(const Vec<float>& dv, float e) {
+__attribute__((always_inline)) inline Vec<float> pow_unit<float>(const Vec<float>& dv, float e) {
   using VF = Vec<float>;
   using VI = at::vec::Vectorized<int32_t>;
   const VF one(1.0f);
