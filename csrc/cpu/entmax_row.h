@@ -553,27 +553,24 @@ inline bool halley_norm_step(const ShiftSums<acc_t>& s, int64_t k, acc_t b, acc_
   return true;
 }
 
-// Newton's steps on the norm of a subset of a row that give
-// solve_generic_convex its start when row_max's running maxima are at hand.
-// Each costs a check of the subset's sum, a chain of scalar operations: a
-// second step shortens the list (1.3 → 1.1 times the support with AVX-512's
-// 64 maxima, 1.2 with AVX2's 32) but cost more than that saved on a Zen 5
-// at both widths (random rows of 1024, α = 1.3, per row: 1.15 → 1.06 µs at
-// AVX2, 0.99 → 0.95 µs at AVX-512).
-constexpr int kSubsetStartSteps = 1;
-
-// A point left of the shift of a row with 0 < b < 1, from the row's max m
-// and 4 · V::size() distinct entries of it (lanes: row_max's running
-// maxima). A sum over a subset of the entries is at most the row's, so a
-// point where the subset's sum is at least 1 is left of the row's shift.
-// From c = 0 (the max alone gives φ(0) = 1), Newton's steps on the subset's
-// norm h = (Σp)^b, convex and decreasing in c, stay left of the subset's
-// root; an iterate whose sum is below 1 (by rounding) is not taken. On
-// random rows of 1024 at α = 1.3 one step puts the start at 89% of the
-// shift, and the entries that can still be in the support at 1.3 times the
-// support (at c = 0: 4.7 times).
+// A point for the start of the search on a row with 0 < b < 1, from the
+// row's max m and 4 · V::size() distinct entries of it (lanes: row_max's
+// running maxima). A sum over a subset of the entries is at most the row's,
+// so a point where the subset's sum is at least 1 is left of the row's
+// shift. From c = 0 (the max alone gives φ(0) = 1), Newton's step on the
+// subset's norm h = (Σp)^b, convex and decreasing in c, lands left of the
+// subset's root; left says whether the subset's sum there is at least 1 (it
+// may fall short by rounding; c = 0 is the start then). The caller gathers
+// the candidates at the point before it reads left, so that the check, a
+// chain of dependent operations, runs alongside the gather. On random rows
+// of 1024 at α = 1.3 the point is at 89% of the shift, and the entries that
+// can still be in the support at 1.3 times the support (at c = 0: 4.7
+// times). A second step shortens the list (to 1.1 times with AVX-512's 64
+// maxima, 1.2 with AVX2's 32) but its check cost more than that saved on a
+// Zen 5 at both widths (per row: 1.15 → 1.06 µs at AVX2, 0.99 → 0.95 µs at
+// AVX-512).
 template <typename acc_t>
-inline acc_t subset_left_shift(const acc_t* lanes, acc_t m, acc_t b) {
+inline acc_t subset_left_shift(const acc_t* lanes, acc_t m, acc_t b, bool& left) {
   using V = Vec<acc_t>;
   const V vm(m);
   V y[4];
@@ -584,17 +581,14 @@ inline acc_t subset_left_shift(const acc_t* lanes, acc_t m, acc_t b) {
     for (int i = 0; i < 4; ++i) add_shift_terms<acc_t, Family::kGeneric>(y[i] - vc, b, sp, sg, sh);
     return ShiftSums<acc_t>{hsum(sp), hsum(sg), acc_t(0)};
   };
-  acc_t c = 0;
-  ShiftSums<acc_t> s = sums_at(c);
-  for (int it = 0; it < kSubsetStartSteps && s.g > acc_t(0); ++it) {
-    const acc_t next = c + math::entmax_norm_residual<acc_t>(s.p, b) / s.g;
-    if (!(next > c)) break;
-    const ShiftSums<acc_t> sn = sums_at(next);
-    if (!(sn.p >= acc_t(1))) break;
-    c = next;
-    s = sn;
+  const ShiftSums<acc_t> s = sums_at(acc_t(0));
+  const acc_t next = s.g > acc_t(0) ? math::entmax_norm_residual<acc_t>(s.p, b) / s.g : acc_t(0);
+  if (!(next > acc_t(0))) {
+    left = true;
+    return acc_t(0);
   }
-  return c;
+  left = sums_at(next).p >= acc_t(1);
+  return next;
 }
 
 // The generic family's probabilities (0 < b < 1) over a list of entries
@@ -690,8 +684,13 @@ inline acc_t solve_generic_convex(const acc_t* x, int64_t n, acc_t m, acc_t b, a
     // The start from row_max's running maxima: the candidates at it are
     // gathered with their positions, and when they are few the search and
     // the write run on that list alone.
-    c = subset_left_shift<acc_t>(lanes, m, b);
+    bool left;
+    c = subset_left_shift<acc_t>(lanes, m, b, left);
     k = positions_above(x, n, m, c - inv_b, cand, idx);
+    if (!left) {  // (by rounding, or ties) c = 0 is left
+      c = 0;
+      k = positions_above(x, n, m, -inv_b, cand, idx);
+    }
     if (4 * k <= n) return solve_listed<acc_t>(cand, idx, k, n, c, b, hi0, work, out);
   } else if (k = shifted_above(x, n, m, -inv_b, cand); b < acc_t(0.5)) {
     // A few of entmax15's Newton steps on its norm from c = 0: each lands
@@ -829,7 +828,21 @@ inline bool backward_row_sparse(const scalar_t* p, const scalar_t* dp, scalar_t*
   }
   const acc_t gsum = hsum(vgsum), gdp = hsum(vgdp);
   const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
-  for (i = 0; i < k; ++i) dx[idx[i]] = static_cast<scalar_t>(scale * g[i] * (dpk[i] - mean));
+  i = 0;
+  if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+    // bfloat16 / half: rounded a vector pair at a time (a scalar rounding
+    // with its NaN check was a fifth of this function), then scattered.
+    constexpr int64_t W = V::size();
+    const V vs(scale), vm(mean);
+    alignas(64) scalar_t rounded[2 * W];
+    for (; i + 2 * W <= k; i += 2 * W) {
+      at::vec::convert_from_float<scalar_t>(vs * V::loadu(g + i) * (V::loadu(dpk + i) - vm),
+                                            vs * V::loadu(g + i + W) * (V::loadu(dpk + i + W) - vm))
+          .store(rounded);
+      for (int64_t l = 0; l < 2 * W; ++l) dx[idx[i + l]] = rounded[l];
+    }
+  }
+  for (; i < k; ++i) dx[idx[i]] = static_cast<scalar_t>(scale * g[i] * (dpk[i] - mean));
   return true;
 }
 
