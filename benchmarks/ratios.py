@@ -9,6 +9,7 @@ kernels dispatched to, PyTorch's CPU capability, the dtype and the threads.
     python benchmarks/ratios.py                      # everything (~35 min on 2 cores)
     python benchmarks/ratios.py --quick              # N = 2048 and the row-wise shapes
     python benchmarks/ratios.py --dtypes float32 --threads 2
+    python benchmarks/ratios.py --cases rowwise --rounds 21
 
 Cases (B = 1, H = 8, E = 64 unless said):
   attention   N = 2048, 8192; softmax, sparsemax, entmax15, entmax α = 1.3;
@@ -190,6 +191,8 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds per case (N = 8192: half, at least 3; cut further to fit CASE_BUDGET_S)")
+    ap.add_argument("--cases", nargs="+", choices=["attention", "decode", "rowwise"],
+                    default=["attention", "decode", "rowwise"], help="which groups of cases to run")
     ap.add_argument("--out", default="results/bench/ratios", help="prefix of the .md and .json written")
     args = ap.parse_args()
     heap = "steady (glibc mallopt)" if steady_heap() else "the C library's default"
@@ -214,8 +217,10 @@ def main() -> None:
             print(title, flush=True)
             lines += [title, "", "| case | normalizer | mode | ratio | target | attnkern ms | PyTorch ms | rounds |",
                       "|---|---|---|---:|---:|---:|---:|---:|"]
-            cases = [attention_cases(sizes, dtype, rounds_for), decode_cases(dtype, args.rounds),
-                     rowwise_cases(dtype, args.rounds)]
+            groups = {"attention": (attention_cases, (sizes, dtype, rounds_for)),
+                      "decode": (decode_cases, (dtype, args.rounds)),
+                      "rowwise": (rowwise_cases, (dtype, args.rounds))}
+            cases = [groups[name][0](*groups[name][1]) for name in args.cases]
             for gen in cases:
                 for case, name, mode, target, (ratio, ours, theirs, n) in gen:
                     ok = "" if ratio <= target else " ✗"
