@@ -630,30 +630,73 @@ inline void scatter_row(const acc_t* p, const int32_t* pos, int64_t k, acc_t nor
 // solve_generic_convex's search when every entry that can be in the support
 // is listed (y[0:k] with positions pos, k at most a quarter of the row)
 // and c is left of the shift: Halley's steps on the norm over the list (no
-// compaction: the list is already within ~20% of the support), and the
+// compaction: the list is already within ~30% of the support), and the
 // write from the list (no pass over the row). As in solve_generic_convex,
 // once the residual is small the next point is written directly and kept if
-// its sum is within tolerance. p: scratch of k entries.
+// its sum is within tolerance. p: scratch of k entries. The search is a
+// state advanced one round at a time, so that two rows can advance in
+// lockstep (normalize_generic_pair): each round is a chain of dependent
+// operations, and two independent chains overlap.
 template <typename acc_t>
-inline acc_t solve_listed(const acc_t* y, const int32_t* pos, int64_t k, int64_t n, acc_t c, acc_t b, acc_t hi,
-                          acc_t* p, acc_t* out) {
-  acc_t lo = c;
+struct ListedSearch {
+  const acc_t* y;
+  const int32_t* pos;
+  int64_t k, n;
+  acc_t c, b, lo, hi;
+  acc_t* p;
+  acc_t* out;
   bool finish = false;
-  for (int it = 0; it < kMaxIterations; ++it) {
+  int it = 0;
+
+  ListedSearch(const acc_t* y_, const int32_t* pos_, int64_t k_, int64_t n_, acc_t c_, acc_t b_, acc_t hi_,
+               acc_t* p_, acc_t* out_)
+      : y(y_), pos(pos_), k(k_), n(n_), c(c_), b(b_), lo(c_), hi(hi_), p(p_), out(out_) {}
+
+  // One round: the write attempt when due (it fails only on slow
+  // convergence), else a Halley step; false once the row is written.
+  bool advance() {
     if (finish) {
-      // One attempt: it fails only on slow convergence.
       finish = false;
       const acc_t sum = listed_probs<acc_t>(y, k, c, b, p);
       if (math::entmax_sum_converged<acc_t>(sum, k)) {
         scatter_row<acc_t>(p, pos, k, acc_t(1) / sum, n, out);
-        return c;
+        return false;
       }
     }
-    if (!halley_norm_step<acc_t>(shift_sums<acc_t, Family::kGeneric>(y, k, c, b), k, b, c, lo, hi, finish)) break;
+    if (it++ < kMaxIterations &&
+        halley_norm_step<acc_t>(shift_sums<acc_t, Family::kGeneric>(y, k, c, b), k, b, c, lo, hi, finish))
+      return true;
+    const acc_t sum = listed_probs<acc_t>(y, k, c, b, p);
+    scatter_row<acc_t>(p, pos, k, sum > acc_t(0) ? acc_t(1) / sum : acc_t(1), n, out);
+    return false;
   }
-  const acc_t sum = listed_probs<acc_t>(y, k, c, b, p);
-  scatter_row<acc_t>(p, pos, k, sum > acc_t(0) ? acc_t(1) / sum : acc_t(1), n, out);
-  return c;
+};
+
+template <typename acc_t>
+inline acc_t solve_listed(const acc_t* y, const int32_t* pos, int64_t k, int64_t n, acc_t c, acc_t b, acc_t hi,
+                          acc_t* p, acc_t* out) {
+  ListedSearch<acc_t> search(y, pos, k, n, c, b, hi, p, out);
+  while (search.advance()) {
+  }
+  return search.c;
+}
+
+// The listed start of solve_generic_convex for a row x[0:n] with finite max m
+// and row_max's lanes: the start c and the candidates at it, with their
+// positions, in cand and idx; returns their count (the list is for
+// solve_listed when it is at most a quarter of the row).
+template <typename acc_t>
+inline int64_t listed_candidates(const acc_t* x, int64_t n, acc_t m, acc_t b, const acc_t* lanes, acc_t* cand,
+                                 int32_t* idx, acc_t& c) {
+  const acc_t inv_b = acc_t(1) / b;
+  bool left;
+  c = subset_left_shift<acc_t>(lanes, m, b, left);
+  int64_t k = positions_above(x, n, m, c - inv_b, cand, idx);
+  if (!left) {  // (by rounding, or ties) c = 0 is left
+    c = 0;
+    k = positions_above(x, n, m, -inv_b, cand, idx);
+  }
+  return k;
 }
 
 // The generic family with 0 < b < 1 (1 < α < 2), the range a learned α
@@ -684,13 +727,7 @@ inline acc_t solve_generic_convex(const acc_t* x, int64_t n, acc_t m, acc_t b, a
     // The start from row_max's running maxima: the candidates at it are
     // gathered with their positions, and when they are few the search and
     // the write run on that list alone.
-    bool left;
-    c = subset_left_shift<acc_t>(lanes, m, b, left);
-    k = positions_above(x, n, m, c - inv_b, cand, idx);
-    if (!left) {  // (by rounding, or ties) c = 0 is left
-      c = 0;
-      k = positions_above(x, n, m, -inv_b, cand, idx);
-    }
+    k = listed_candidates<acc_t>(x, n, m, b, lanes, cand, idx, c);
     if (4 * k <= n) return solve_listed<acc_t>(cand, idx, k, n, c, b, hi0, work, out);
   } else if (k = shifted_above(x, n, m, -inv_b, cand); b < acc_t(0.5)) {
     // A few of entmax15's Newton steps on its norm from c = 0: each lands

@@ -8,6 +8,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -95,6 +96,43 @@ inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, 
     });
   } else {
     normalize_row<acc_t, FAM>(x, n, b, out, y, work, idx);
+  }
+}
+
+// Two rows of the generic family: when both have 0 < b < 1 and both
+// searches run on a list (solve_listed), the lists are gathered for both and
+// the two searches advance in lockstep. A row's search is a few rounds, each
+// a chain of dependent operations (powers, sums, a scalar update) with little
+// work beside it; two independent chains overlap in the core. Any other pair
+// goes one row at a time. Each row's result is the single-row one, bit for
+// bit (the same operations per row), so the pairing does not depend on how
+// rows are split among threads. out_i may alias x_i.
+template <typename acc_t>
+inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, acc_t b0, acc_t b1, acc_t* out0,
+                                   acc_t* out1, RowScratch<acc_t>& s0, RowScratch<acc_t>& s1) {
+  constexpr int64_t kLanes = 4 * Vec<acc_t>::size();
+  auto convex = [](acc_t b) {
+    return math::family_of<acc_t>(b) == Family::kGeneric && b > acc_t(0) && b < acc_t(1);
+  };
+  auto one_by_one = [&] {
+    normalize_row_alpha<acc_t, Family::kGeneric>(x0, n, b0, out0, s0.y(), s0.work(), s0.idx.data());
+    normalize_row_alpha<acc_t, Family::kGeneric>(x1, n, b1, out1, s1.y(), s1.work(), s1.idx.data());
+  };
+  if (n < kLanes || !convex(b0) || !convex(b1)) return one_by_one();
+  acc_t lanes0[kLanes], lanes1[kLanes];
+  const acc_t m0 = row_max(x0, n, lanes0), m1 = row_max(x1, n, lanes1);
+  if (!std::isfinite(m0) || !std::isfinite(m1)) return one_by_one();
+  acc_t c0, c1;
+  const int64_t k0 = listed_candidates<acc_t>(x0, n, m0, b0, lanes0, s0.y(), s0.idx.data(), c0);
+  const int64_t k1 = listed_candidates<acc_t>(x1, n, m1, b1, lanes1, s1.y(), s1.idx.data(), c1);
+  if (4 * k0 > n || 4 * k1 > n) return one_by_one();
+  ListedSearch<acc_t> first(s0.y(), s0.idx.data(), k0, n, c0, b0, shift_upper_memo<acc_t>(n, b0), s0.work(), out0);
+  ListedSearch<acc_t> second(s1.y(), s1.idx.data(), k1, n, c1, b1, shift_upper_memo<acc_t>(n, b1), s1.work(),
+                             out1);
+  bool on0 = true, on1 = true;
+  while (on0 || on1) {
+    if (on0) on0 = first.advance();
+    if (on1) on1 = second.advance();
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "attnkern/entmax_math.h"
@@ -95,9 +96,33 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
     acc_t* y = scratch.y();
     acc_t* work = scratch.work();
     int32_t* idx = scratch.idx.data();
+    std::optional<RowScratch<acc_t>> scratch1;  // the second row of a pair
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
       const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : math::fixed_b<FAM, acc_t>();
+      if constexpr (FAM == Family::kGeneric) {
+        // Contiguous rows of α-entmax go two at a time (normalize_generic_pair).
+        if (lay.inner == 1 && r + 1 < end) {
+          if (!scratch1) scratch1.emplace(n);
+          const int64_t base1 = lay.base(r + 1);
+          const acc_t b1 = ap[r + 1] - acc_t(1);
+          if (direct) {
+            normalize_generic_pair<acc_t>(reinterpret_cast<const acc_t*>(xp + base),
+                                          reinterpret_cast<const acc_t*>(xp + base1), n, b, b1,
+                                          reinterpret_cast<acc_t*>(op + base), reinterpret_cast<acc_t*>(op + base1),
+                                          scratch, *scratch1);
+          } else {
+            acc_t* row1 = scratch1->row();
+            lay.load(xp + base, row);
+            lay.load(xp + base1, row1);
+            normalize_generic_pair<acc_t>(row, row1, n, b, b1, row, row1, scratch, *scratch1);
+            lay.store(row, op + base);
+            lay.store(row1, op + base1);
+          }
+          ++r;
+          continue;
+        }
+      }
       if (direct) {
         normalize_row_alpha<acc_t, FAM>(reinterpret_cast<const acc_t*>(xp + base), n, b,
                                         reinterpret_cast<acc_t*>(op + base), y, work, idx);
