@@ -23,11 +23,9 @@ namespace {
 template <typename acc_t, Family FAM>
 acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
-  // The generic family's search starts from row_max's running maxima.
-  constexpr int64_t kLanes = 4 * Vec<acc_t>::size();
-  acc_t lanes[kLanes];
-  const bool with_lanes = FAM == Family::kGeneric && n >= kLanes;
-  const acc_t m = row_max(y, n, with_lanes ? lanes : nullptr);
+  acc_t lanes_buf[kStartLanes<acc_t>];
+  acc_t* lanes = start_lanes<acc_t, FAM>(lanes_buf, n);
+  const acc_t m = row_max(y, n, lanes);
   if (m == -inf) {
     std::fill(y, y + n, acc_t(0));
     return inf;
@@ -37,7 +35,7 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) 
     return std::numeric_limits<acc_t>::quiet_NaN();
   }
   // work: 2n entries (the shift candidates, then find_shift's scratch).
-  return m + solve_row<acc_t, FAM>(y, n, m, b, y, work, work + n, idx, with_lanes ? lanes : nullptr);
+  return m + solve_row<acc_t, FAM>(y, n, m, b, y, work, work + n, idx, lanes);
 }
 
 // p = φ_b(s - c) for one row of scores (in place). In double, the float32
@@ -71,9 +69,8 @@ void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t
       for (int64_t j = 0; j < n; ++j) sum_p += std::exp(y[j] - c);
       if (sum_p > 0) c += std::log(sum_p);
     } else {
-      acc_t sum_p = 0, sum_g = 0;
-      eval_shift<acc_t, FAM>(y, n, c, b, sum_p, sum_g);
-      if (sum_g > 0) c += (sum_p - acc_t(1)) / sum_g;
+      const ShiftSums<acc_t> s = shift_sums<acc_t, FAM>(y, n, c, b);
+      if (s.g > 0) c += (s.p - acc_t(1)) / s.g;
     }
   }
   if constexpr (FAM == Family::kGeneric) {

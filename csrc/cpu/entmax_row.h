@@ -126,14 +126,6 @@ inline ShiftSums<acc_t> shift_sums(const acc_t* y, int64_t n, acc_t c, acc_t b) 
   return {hsum(sp), hsum(sg), hsum(sh)};
 }
 
-// Σ φ(y - c) and Σ g over y[0:n] (no compaction).
-template <typename acc_t, Family FAM>
-inline void eval_shift(const acc_t* y, int64_t n, acc_t c, acc_t b, acc_t& sum_p, acc_t& sum_g) {
-  const ShiftSums<acc_t> s = shift_sums<acc_t, FAM>(y, n, c, b);
-  sum_p = s.p;
-  sum_g = s.g;
-}
-
 // Appends the entries of src[0:n] greater than `cut` to dst (which may alias
 // src: it never runs ahead of the read position) and returns their count and
 // sum, without data-dependent branches.
@@ -437,6 +429,13 @@ inline int64_t support_entries(const scalar_t* p, const scalar_t* dp, scalar_t* 
   return k;
 }
 
+// out[0:n] = 0, then out[pos[i]] = p[i] · norm.
+template <typename acc_t>
+inline void scatter_row(const acc_t* p, const int32_t* pos, int64_t k, acc_t norm, int64_t n, acc_t* out) {
+  std::fill(out, out + n, acc_t(0));
+  for (int64_t i = 0; i < k; ++i) out[pos[i]] = p[i] * norm;
+}
+
 // write_probs for the generic family with b > 0 on a sparse row: zeros, then
 // the powers of the support entries only, scattered to their positions.
 // Falls back to the dense pass when the support is a large part of the row.
@@ -448,8 +447,7 @@ inline void write_probs_sparse(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_
   const int64_t k = positions_above(x, n, m, c - acc_t(1) / b, vals, idx);
   if (4 * k > n) return write_probs<acc_t, Family::kGeneric>(x, n, m, c, b, norm, out);
   write_probs<acc_t, Family::kGeneric>(vals, k, acc_t(0), c, b, norm, vals);
-  std::fill(out, out + n, acc_t(0));
-  for (int64_t i = 0; i < k; ++i) out[idx[i]] = vals[i];
+  scatter_row<acc_t>(vals, idx, k, acc_t(1), n, out);
 }
 
 // The entries of x[0:n] whose y = x - m is above `cut`, as y, into dst (not
@@ -553,6 +551,17 @@ inline bool halley_norm_step(const ShiftSums<acc_t>& s, int64_t k, acc_t b, acc_
   return true;
 }
 
+// How many running maxima row_max hands the generic family's start
+// (subset_left_shift), and the buffer for them when the family uses them and
+// the row has that many entries (else nullptr: row_max keeps none).
+template <typename acc_t>
+constexpr int64_t kStartLanes = 4 * Vec<acc_t>::size();
+
+template <typename acc_t, Family FAM>
+inline acc_t* start_lanes(acc_t* buf, int64_t n) {
+  return FAM == Family::kGeneric && n >= kStartLanes<acc_t> ? buf : nullptr;
+}
+
 // A point for the start of the search on a row with 0 < b < 1, from the
 // row's max m and 4 · V::size() distinct entries of it (lanes: row_max's
 // running maxima). A sum over a subset of the entries is at most the row's,
@@ -618,13 +627,6 @@ inline acc_t listed_probs(const acc_t* y, int64_t k, acc_t c, acc_t b, acc_t* p)
     vsum += pv;
   }
   return hsum(vsum);
-}
-
-// out[0:n] = 0, then out[pos[i]] = p[i] · norm.
-template <typename acc_t>
-inline void scatter_row(const acc_t* p, const int32_t* pos, int64_t k, acc_t norm, int64_t n, acc_t* out) {
-  std::fill(out, out + n, acc_t(0));
-  for (int64_t i = 0; i < k; ++i) out[pos[i]] = p[i] * norm;
 }
 
 // solve_generic_convex's search when every entry that can be in the support

@@ -52,17 +52,15 @@ struct RowScratch {
 // One row: x (contiguous, acc type, may alias out) -> out. y, work, idx: scratch.
 template <typename acc_t, Family FAM>
 inline void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work, int32_t* idx) {
-  // The generic family's search starts from row_max's running maxima.
-  constexpr int64_t kLanes = 4 * Vec<acc_t>::size();
-  acc_t lanes[kLanes];
-  const bool with_lanes = FAM == Family::kGeneric && n >= kLanes;
-  const acc_t m = row_max(x, n, with_lanes ? lanes : nullptr);
+  acc_t lanes_buf[kStartLanes<acc_t>];
+  acc_t* lanes = start_lanes<acc_t, FAM>(lanes_buf, n);
+  const acc_t m = row_max(x, n, lanes);
   if (special_row(m, out, n)) return;
   if constexpr (FAM == Family::kSoftmax) {
     acc_t inv = acc_t(1) / exp_shifted(x, n, m, out);
     at::vec::map([inv](Vec<acc_t> v) { return v * Vec<acc_t>(inv); }, out, out, n);
   } else {
-    solve_row<acc_t, FAM>(x, n, m, b, out, y, work, idx, with_lanes ? lanes : nullptr);
+    solve_row<acc_t, FAM>(x, n, m, b, out, y, work, idx, lanes);
   }
 }
 
@@ -110,7 +108,7 @@ inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, 
 template <typename acc_t>
 inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, acc_t b0, acc_t b1, acc_t* out0,
                                    acc_t* out1, RowScratch<acc_t>& s0, RowScratch<acc_t>& s1) {
-  constexpr int64_t kLanes = 4 * Vec<acc_t>::size();
+  constexpr int64_t kLanes = kStartLanes<acc_t>;
   auto convex = [](acc_t b) {
     return math::family_of<acc_t>(b) == Family::kGeneric && b > acc_t(0) && b < acc_t(1);
   };
