@@ -83,6 +83,22 @@ def test_many_random_rows_float32(alpha, n):
     assert_close(attnkern.entmax(x, alpha), ref.entmax(x.double(), alpha), dtype=torch.float32)
 
 
+def _lane_start_rows(n: int, g: torch.Generator, scales, count: int) -> list[torch.Tensor]:
+    """float64 rows of length n for the solvers' start from row_max's running
+    maxima: `count` random rows at each scale, rows with 90% of their entries
+    masked (masked entries among the maxima), and rows with a single allowed
+    entry."""
+    rows = [scale * torch.randn(count, n, generator=g, dtype=torch.float64) for scale in scales]
+    masked = 3.0 * torch.randn(40, n, generator=g, dtype=torch.float64)
+    masked[torch.rand(40, n, generator=g) < 0.9] = -math.inf
+    masked[:, 0] = 0.5
+    rows.append(masked)
+    single = torch.full((2, n), -math.inf, dtype=torch.float64)
+    single[:, n // 2] = 1.0
+    rows.append(single)
+    return rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("alpha", [1.1, 1.3, 1.7])
 @pytest.mark.parametrize("n", [31, 32, 33, 64, 97, 1025])
@@ -93,19 +109,44 @@ def test_alpha_start_from_lane_maxima(dtype, alpha, n):
     of the row (the general loop), masked entries among the maxima, a single
     allowed entry, and ties."""
     g = torch.Generator().manual_seed(n)
-    rows = []
-    for scale in (1e-3, 0.3, 1.0, 4.0, 30.0):
-        rows.append(scale * torch.randn(40, n, generator=g, dtype=torch.float64))
-    masked = 3.0 * torch.randn(40, n, generator=g, dtype=torch.float64)
-    masked[torch.rand(40, n, generator=g) < 0.9] = -math.inf
-    masked[:, 0] = 0.5
-    rows.append(masked)
-    single = torch.full((2, n), -math.inf, dtype=torch.float64)
-    single[:, n // 2] = 1.0
-    rows.append(single)
+    rows = _lane_start_rows(n, g, (1e-3, 0.3, 1.0, 4.0, 30.0), 40)
     rows.append(torch.randint(0, 3, (40, n), generator=g).double())
     x = torch.cat(rows).to(dtype)
     assert_close(attnkern.entmax(x, alpha), ref.entmax(x.double(), alpha), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [31, 32, 33, 64, 65, 97, 1024, 1025])
+def test_entmax15_from_lane_maxima(dtype, n):
+    """entmax15 rows long enough for the start from row_max's running maxima
+    (n >= 32 with AVX2, 64 with AVX-512): the shift by ranks where the
+    candidates are few (random rows), find_shift on the list where they are
+    many (flat rows: more than four vectors), masked entries, a single allowed
+    entry, ties at the edge of the support (the ranks' choice is then checked
+    and may be refused), and the attention score rows, which share the path."""
+    g = torch.Generator().manual_seed(n + 15)
+    rows = _lane_start_rows(n, g, (1e-3, 0.3, 0.7, 1.0, 4.0, 30.0), 60)
+    ties = torch.randint(0, 5, (60, n), generator=g).double() * 0.5  # steps of 0.5: entries on the edge (y - c = -2)
+    rows.append(ties)
+    x = torch.cat(rows).to(dtype)
+    p = attnkern.entmax15(x)
+    assert_close(p, ref.entmax15(x.double()), dtype=dtype)
+    for r in range(len(x) - len(ties), len(x), 7):  # tied scores, tied probabilities
+        for v in x[r].unique():
+            assert p[r][x[r] == v].unique().numel() == 1
+    if dtype != torch.bfloat16:
+        q = x[:8].reshape(1, 2, 4, n)
+        k = torch.eye(n, dtype=dtype)[None, None].expand(1, 2, n, n)
+        v = torch.randn(1, 2, n, 3, generator=g, dtype=torch.float64).to(dtype)
+        out = attnkern.attention(q, k, v, normalizer="entmax15", scale=1.0)
+        assert_close(out, ref.entmax15(q.double()) @ v.double(), dtype=dtype)
+
+
+def test_entmax15_many_random_rows_float32():
+    """Thousands of random rows of 1024 (the ranks' path on nearly all): a
+    choice of support that is wrong on a fraction of a percent would show."""
+    x = torch.randn(4000, 1024, generator=torch.Generator().manual_seed(1515))
+    assert_close(attnkern.entmax15(x), ref.entmax15(x.double()), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)

@@ -10,7 +10,10 @@
 // list compacted after every step: an entry outside the support at a point
 // left of the root stays outside, so after a step or two the iterations touch
 // only the few entries that can still be in the support. sparsemax and
-// entmax15 finish with their closed form on the support.
+// entmax15 finish with their closed form on the support. Long enough rows
+// of α-entmax and entmax15 start instead from row_max's running maxima
+// (subset_left_shift) and gather a shorter list; entmax15 then chooses its
+// support by ranks when that list is short (ranked_entmax15_shift).
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -551,18 +554,20 @@ inline bool halley_norm_step(const ShiftSums<acc_t>& s, int64_t k, acc_t b, acc_
   return true;
 }
 
-// How many running maxima row_max hands the generic family's start
-// (subset_left_shift), and the buffer for them when the family uses them and
-// the row has that many entries (else nullptr: row_max keeps none).
+// How many running maxima row_max hands the start of the generic family
+// and of entmax15 (subset_left_shift), and the buffer for them when the
+// family uses them and the row has that many entries (else nullptr: row_max
+// keeps none).
 template <typename acc_t>
 constexpr int64_t kStartLanes = 4 * Vec<acc_t>::size();
 
 template <typename acc_t, Family FAM>
 inline acc_t* start_lanes(acc_t* buf, int64_t n) {
-  return FAM == Family::kGeneric && n >= kStartLanes<acc_t> ? buf : nullptr;
+  return (FAM == Family::kGeneric || FAM == Family::kEntmax15) && n >= kStartLanes<acc_t> ? buf : nullptr;
 }
 
-// A point for the start of the search on a row with 0 < b < 1, from the
+// A point for the start of the search on a row with 0 < b < 1 (FAM: the
+// generic family, or entmax15 with b = 1/2, whose powers are squares), from the
 // row's max m and 4 · V::size() distinct entries of it (lanes: row_max's
 // running maxima). A sum over a subset of the entries is at most the row's,
 // so a point where the subset's sum is at least 1 is left of the row's
@@ -578,7 +583,7 @@ inline acc_t* start_lanes(acc_t* buf, int64_t n) {
 // maxima, 1.2 with AVX2's 32) but its check cost more than that saved on a
 // Zen 5 at both widths (per row: 1.15 → 1.06 µs at AVX2, 0.99 → 0.95 µs at
 // AVX-512).
-template <typename acc_t>
+template <typename acc_t, Family FAM = Family::kGeneric>
 inline acc_t subset_left_shift(const acc_t* lanes, acc_t m, acc_t b, bool& left) {
   using V = Vec<acc_t>;
   const V vm(m);
@@ -587,7 +592,7 @@ inline acc_t subset_left_shift(const acc_t* lanes, acc_t m, acc_t b, bool& left)
   auto sums_at = [&](acc_t c) {
     const V vc(c);
     V sp(0), sg(0), sh(0);
-    for (int i = 0; i < 4; ++i) add_shift_terms<acc_t, Family::kGeneric>(y[i] - vc, b, sp, sg, sh);
+    for (int i = 0; i < 4; ++i) add_shift_terms<acc_t, FAM>(y[i] - vc, b, sp, sg, sh);
     return ShiftSums<acc_t>{hsum(sp), hsum(sg), acc_t(0)};
   };
   const ShiftSums<acc_t> s = sums_at(acc_t(0));
@@ -782,6 +787,152 @@ inline acc_t solve_generic_convex(const acc_t* x, int64_t n, acc_t m, acc_t b, a
   return c;
 }
 
+// entmax15 by ranks: the longest list ranked_entmax15_shift takes (4
+// vectors; its work grows with the square of the list).
+template <typename acc_t>
+constexpr int64_t kRankedMax = 4 * Vec<acc_t>::size();
+
+// For a list y[0:k] (k <= NB vectors) holding entmax15's support, the
+// smallest entry of the support as the sort-based rule reads it (Peters et
+// al., 2019): taking the entries at or above y_j as the support, the closed
+// form gives a shift c_j, and the support is the largest such set whose
+// smallest entry is inside at its own c_j. Each entry's set is counted
+// directly (for every i, every j with y_j <= y_i adds y_i, y_i² and 1: k²
+// comparisons, no sort, no data-dependent branch); the sums are one-pass
+// and in the list's dtype, good enough to choose the set, which the caller
+// verifies. Returns +inf if no entry qualifies (not for a list that holds
+// the row's max).
+template <typename acc_t, int NB>
+inline acc_t ranked_entmax15_cut(const acc_t* y, int64_t k) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const acc_t inf = std::numeric_limits<acc_t>::infinity();
+  V yj[NB], cnt[NB], sy[NB], sq[NB];
+  for (int b = 0; b < NB; ++b) {
+    // Lanes past the list hold +inf: no entry is at or above them (they count nothing).
+    const int64_t rest = k - b * W;
+    yj[b] = rest >= W ? V::loadu(y + b * W) : rest > 0 ? load_tail(y + b * W, rest, inf) : V(inf);
+    cnt[b] = sy[b] = sq[b] = V(0);
+  }
+  const V vone(1);
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    // Masked adds (one instruction per sum), two entries per step on
+    // separate sums so that the adds' latency is not the loop's.
+    __m512 c0[NB], s0[NB], q0[NB], c1[NB], s1[NB], q1[NB];
+    for (int b = 0; b < NB; ++b) c0[b] = s0[b] = q0[b] = c1[b] = s1[b] = q1[b] = _mm512_setzero_ps();
+    const __m512 one = _mm512_set1_ps(1.f);
+    auto add = [&](__m512* c, __m512* sum, __m512* sq2, float v) {
+      const __m512 yi = _mm512_set1_ps(v), yi2 = _mm512_set1_ps(v * v);
+      for (int b = 0; b < NB; ++b) {
+        const __mmask16 in = _mm512_cmp_ps_mask(__m512(yj[b]), yi, _CMP_LE_OQ);
+        c[b] = _mm512_mask_add_ps(c[b], in, c[b], one);
+        sum[b] = _mm512_mask_add_ps(sum[b], in, sum[b], yi);
+        sq2[b] = _mm512_mask_add_ps(sq2[b], in, sq2[b], yi2);
+      }
+    };
+    int64_t i = 0;
+    for (; i + 2 <= k; i += 2) {
+      add(c0, s0, q0, y[i]);
+      add(c1, s1, q1, y[i + 1]);
+    }
+    if (i < k) add(c0, s0, q0, y[i]);
+    for (int b = 0; b < NB; ++b) {
+      cnt[b] = V(_mm512_add_ps(c0[b], c1[b]));
+      sy[b] = V(_mm512_add_ps(s0[b], s1[b]));
+      sq[b] = V(_mm512_add_ps(q0[b], q1[b]));
+    }
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < k; ++i) {
+      const V yi(y[i]), yi2(y[i] * y[i]);
+      for (int b = 0; b < NB; ++b) {
+        const V in = yj[b] <= yi;
+        cnt[b] += in & vone;
+        sy[b] += in & yi;
+        sq[b] += in & yi2;
+      }
+    }
+  }
+  // With a = 1 + y/2 over the set: c/2 = mean(a) - sqrt(1/K - var(a))
+  // (math::entmax15_shift_on_support); NaN (K = 0 lanes, 1/K < var(a))
+  // compares false, so such lanes do not qualify.
+  const V vhalf(acc_t(0.5)), vquarter(acc_t(0.25)), vzero(0);
+  V lowest(inf);
+  for (int b = 0; b < NB; ++b) {
+    const V inv = vone / cnt[b];
+    const V mean_y = sy[b] * inv;
+    const V disc = inv - vquarter * (sq[b] * inv - mean_y * mean_y);
+    const V half_c = vone + vhalf * mean_y - disc.sqrt();
+    const V inside = (disc >= vzero) & (vone + vhalf * yj[b] > half_c);
+    lowest = at::vec::minimum(lowest, V::blendv(V(inf), yj[b], inside));
+  }
+  return at::vec::vec_reduce_all<acc_t>([](V& a, V& c) { return at::vec::minimum(a, c); }, lowest);
+}
+
+// entmax15's shift from a list y[0:k] (k <= kRankedMax) that holds every
+// entry of the support, without iterations: ranked_entmax15_cut chooses the
+// support, exact_shift (the same closed form as find_shift's last step, on
+// the same entries in the same order, so the same value) takes it, and the
+// result is kept only if it is a fixed point: every chosen entry inside the
+// support at c (exact_shift's check) and the largest entry left out outside
+// it. Then Σ φ(y - c) over the row is exactly the chosen entries' sum, 1.
+// Otherwise (rounding at the support's edge) returns NaN. work: k entries.
+template <typename acc_t>
+inline acc_t ranked_entmax15_shift(const acc_t* y, int64_t k, acc_t* work) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+  const int64_t vectors = (k + W - 1) / W;
+  const acc_t cut = vectors <= 1 ? ranked_entmax15_cut<acc_t, 1>(y, k)
+                    : vectors <= 2 ? ranked_entmax15_cut<acc_t, 2>(y, k)
+                                   : ranked_entmax15_cut<acc_t, 4>(y, k);
+  if (!(cut <= acc_t(0))) return nan;
+  // The entries at or above the cut to work (in order), and the largest below it.
+  const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+  const V vcut(cut), vninf(ninf);
+  V vbelow(ninf);
+  int64_t ka = 0, j = 0;
+  for (; j + W <= k; j += W) {
+    const V v = V::loadu(y + j);
+    const V keep = v >= vcut;
+    vbelow = at::vec::maximum(vbelow, V::blendv(v, vninf, keep));
+    ka += left_pack(work + ka, v, lane_mask<acc_t>(keep));
+  }
+  if (j < k) {
+    const V v = load_tail(y + j, k - j, ninf);
+    const V keep = v >= vcut;
+    vbelow = at::vec::maximum(vbelow, V::blendv(v, vninf, keep));
+    ka += left_pack_bounded(work + ka, v, lane_mask<acc_t>(keep));
+  }
+  const acc_t below = at::vec::vec_reduce_all<acc_t>([](V& a, V& c) { return at::vec::maximum(a, c); }, vbelow);
+  const acc_t c = exact_shift<acc_t, Family::kEntmax15>(work, ka);
+  if (c != c || acc_t(1) + acc_t(0.5) * (below - c) > acc_t(0)) return nan;
+  return c;
+}
+
+// entmax15's row with row_max's lanes: the start from the lanes
+// (subset_left_shift), the candidates above it (on random rows of 1024 about
+// 1.6 times the support, against 6.5 times at c = 0), and the shift by ranks
+// when they are few, else (or when the ranks' choice is not confirmed) by
+// find_shift over the same list, which holds the support either way.
+template <typename acc_t>
+inline acc_t solve_entmax15_from_lanes(const acc_t* x, int64_t n, acc_t m, acc_t* out, acc_t* cand, acc_t* work,
+                                       const acc_t* lanes) {
+  const acc_t b(0.5);
+  bool left;
+  const acc_t start = subset_left_shift<acc_t, Family::kEntmax15>(lanes, m, b, left);
+  int64_t k = shifted_above(x, n, m, start - acc_t(2), cand);
+  if (!left) k = shifted_above(x, n, m, acc_t(-2), cand);  // (rounding, or ties) c = 0 is left
+  acc_t c = k <= kRankedMax<acc_t> ? ranked_entmax15_shift<acc_t>(cand, k, work)
+                                   : std::numeric_limits<acc_t>::quiet_NaN();
+  acc_t norm = acc_t(1);
+  if (c != c) c = find_shift<acc_t, Family::kEntmax15>(cand, k, b, work, &norm);
+  write_probs<acc_t, Family::kEntmax15>(x, n, m, c, b, norm, out);
+  return c;
+}
+
 // Shift and probabilities of one row x[0:n] of a sparse family (or the
 // generic one) whose max m is finite: out = norm · φ((x - m) - c), returns c.
 // out may alias x; cand and work are scratch of n entries each, idx of n.
@@ -795,6 +946,9 @@ template <typename acc_t, Family FAM>
 inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, acc_t* cand, acc_t* work,
                        int32_t* idx, const acc_t* lanes = nullptr) {
   static_assert(FAM != Family::kSoftmax, "softmax rows have no shift search");
+  if constexpr (FAM == Family::kEntmax15) {
+    if (lanes) return solve_entmax15_from_lanes<acc_t>(x, n, m, out, cand, work, lanes);
+  }
   if constexpr (FAM == Family::kGeneric) {
     if (b > acc_t(0) && b < acc_t(1)) return solve_generic_convex<acc_t>(x, n, m, b, out, cand, work, idx, lanes);
   }
