@@ -142,6 +142,29 @@ def test_entmax15_from_lane_maxima(dtype, n):
         assert_close(out, ref.entmax15(q.double()) @ v.double(), dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("alpha", [1.1, 1.3, 1.5, 1.7])
+def test_start_from_lane_maxima_refused(dtype, alpha):
+    """Rows whose support is K tied maxima in distinct lanes of row_max (the
+    rest far below): the norm is then linear in the shift, Newton's step from
+    the lanes lands on the root itself, and by rounding about half the time
+    just right of it. The search notices (the first evaluation finds Σp < 1,
+    or entmax15's shift comes out left of the start) and starts over from
+    c = 0: these rows take that path (about half of them, counted in a C++
+    harness on a Zen 5 at AVX-512), and its results must be right."""
+    g = torch.Generator().manual_seed(int(alpha * 10))
+    n, rows = 1024, []
+    for k in range(1, 65):
+        for v in 10 * torch.rand(4, generator=g, dtype=torch.float64) - 5:
+            row = torch.full((n,), float(v) - 50, dtype=torch.float64)
+            j = torch.arange(k)
+            row[(j * 7) % 64 + 64 * (j % 3)] = float(v)
+            rows.append(row)
+    x = torch.stack(rows).to(dtype)
+    p = attnkern.entmax15(x) if alpha == 1.5 else attnkern.entmax(x, alpha)
+    assert_close(p, ref.entmax(x.double(), alpha), dtype=dtype)
+
+
 def test_entmax15_many_random_rows_float32():
     """Thousands of random rows of 1024 (the ranks' path on nearly all): a
     choice of support that is wrong on a fraction of a percent would show."""

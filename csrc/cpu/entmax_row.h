@@ -12,7 +12,7 @@
 // only the few entries that can still be in the support. sparsemax and
 // entmax15 finish with their closed form on the support. Long enough rows
 // of α-entmax and entmax15 start instead from row_max's running maxima
-// (subset_left_shift) and gather a shorter list; entmax15 then chooses its
+// (subset_start) and gather a shorter list; entmax15 then chooses its
 // support by ranks when that list is short (ranked_entmax15_shift).
 #pragma once
 
@@ -555,7 +555,7 @@ inline bool halley_norm_step(const ShiftSums<acc_t>& s, int64_t k, acc_t b, acc_
 }
 
 // How many running maxima row_max hands the start of the generic family
-// and of entmax15 (subset_left_shift), and the buffer for them when the
+// and of entmax15 (subset_start), and the buffer for them when the
 // family uses them and the row has that many entries (else nullptr: row_max
 // keeps none).
 template <typename acc_t>
@@ -567,42 +567,35 @@ inline acc_t* start_lanes(acc_t* buf, int64_t n) {
 }
 
 // A point for the start of the search on a row with 0 < b < 1 (FAM: the
-// generic family, or entmax15 with b = 1/2, whose powers are squares), from the
-// row's max m and 4 · V::size() distinct entries of it (lanes: row_max's
+// generic family, or entmax15 with b = 1/2, whose powers are squares), from
+// the row's max m and 4 · V::size() distinct entries of it (lanes: row_max's
 // running maxima). A sum over a subset of the entries is at most the row's,
 // so a point where the subset's sum is at least 1 is left of the row's
 // shift. From c = 0 (the max alone gives φ(0) = 1), Newton's step on the
 // subset's norm h = (Σp)^b, convex and decreasing in c, lands left of the
-// subset's root; left says whether the subset's sum there is at least 1 (it
-// may fall short by rounding; c = 0 is the start then). The caller gathers
-// the candidates at the point before it reads left, so that the check, a
-// chain of dependent operations, runs alongside the gather. On random rows
-// of 1024 at α = 1.3 the point is at 89% of the shift, and the entries that
-// can still be in the support at 1.3 times the support (at c = 0: 4.7
-// times). A second step shortens the list (to 1.1 times with AVX-512's 64
-// maxima, 1.2 with AVX2's 32) but its check cost more than that saved on a
+// subset's root, hence of the row's, up to rounding. The caller gathers the
+// entries that can be in the support right of the point and confirms the
+// point afterwards, at no cost: the search's first evaluation there must
+// find Σp >= 1 (ListedSearch), or the shift found must not be left of it
+// (solve_entmax15_from_lanes); else (by rounding, or ties) it starts over
+// from c = 0. Checking the subset's sum at the point first, as an earlier
+// version did, cost a tenth of a row's time at α = 1.3 on a Zen 5 (its powers
+// and sums, a chain of dependent operations, on the way to the gather). On
+// random rows of 1024 at α = 1.3 the point is at 89% of the shift, and the
+// entries that can still be in the support at 1.3 times the support (at
+// c = 0: 4.7 times). A second step shortens the list (to 1.1 times with
+// AVX-512's 64 maxima, 1.2 with AVX2's 32) but cost more than that saved on a
 // Zen 5 at both widths (per row: 1.15 → 1.06 µs at AVX2, 0.99 → 0.95 µs at
 // AVX-512).
 template <typename acc_t, Family FAM = Family::kGeneric>
-inline acc_t subset_left_shift(const acc_t* lanes, acc_t m, acc_t b, bool& left) {
+inline acc_t subset_start(const acc_t* lanes, acc_t m, acc_t b) {
   using V = Vec<acc_t>;
   const V vm(m);
-  V y[4];
-  for (int i = 0; i < 4; ++i) y[i] = V::loadu(lanes + i * V::size()) - vm;
-  auto sums_at = [&](acc_t c) {
-    const V vc(c);
-    V sp(0), sg(0), sh(0);
-    for (int i = 0; i < 4; ++i) add_shift_terms<acc_t, FAM>(y[i] - vc, b, sp, sg, sh);
-    return ShiftSums<acc_t>{hsum(sp), hsum(sg), acc_t(0)};
-  };
-  const ShiftSums<acc_t> s = sums_at(acc_t(0));
-  const acc_t next = s.g > acc_t(0) ? math::entmax_norm_residual<acc_t>(s.p, b) / s.g : acc_t(0);
-  if (!(next > acc_t(0))) {
-    left = true;
-    return acc_t(0);
-  }
-  left = sums_at(next).p >= acc_t(1);
-  return next;
+  V sp(0), sg(0), sh(0);
+  for (int i = 0; i < 4; ++i) add_shift_terms<acc_t, FAM>(V::loadu(lanes + i * V::size()) - vm, b, sp, sg, sh);
+  const acc_t sum_p = hsum(sp), sum_g = hsum(sg);
+  const acc_t next = sum_g > acc_t(0) ? math::entmax_norm_residual<acc_t>(sum_p, b) / sum_g : acc_t(0);
+  return next > acc_t(0) ? next : acc_t(0);
 }
 
 // The generic family's probabilities (0 < b < 1) over a list of entries
@@ -653,6 +646,7 @@ struct ListedSearch {
   acc_t* p;
   acc_t* out;
   bool finish = false;
+  bool refused = false;  // the start was not left of the shift (nothing written)
   int it = 0;
 
   ListedSearch(const acc_t* y_, const int32_t* pos_, int64_t k_, int64_t n_, acc_t c_, acc_t b_, acc_t hi_,
@@ -660,7 +654,8 @@ struct ListedSearch {
       : y(y_), pos(pos_), k(k_), n(n_), c(c_), b(b_), lo(c_), hi(hi_), p(p_), out(out_) {}
 
   // One round: the write attempt when due (it fails only on slow
-  // convergence), else a Halley step; false once the row is written.
+  // convergence), else a Halley step; false once the row is written, or
+  // refused: the first evaluation, at the start, found Σp < 1.
   bool advance() {
     if (finish) {
       finish = false;
@@ -670,40 +665,39 @@ struct ListedSearch {
         return false;
       }
     }
-    if (it++ < kMaxIterations &&
-        halley_norm_step<acc_t>(shift_sums<acc_t, Family::kGeneric>(y, k, c, b), k, b, c, lo, hi, finish))
-      return true;
+    const ShiftSums<acc_t> s = shift_sums<acc_t, Family::kGeneric>(y, k, c, b);
+    if (it == 0 && !(s.p >= acc_t(1))) {
+      refused = true;
+      return false;
+    }
+    if (it++ < kMaxIterations && halley_norm_step<acc_t>(s, k, b, c, lo, hi, finish)) return true;
     const acc_t sum = listed_probs<acc_t>(y, k, c, b, p);
     scatter_row<acc_t>(p, pos, k, sum > acc_t(0) ? acc_t(1) / sum : acc_t(1), n, out);
     return false;
   }
 };
 
+// The whole ListedSearch; false (nothing written) if it refused its start.
 template <typename acc_t>
-inline acc_t solve_listed(const acc_t* y, const int32_t* pos, int64_t k, int64_t n, acc_t c, acc_t b, acc_t hi,
-                          acc_t* p, acc_t* out) {
+inline bool solve_listed(const acc_t* y, const int32_t* pos, int64_t k, int64_t n, acc_t& c, acc_t b, acc_t hi,
+                         acc_t* p, acc_t* out) {
   ListedSearch<acc_t> search(y, pos, k, n, c, b, hi, p, out);
   while (search.advance()) {
   }
-  return search.c;
+  c = search.c;
+  return !search.refused;
 }
 
 // The listed start of solve_generic_convex for a row x[0:n] with finite max m
-// and row_max's lanes: the start c and the candidates at it, with their
-// positions, in cand and idx; returns their count (the list is for
-// solve_listed when it is at most a quarter of the row).
+// and row_max's lanes: the start c (subset_start, to be confirmed by the
+// search) and the candidates right of it, with their positions, in cand and
+// idx; returns their count (the list is for solve_listed when it is at most
+// a quarter of the row).
 template <typename acc_t>
 inline int64_t listed_candidates(const acc_t* x, int64_t n, acc_t m, acc_t b, const acc_t* lanes, acc_t* cand,
                                  int32_t* idx, acc_t& c) {
-  const acc_t inv_b = acc_t(1) / b;
-  bool left;
-  c = subset_left_shift<acc_t>(lanes, m, b, left);
-  int64_t k = positions_above(x, n, m, c - inv_b, cand, idx);
-  if (!left) {  // (by rounding, or ties) c = 0 is left
-    c = 0;
-    k = positions_above(x, n, m, -inv_b, cand, idx);
-  }
-  return k;
+  c = subset_start<acc_t>(lanes, m, b);
+  return positions_above(x, n, m, c - acc_t(1) / b, cand, idx);
 }
 
 // The generic family with 0 < b < 1 (1 < α < 2), the range a learned α
@@ -731,12 +725,14 @@ inline acc_t solve_generic_convex(const acc_t* x, int64_t n, acc_t m, acc_t b, a
   int64_t k;
   acc_t c;
   if (lanes) {
-    // The start from row_max's running maxima: the candidates at it are
-    // gathered with their positions, and when they are few the search and
-    // the write run on that list alone.
+    // The start from row_max's running maxima: the candidates right of it
+    // are gathered with their positions, and when they are few the search
+    // and the write run on that list alone. A start the search refuses, or
+    // a long list, goes the way below (from c = 0).
     k = listed_candidates<acc_t>(x, n, m, b, lanes, cand, idx, c);
-    if (4 * k <= n) return solve_listed<acc_t>(cand, idx, k, n, c, b, hi0, work, out);
-  } else if (k = shifted_above(x, n, m, -inv_b, cand); b < acc_t(0.5)) {
+    if (4 * k <= n && solve_listed<acc_t>(cand, idx, k, n, c, b, hi0, work, out)) return c;
+  }
+  if (k = shifted_above(x, n, m, -inv_b, cand); b < acc_t(0.5)) {
     // A few of entmax15's Newton steps on its norm from c = 0: each lands
     // left of entmax15's shift, hence of this one; its exact shift is not
     // needed, only a start close enough for two of Halley's steps.
@@ -913,7 +909,7 @@ inline acc_t ranked_entmax15_shift(const acc_t* y, int64_t k, acc_t* work) {
 }
 
 // entmax15's row with row_max's lanes: the start from the lanes
-// (subset_left_shift), the candidates above it (on random rows of 1024 about
+// (subset_start), the candidates above it (on random rows of 1024 about
 // 1.6 times the support, against 6.5 times at c = 0), and the shift by ranks
 // when they are few, else (or when the ranks' choice is not confirmed) by
 // find_shift over the same list, which holds the support either way.
@@ -921,14 +917,18 @@ template <typename acc_t>
 inline acc_t solve_entmax15_from_lanes(const acc_t* x, int64_t n, acc_t m, acc_t* out, acc_t* cand, acc_t* work,
                                        const acc_t* lanes) {
   const acc_t b(0.5);
-  bool left;
-  const acc_t start = subset_left_shift<acc_t, Family::kEntmax15>(lanes, m, b, left);
+  const acc_t start = subset_start<acc_t, Family::kEntmax15>(lanes, m, b);
   int64_t k = shifted_above(x, n, m, start - acc_t(2), cand);
-  if (!left) k = shifted_above(x, n, m, acc_t(-2), cand);  // (rounding, or ties) c = 0 is left
   acc_t c = k <= kRankedMax<acc_t> ? ranked_entmax15_shift<acc_t>(cand, k, work)
                                    : std::numeric_limits<acc_t>::quiet_NaN();
   acc_t norm = acc_t(1);
   if (c != c) c = find_shift<acc_t, Family::kEntmax15>(cand, k, b, work, &norm);
+  if (!(c >= start)) {
+    // The start was not left of the shift (by rounding, or ties): the list
+    // may miss part of the support. From c = 0, which is left.
+    k = shifted_above(x, n, m, acc_t(-2), cand);
+    c = find_shift<acc_t, Family::kEntmax15>(cand, k, b, work, &norm);
+  }
   write_probs<acc_t, Family::kEntmax15>(x, n, m, c, b, norm, out);
   return c;
 }

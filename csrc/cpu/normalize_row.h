@@ -132,6 +132,9 @@ inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, 
     if (on0) on0 = first.advance();
     if (on1) on1 = second.advance();
   }
+  // A refused start (nothing written): that row from c = 0, as alone.
+  if (first.refused) solve_generic_convex<acc_t>(x0, n, m0, b0, out0, s0.y(), s0.work(), s0.idx.data(), nullptr);
+  if (second.refused) solve_generic_convex<acc_t>(x1, n, m1, b1, out1, s1.y(), s1.work(), s1.idx.data(), nullptr);
 }
 
 }  // namespace CPU_CAPABILITY
