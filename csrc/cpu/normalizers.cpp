@@ -25,21 +25,6 @@ namespace {
 
 using at::Tensor;
 
-// dst[0:n] = src[0:n] · scale rounded to scalar_t (bfloat16 / half), a vector
-// at a time: the values of scaling in float and casting.
-template <typename scalar_t>
-void store_scaled(const float* src, int64_t n, float scale, scalar_t* dst) {
-  using Vf = Vec<float>;
-  const Vf vs(scale);
-  int64_t j = 0;
-  if constexpr (at::is_reduced_floating_point_v<scalar_t>) {
-    for (; j + 2 * Vf::size() <= n; j += 2 * Vf::size())
-      at::vec::convert_from_float<scalar_t>(Vf::loadu(src + j) * vs, Vf::loadu(src + j + Vf::size()) * vs)
-          .store(dst + j);
-  }
-  for (; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j] * scale);
-}
-
 // The softmax backward of one bfloat16 / half row: dx = p (dp - m),
 // m = Σ p dp / Σ p, in float. p and dp are read in their dtype twice (for
 // the sums, then for dx), widened a vector at a time, and dx is rounded as
@@ -137,7 +122,7 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
               lay.store(row, op + base);
             } else {
               const acc_t inv = acc_t(1) / exp_shifted(row, n, m, row);
-              store_scaled(row, n, inv, op + base);
+              store_rounded<scalar_t>(row, n, inv, op + base);
             }
             continue;
           }

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "attnkern/isa_namespace.h"
+#include "attnkern/reduced_store.h"
 
 namespace attnkern {
 namespace cpu {
@@ -72,10 +73,8 @@ struct RowLayout {
         int64_t j = 0;
 #if !defined(__CUDACC__) && !defined(__HIPCC__)
         if constexpr (at::is_reduced_floating_point_v<scalar_t> && std::is_same_v<acc_t, float>) {
-          // Rounded to bfloat16 / half a vector at a time (to nearest even, as the scalar cast).
-          using Vf = at::vec::Vectorized<float>;
-          for (; j + 2 * Vf::size() <= n; j += 2 * Vf::size())
-            at::vec::convert_from_float<scalar_t>(Vf::loadu(src + j), Vf::loadu(src + j + Vf::size())).store(dst + j);
+          // Rounded to bfloat16 / half a vector pair at a time (reduced_store.h).
+          return store_rounded<scalar_t>(src, n, 1.0f, dst);
         }
 #endif
         for (; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j]);
