@@ -414,7 +414,7 @@ inline int64_t support_entries(const scalar_t* p, const scalar_t* dp, scalar_t* 
   int64_t k = 0, j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     const V v = load(p + j), d = load(dp + j);
-    const int mask = lane_mask<acc_t>(v > vzero);
+    const int mask = gt_mask<acc_t>(v, vzero);
     std::memset(static_cast<void*>(dx + j), 0, sizeof(scalar_t) * kLanes);
     left_pack(pk + k, v, mask);
     left_pack(dpk + k, d, mask);

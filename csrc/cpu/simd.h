@@ -197,6 +197,18 @@ inline int lane_mask<double>(const Vec<double>& cmp) {
 }
 #endif
 
+// lane_mask(a > b): at AVX-512 the comparison's own mask register (at::vec's
+// a > b is a vector of lanes, which lane_mask turns back into a mask: two
+// more instructions in every compaction loop).
+template <typename acc_t>
+inline int gt_mask(const Vec<acc_t>& a, const Vec<acc_t>& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) return _mm512_cmp_ps_mask(__m512(a), __m512(b), _CMP_GT_OQ);
+  if constexpr (std::is_same_v<acc_t, double>) return _mm512_cmp_pd_mask(__m512d(a), __m512d(b), _CMP_GT_OQ);
+#endif
+  return lane_mask<acc_t>(a > b);
+}
+
 // 1/d: exact division in general; on AVX2 and AVX-512 float, the hardware
 // estimate with one Newton-Raphson step (~2 ulp), which keeps the divider (one ymm division
 // per 5 cycles) off the critical path of the power passes.
