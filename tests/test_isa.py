@@ -115,6 +115,25 @@ def test_rowwise_bfloat16_every_level_agrees():
             torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_bfloat16_rounding_without_the_avx512_bf16_extension():
+    """ATTNKERN_NO_AVX512_BF16=1 makes the AVX512 copy round bfloat16 rows with
+    integer operations, as on CPUs without AVX512_BF16: the same values (run in
+    a fresh process, since the choice is read once)."""
+    code = (
+        "import math, torch, attnkern\n"
+        "x = (3 * torch.randn(64, 1025, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)\n"
+        "x[3, 0] = math.nan\n"
+        "for fn in (attnkern.sparsemax, attnkern.entmax15, lambda t: attnkern.softmax(t, -1),\n"
+        "           lambda t: attnkern.entmax_bisect(t, 1.3)):\n"
+        "    got, want = fn(x), fn(x.float()).to(torch.bfloat16)\n"
+        "    nan = torch.isnan(want)\n"
+        "    assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])\n"
+        "print('ok')\n")
+    env = dict(os.environ, ATTNKERN_NO_AVX512_BF16="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
 def test_losses_and_budget_every_level_agree():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(9, 41, generator=g, dtype=torch.float64)

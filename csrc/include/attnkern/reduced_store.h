@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "attnkern/isa_namespace.h"
@@ -25,8 +26,11 @@ namespace cpu {
 ATTNKERN_ISA_BEGIN
 
 #if defined(CPU_CAPABILITY_AVX512)
+// Whether the CPU has AVX512_BF16 and ATTNKERN_NO_AVX512_BF16 is unset (it
+// makes the AVX512 copy round as it does on CPUs without the extension, so
+// that tests can run that path on any machine). Read once.
 inline bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
+  static const bool has = __builtin_cpu_supports("avx512bf16") && !std::getenv("ATTNKERN_NO_AVX512_BF16");
   return has;
 }
 
