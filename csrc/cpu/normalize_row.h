@@ -105,9 +105,18 @@ inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, 
 // goes one row at a time. Each row's result is the single-row one, bit for
 // bit (the same operations per row), so the pairing does not depend on how
 // rows are split among threads. out_i may alias x_i.
+//
+// next / next_out (bytes each; null: none) are the next pair's input and
+// output in memory: once both lists are gathered, the rows themselves are
+// not read again, and the searches that follow touch only the lists, so
+// their cache lines are asked for then, to arrive while the searches run
+// (random rows of 1024 at α = 1.3 from DRAM, C++ harness on a Zen 5: 9%
+// faster; asking for them at the start of a row competed with its own
+// reads and was slower).
 template <typename acc_t>
 inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, acc_t b0, acc_t b1, acc_t* out0,
-                                   acc_t* out1, RowScratch<acc_t>& s0, RowScratch<acc_t>& s1) {
+                                   acc_t* out1, RowScratch<acc_t>& s0, RowScratch<acc_t>& s1,
+                                   const void* next = nullptr, void* next_out = nullptr, int64_t next_bytes = 0) {
   constexpr int64_t kLanes = kStartLanes<acc_t>;
   auto convex = [](acc_t b) {
     return math::family_of<acc_t>(b) == Family::kGeneric && b > acc_t(0) && b < acc_t(1);
@@ -124,6 +133,8 @@ inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, 
   const int64_t k0 = listed_candidates<acc_t>(x0, n, m0, b0, lanes0, s0.y(), s0.idx.data(), c0);
   const int64_t k1 = listed_candidates<acc_t>(x1, n, m1, b1, lanes1, s1.y(), s1.idx.data(), c1);
   if (4 * k0 > n || 4 * k1 > n) return one_by_one();
+  if (next) prefetch_span(next, next_bytes, false);
+  if (next_out) prefetch_span(next_out, next_bytes, true);
   ListedSearch<acc_t> first(s0.y(), s0.idx.data(), k0, n, c0, b0, shift_upper_memo<acc_t>(n, b0), s0.work(), out0);
   ListedSearch<acc_t> second(s1.y(), s1.idx.data(), k1, n, c1, b1, shift_upper_memo<acc_t>(n, b1), s1.work(),
                              out1);

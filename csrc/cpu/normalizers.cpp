@@ -91,16 +91,22 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
           if (!scratch1) scratch1.emplace(n);
           const int64_t base1 = lay.base(r + 1);
           const acc_t b1 = ap[r + 1] - acc_t(1);
+          // The next pair's rows, contiguous (lay.inner == 1), for the prefetch.
+          const bool more = r + 3 < end;
+          const void* next = more ? static_cast<const void*>(xp + lay.base(r + 2)) : nullptr;
+          void* next_out = more ? static_cast<void*>(op + lay.base(r + 2)) : nullptr;
+          const int64_t next_bytes = 2 * n * static_cast<int64_t>(sizeof(scalar_t));
           if (direct) {
             normalize_generic_pair<acc_t>(reinterpret_cast<const acc_t*>(xp + base),
                                           reinterpret_cast<const acc_t*>(xp + base1), n, b, b1,
                                           reinterpret_cast<acc_t*>(op + base), reinterpret_cast<acc_t*>(op + base1),
-                                          scratch, *scratch1);
+                                          scratch, *scratch1, next, next_out, next_bytes);
           } else {
             acc_t* row1 = scratch1->row();
             lay.load(xp + base, row);
             lay.load(xp + base1, row1);
-            normalize_generic_pair<acc_t>(row, row1, n, b, b1, row, row1, scratch, *scratch1);
+            normalize_generic_pair<acc_t>(row, row1, n, b, b1, row, row1, scratch, *scratch1, next, next_out,
+                                          next_bytes);
             lay.store(row, op + base);
             lay.store(row1, op + base1);
           }

@@ -339,6 +339,17 @@ __attribute__((always_inline)) inline Vec<float> pow_unit<float>(const Vec<float
 }
 #endif
 
+// Asks for the cache lines of bytes [p, p + bytes), to read (write = false)
+// or to write; no fault, no wait.
+inline void prefetch_span(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  if (write) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 1, 3);
+  } else {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+  }
+}
+
 // The max of y[0:n] (NaN if any entry is NaN). With lanes given and
 // n >= 4 · V::size(), also the 4 · V::size() running maxima it reduces:
 // position j counts in lane j mod 4 · V::size() (the scalar tail in none),
