@@ -217,10 +217,10 @@ def main() -> None:
             print(title, flush=True)
             lines += [title, "", "| case | normalizer | mode | ratio | target | attnkern ms | PyTorch ms | rounds |",
                       "|---|---|---|---:|---:|---:|---:|---:|"]
-            groups = {"attention": (attention_cases, (sizes, dtype, rounds_for)),
-                      "decode": (decode_cases, (dtype, args.rounds)),
-                      "rowwise": (rowwise_cases, (dtype, args.rounds))}
-            cases = [groups[name][0](*groups[name][1]) for name in args.cases]
+            groups = {"attention": lambda dt=dtype: attention_cases(sizes, dt, rounds_for),
+                      "decode": lambda dt=dtype: decode_cases(dt, args.rounds),
+                      "rowwise": lambda dt=dtype: rowwise_cases(dt, args.rounds)}
+            cases = [groups[name]() for name in args.cases]
             for gen in cases:
                 for case, name, mode, target, (ratio, ours, theirs, n) in gen:
                     ok = "" if ratio <= target else " ✗"

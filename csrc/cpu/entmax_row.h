@@ -660,10 +660,7 @@ struct ListedSearch {
     if (finish) {
       finish = false;
       const acc_t sum = listed_probs<acc_t>(y, k, c, b, p);
-      if (math::entmax_sum_converged<acc_t>(sum, k)) {
-        scatter_row<acc_t>(p, pos, k, acc_t(1) / sum, n, out);
-        return false;
-      }
+      if (math::entmax_sum_converged<acc_t>(sum, k)) return write(sum);
     }
     const ShiftSums<acc_t> s = shift_sums<acc_t, Family::kGeneric>(y, k, c, b);
     if (it == 0 && !(s.p >= acc_t(1))) {
@@ -671,7 +668,11 @@ struct ListedSearch {
       return false;
     }
     if (it++ < kMaxIterations && halley_norm_step<acc_t>(s, k, b, c, lo, hi, finish)) return true;
-    const acc_t sum = listed_probs<acc_t>(y, k, c, b, p);
+    return write(listed_probs<acc_t>(y, k, c, b, p));
+  }
+
+  // out = p / sum at the list's positions, zero elsewhere; false (the row is done).
+  bool write(acc_t sum) {
     scatter_row<acc_t>(p, pos, k, sum > acc_t(0) ? acc_t(1) / sum : acc_t(1), n, out);
     return false;
   }
@@ -890,18 +891,14 @@ inline acc_t ranked_entmax15_shift(const acc_t* y, int64_t k, acc_t* work) {
   const V vcut(cut), vninf(ninf);
   V vbelow(ninf);
   int64_t ka = 0, j = 0;
-  for (; j + W <= k; j += W) {
-    const V v = V::loadu(y + j);
+  auto split = [&](const V& v, bool tail) {
     const V keep = v >= vcut;
     vbelow = at::vec::maximum(vbelow, V::blendv(v, vninf, keep));
-    ka += left_pack(work + ka, v, lane_mask<acc_t>(keep));
-  }
-  if (j < k) {
-    const V v = load_tail(y + j, k - j, ninf);
-    const V keep = v >= vcut;
-    vbelow = at::vec::maximum(vbelow, V::blendv(v, vninf, keep));
-    ka += left_pack_bounded(work + ka, v, lane_mask<acc_t>(keep));
-  }
+    const int mask = lane_mask<acc_t>(keep);
+    ka += tail ? left_pack_bounded(work + ka, v, mask) : left_pack(work + ka, v, mask);
+  };
+  for (; j + W <= k; j += W) split(V::loadu(y + j), false);
+  if (j < k) split(load_tail(y + j, k - j, ninf), true);  // (fill -inf: never kept)
   const acc_t below = at::vec::vec_reduce_all<acc_t>([](V& a, V& c) { return at::vec::maximum(a, c); }, vbelow);
   const acc_t c = exact_shift<acc_t, Family::kEntmax15>(work, ka);
   if (c != c || acc_t(1) + acc_t(0.5) * (below - c) > acc_t(0)) return nan;
