@@ -74,7 +74,9 @@ def _register_attention() -> None:
     @torch.library.register_fake("attnkern::attention_bwd")
     def _attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad,
                        dropout_p=0.0, dropout_seed=None):
-        dalpha = q.new_empty((q.shape[1],) if alpha_grad else (0,), dtype=torch.float32)
+        # (In α's dtype: float64 for a float64 α, else float32.)
+        adt = torch.float64 if alpha is not None and alpha.dtype == torch.float64 else torch.float32
+        dalpha = q.new_empty((q.shape[1],) if alpha_grad else (0,), dtype=adt)
         return _like(q), _like(k), _like(v), dalpha
 
     @torch.library.register_fake("attnkern::attention_dropout_mask")

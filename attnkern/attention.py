@@ -92,7 +92,7 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         return False
     qs, ks, vs = query.shape, key.shape, value.shape
     return (qs[0] == ks[0] == vs[0] and qs[1] == ks[1] == vs[1] and qs[3] == ks[3] and ks[2] == vs[2]
-            and not ops._compiling())
+            and qs[1] > 0 and qs[3] > 0 and not ops._compiling())
 
 
 # --- the public function ----------------------------------------------------------
@@ -136,7 +136,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                       return_weights)
     E = query.shape[-1]
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
-    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    # (E = 0: every score is 0, whatever the scale; SDPA gives uniform weights.)
+    scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else float(scale)
 
     # Everything as (*batch, heads, seq, dim); 2-d inputs get a unit head dim.
     added = max(0, 3 - max(query.dim(), key.dim(), value.dim()))
@@ -168,7 +169,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target} "
                              f"(..., heads, L, S)")
     if not compiling:
-        alpha = validation.check_attention_alpha(alpha, normalizer, batch + (H, 1, 1), H)
+        alpha = validation.check_attention_alpha(alpha, normalizer, batch + (H, 1, 1), H, query.device)
     elif isinstance(alpha, torch.Tensor):
         alpha = validation.head_alpha_view(alpha, H)
 
@@ -177,13 +178,15 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
 
     chosen = registry.choose(backend, query, "attention", mask_grad=mask_grad)
+    if H == 0 or E == 0:
+        chosen = "reference"  # nothing for a kernel to do: no heads, or scores all 0 (E = 0)
     if chosen == "reference":
         res = reference.attention(q, k, v, attn_mask, is_causal, scale, normalizer=normalizer, alpha=alpha,
                                   dropout_p=float(dropout_p), return_weights=return_weights)
         return _unpad(res, added)
     if return_weights:
         return _unpad(_unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha,
-                               "auto" if chosen == "triton" else chosen), added)
+                               "auto" if chosen == "triton" else chosen, float(dropout_p)), added)
 
     B = math.prod(batch)
     acc = acc_dtype(query.dtype)
@@ -214,20 +217,23 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             m = torch.zeros(m.shape, dtype=acc, device=m.device).masked_fill_(~m, -math.inf)
         mask4 = m.to(acc).expand(target).reshape(B, H, L, S)
     alpha_h = None
+    # α goes to the CPU kernels in float64 for float64 inputs (unrounded), else
+    # (and to the CUDA and Triton kernels) in float32.
+    alpha_dtype = torch.float64 if acc == torch.float64 and chosen == "cpu" else torch.float32
     if takes_alpha(normalizer):
         if isinstance(alpha, torch.Tensor) and alpha_batched:
             # One α per (batch, head): the kernels take one α per head, so the
             # batch is folded into the heads, (B, H) -> (1, B·H); query head
             # b·H + h still meets key/value head b·Hk + h // (H // Hk).
-            alpha_h = alpha.to(torch.float32).expand(batch + (H, 1, 1)).reshape(B * H)
+            alpha_h = alpha.to(alpha_dtype).expand(batch + (H, 1, 1)).reshape(B * H)
             q4, k4, v4 = (t.reshape(1, B * t.shape[1], *t.shape[2:]) for t in (q4, k4, v4))
             if mask4 is not None:
                 mask4 = mask4.reshape(1, B * H, L, S)
         elif isinstance(alpha, torch.Tensor):
             a = alpha.reshape(alpha.shape[-3:]) if alpha.dim() > 3 else alpha
-            alpha_h = a.to(torch.float32).expand(H, 1, 1).reshape(H)
+            alpha_h = a.to(alpha_dtype).expand(H, 1, 1).reshape(H)
         else:
-            alpha_h = torch.full((H,), alpha, dtype=torch.float32, device=query.device)
+            alpha_h = torch.full((H,), alpha, dtype=alpha_dtype, device=query.device)
     from attnkern.autograd import AttentionFunction
 
     impl = "triton" if chosen == "triton" else "ops"
@@ -253,9 +259,11 @@ def _unpad(res, added: int):
     return res.reshape(res.shape[added:])
 
 
-def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend):
+def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend, dropout_p: float):
     """Materialized weights through the row-wise normalizers (return_weights=True):
-    the reference's scores, in the accumulation dtype (float32 but for float64)."""
+    the reference's scores, in the accumulation dtype (float32 but for float64).
+    With dropout_p > 0 the weights are dropped out (torch's generator) before
+    p·v and returned so, as torch's MultiheadAttention returns them."""
     acc = acc_dtype(q.dtype)
     k, v = reference.expand_kv_heads(q, k.to(acc), v.to(acc))
     s = reference.attention_scores(q.to(acc), k, attn_mask, is_causal, scale)
@@ -264,5 +272,7 @@ def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend):
         p = ops.entmax(s, a, -1, backend=backend)
     else:
         p = getattr(ops, normalizer)(s, -1, backend=backend)
+    if dropout_p > 0:
+        p = torch.nn.functional.dropout(p, dropout_p)
     out = p @ v
     return out.to(q.dtype), p.to(q.dtype)

@@ -81,12 +81,14 @@ def broadcasts_to(shape, target) -> bool:
 
 def _bound(lower: float | None, strict: bool):
     """(bad(t) -> bool tensor, "what is needed") for a parameter bounded below by
-    `lower` (strictly or not); any finite value when lower is None. NaN is bad."""
+    `lower` (strictly or not); any finite value when lower is None. NaN and
+    ±inf are bad whatever the bound (α = +inf or an infinite budget has no
+    meaning, and the kernels would return zeros for it)."""
     if lower is None:
         return (lambda a: ~torch.isfinite(a)), "finite"
     if strict:
-        return (lambda a: torch.isnan(a) | (a <= lower)), f"> {lower:g}"
-    return (lambda a: torch.isnan(a) | (a < lower)), f">= {lower:g}"
+        return (lambda a: ~torch.isfinite(a) | (a <= lower)), f"finite and > {lower:g}"
+    return (lambda a: ~torch.isfinite(a) | (a < lower)), f"finite and >= {lower:g}"
 
 
 def check_real(value, name: str, lower: float | None = 0.0, strict: bool = True) -> float:
@@ -108,13 +110,13 @@ def check_values(t: torch.Tensor, name: str, lower: float | None = 0.0, strict: 
         wrong = bad(t)
         if t.device.type != "cpu":
             try:
-                torch._assert_async(~wrong.any(), f"{name} must be {need} and not NaN everywhere")
+                torch._assert_async(~wrong.any(), f"{name} must be {need} everywhere")
             except RuntimeError as exc:  # under torch.func.vmap: the check is skipped
                 if "vmap" not in str(exc):
                     raise
             return
         if any_true(wrong):
-            raise ValueError(f"{name} must be {need} and not NaN everywhere; got min {t.min().item()}"
+            raise ValueError(f"{name} must be {need} everywhere; got min {t.min().item()}, max {t.max().item()}"
                              + (" and NaN" if bool(torch.isnan(t).any()) else ""))
 
 
@@ -151,15 +153,16 @@ def check_row_param(value, x: torch.Tensor, dim: int, name: str = "alpha", lower
 
 def head_alpha_view(alpha: torch.Tensor, heads: int) -> torch.Tensor:
     """A (H,) tensor means one α per head: view it as (H, 1, 1)."""
-    if alpha.dim() == 1 and alpha.shape[0] == heads and heads > 1:
+    if alpha.dim() == 1 and alpha.shape[0] == heads and heads != 1:
         return alpha.view(heads, 1, 1)
     return alpha
 
 
-def check_attention_alpha(alpha, normalizer: str, target: tuple, heads: int):
-    """attention's α: None unless the normalizer takes it; then a float > 0, or a
-    floating-point tensor broadcastable to `target` = (*batch, H, 1, 1), where a
-    1-d tensor of H values is one α per head (returned viewed as (H, 1, 1))."""
+def check_attention_alpha(alpha, normalizer: str, target: tuple, heads: int, device: torch.device):
+    """attention's α: None unless the normalizer takes it; then a finite float >
+    0, or a floating-point tensor on the query's `device` broadcastable to
+    `target` = (*batch, H, 1, 1), where a 1-d tensor of H values is one α per
+    head (returned viewed as (H, 1, 1))."""
     if not takes_alpha(normalizer):
         if alpha is not None:
             raise ValueError(f"alpha is only used with normalizer='entmax', got normalizer={normalizer!r}")
@@ -174,6 +177,8 @@ def check_attention_alpha(alpha, normalizer: str, target: tuple, heads: int):
         raise TypeError(f"alpha must be a float or a torch.Tensor, got {type(alpha).__name__}")
     if not alpha.is_floating_point():
         raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
+    if alpha.device != device:
+        raise ValueError(f"alpha is on {alpha.device} but query is on {device}")
     a = head_alpha_view(alpha, heads)
     if not broadcasts_to(a.shape, target):
         raise ValueError(f"alpha of shape {tuple(alpha.shape)} must be a float, a tensor of {heads} values "

@@ -536,6 +536,9 @@ def test_backends_and_dropout():
     (dict(normalizer="entmax", alpha=torch.tensor([1.5, -1.0])), ValueError, "alpha"),
     (dict(normalizer="entmax", alpha=torch.ones(5, 1, 1) * 1.5), ValueError, "alpha"),
     (dict(normalizer="softmax", alpha=1.5), ValueError, "alpha"),
+    (dict(normalizer="entmax", alpha=math.inf), ValueError, "alpha"),
+    (dict(normalizer="entmax", alpha=torch.tensor([math.inf, 1.5])), ValueError, "alpha"),
+    (dict(normalizer="entmax", alpha=torch.tensor([1.3, 1.5], device="meta")), ValueError, "alpha is on meta"),
     (dict(dropout_p=1.5), ValueError, "dropout_p"),
     (dict(is_causal=1), TypeError, "is_causal"),
     (dict(scale="big"), TypeError, "scale"),
@@ -547,6 +550,42 @@ def test_validation_errors(bad, exc, match):
     args.update(bad)
     with pytest.raises(exc, match=match):
         attnkern.attention(**args)
+
+
+def test_compiled_op_refuses_a_non_finite_alpha():
+    # What a compiled graph calls (attention() checks α before, in eager mode).
+    q = torch.randn(1, 2, 3, 4)
+    for bad in (math.inf, math.nan):
+        with pytest.raises(ValueError, match="alpha must be finite"):
+            torch.ops.attnkern.attention_fwd(q, q, q, None, False, 0.5, "entmax", torch.tensor([1.5, bad]))
+
+
+def test_float64_alpha_is_not_rounded_to_float32():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    alpha = torch.tensor([1.3, 1.7], dtype=torch.float64, requires_grad=True)
+    out = attnkern.attention(q, k, v, normalizer="entmax", alpha=alpha)
+    ref = attnkern.attention(q, k, v, normalizer="entmax", alpha=alpha, backend="reference")
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)  # float32 α: errors ~1e-8
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, alpha), g)
+    ref_grads = torch.autograd.grad(ref, (q, alpha), g)
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+@pytest.mark.parametrize("shape", [(1, 2, 3, 0, 4, 2), (1, 0, 3, 4, 5, 2)], ids=["E=0", "H=0"])
+def test_empty_head_dim_or_heads_as_sdpa(normalizer, shape):
+    B, H, L, E, S, Ev = shape
+    q, k, v = torch.randn(B, H, L, E), torch.randn(B, H, S, E), torch.randn(B, H, S, Ev, requires_grad=True)
+    out = attnkern.attention(q, k, v, normalizer=normalizer, alpha=alpha_for(normalizer, H))
+    assert out.shape == (B, H, L, Ev)
+    if E == 0:  # every score 0: uniform weights for every normalizer, as SDPA's softmax
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    out.sum().backward()
+    assert v.grad.shape == v.shape
 
 
 # --- ops: opcheck -------------------------------------------------------------------------

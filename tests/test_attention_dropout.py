@@ -125,6 +125,29 @@ def test_multihead_attention_trains_with_dropout_in_the_kernel(monkeypatch):
     assert torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("normalizer, alpha", [("softmax", None), ("entmax", 1.5)])
+def test_dropout_with_returned_weights(normalizer, alpha):
+    # return_weights=True runs unfused: the weights are dropped out there too,
+    # returned after dropout (as torch's MultiheadAttention), and out = p·v.
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    kw = dict(normalizer=normalizer, alpha=alpha, return_weights=True)
+    out, p = attnkern.attention(q, k, v, dropout_p=0.5, **kw)
+    _, p_full = attnkern.attention(q, k, v, **kw)
+    kept = p != 0
+    assert 0.3 < kept[p_full != 0].float().mean() < 0.7
+    torch.testing.assert_close(p[kept], 2 * p_full[kept])
+    torch.testing.assert_close(out, p @ v)
+
+
+def test_multihead_attention_drops_out_with_weights_in_training():
+    torch.manual_seed(0)
+    mha = attnkern.nn.MultiheadAttention(8, 2, dropout=0.5)
+    x = torch.randn(6, 1, 8)
+    assert not torch.equal(mha(x, x, x)[0], mha(x, x, x)[0])  # need_weights=True by default
+    mha.eval()
+    assert torch.equal(mha(x, x, x)[0], mha(x, x, x)[0])
+
+
 def test_dropout_under_torch_compile_is_not_dropped():
     q, k, v, _ = make_qkv(1, 2, 2, 16, 16, 8, 8, torch.float32, grad_out=True)
     ones = torch.ones(1, 2, 16, 8)

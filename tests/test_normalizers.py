@@ -279,6 +279,28 @@ def test_alpha_below_one_known_values():
     assert torch.allclose(attnkern.entmax(x, 0.5), expected, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n, alpha", [(5, -60.0), (100, -30.0), (1000, -15.0), (1000, -60.0), (10, 0.5)])
+def test_very_negative_alpha_as_in_float64(dtype, n, alpha):
+    # n^(1 - α) beyond float32's range (the search's bracket overflowed, and
+    # float32 rows lost up to 10% in their weights): those rows run in double.
+    x = make_scores((8, n), torch.float64, scale=2.0, seed=31)
+    expected = attnkern.entmax_bisect(x, alpha)
+    ours = attnkern.entmax_bisect(x.to(dtype), alpha)
+    rel = ((ours.double() - expected) / expected).abs().max().item()
+    assert rel < (1e-5 if dtype == torch.float32 else 1e-2), rel
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_op_refuses_a_non_finite_alpha(bad):
+    # The public function checks α in eager mode; the op itself (which a
+    # compiled graph calls) refuses it too rather than returning zeros.
+    x = torch.randn(3, 7)
+    alpha = torch.tensor([[1.5], [bad], [1.2]])
+    with pytest.raises(ValueError, match="alpha must be finite"):
+        torch.ops.attnkern.entmax_fwd(x, alpha, -1)
+
+
 # --- invariants ----------------------------------------------------------------------------------
 
 

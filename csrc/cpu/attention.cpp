@@ -11,6 +11,7 @@
 // fixed order, so both cores work even for a single head and the result does
 // not depend on the thread count.
 
+#include <cmath>
 #include <string>
 
 #include "attention_problem.h"
@@ -211,7 +212,7 @@ Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, 
   P.fam.resize(c.H);
   for (int64_t h = 0; h < c.H; ++h) {
     if (fam == Family::kGeneric) {
-      const acc_t b = static_cast<acc_t>(alpha.const_data_ptr<float>()[h]) - acc_t(1);
+      const acc_t b = static_cast<acc_t>(alpha.const_data_ptr<double>()[h]) - acc_t(1);
       P.b[h] = b;
       P.fam[h] = math::family_of<acc_t>(b);
     } else {
@@ -265,7 +266,7 @@ void sum_chunks(const Tensor& acc, Tensor& out) {
 // resolution, and in the backward g = p^(2-α), unbounded there, multiplies the
 // rounding of dp = dO·v_j.
 void widen_for_alpha_above_two(Checked& c, const Tensor& alpha) {
-  if (alpha.defined() && c.acc == at::kFloat && (alpha > 2.0f).any().item<bool>()) c.acc = at::kDouble;
+  if (alpha.defined() && c.acc == at::kFloat && (alpha > 2.0).any().item<bool>()) c.acc = at::kDouble;
 }
 
 Tensor prepare_alpha(const c10::optional<Tensor>& alpha, Family fam, const Checked& c) {
@@ -273,9 +274,13 @@ Tensor prepare_alpha(const c10::optional<Tensor>& alpha, Family fam, const Check
   TORCH_CHECK(alpha.has_value() && alpha->defined(), "attnkern.attention: normalizer 'entmax' needs alpha");
   TORCH_CHECK(alpha->numel() == c.H, "attnkern.attention: alpha must have one value per query head (", c.H,
               "), got shape ", alpha->sizes());
-  Tensor a = alpha->to(at::kFloat).contiguous().view({c.H});
-  auto ac = a.accessor<float, 1>();
-  for (int64_t h = 0; h < c.H; ++h) TORCH_CHECK(ac[h] > 0, "attnkern.attention: alpha must be > 0, got ", ac[h]);
+  // In double: a float64 α reaches the float64 kernels unrounded (float32
+  // and half α convert exactly).
+  Tensor a = alpha->to(at::kDouble).contiguous().view({c.H});
+  auto ac = a.accessor<double, 1>();
+  for (int64_t h = 0; h < c.H; ++h)
+    TORCH_CHECK_VALUE(std::isfinite(ac[h]) && ac[h] > 0, "attnkern.attention: alpha must be finite and > 0, got ",
+                      ac[h]);
   return a;
 }
 
@@ -418,9 +423,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     dalpha_h = at::empty({c.H}, dalpha_acc.options());
     sum_chunks<double>(dalpha_acc.view({nchunks * c.B, c.H}), dalpha_h);
   }
-  Tensor dalpha = want_alpha   ? dalpha_h.to(at::kFloat)
-                  : alpha_grad ? at::zeros({c.H}, q_in.options().dtype(at::kFloat))
-                               : at::empty({0}, q_in.options().dtype(at::kFloat));
+  // dalpha in α's dtype: float64 for a float64 α, else float32.
+  const auto alpha_dtype =
+      alpha_in.has_value() && alpha_in->defined() && alpha_in->scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  Tensor dalpha = want_alpha   ? dalpha_h.to(alpha_dtype)
+                  : alpha_grad ? at::zeros({c.H}, q_in.options().dtype(alpha_dtype))
+                               : at::empty({0}, q_in.options().dtype(alpha_dtype));
   return {dq.to(q_in.scalar_type()).contiguous(), dk.to(k_in.scalar_type()).contiguous(),
           dv.to(v_in.scalar_type()).contiguous(), dalpha};
 }

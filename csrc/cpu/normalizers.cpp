@@ -337,7 +337,12 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
 }
 
 Tensor alpha_rows(const Tensor& x, const Tensor& alpha, int64_t dim) {
-  return per_row(alpha, x, dim, x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  Tensor a = per_row(alpha, x, dim, x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  // attnkern.entmax checks α in eager mode; a compiled graph skips that check,
+  // and a NaN or infinite α would otherwise give rows of zeros here.
+  TORCH_CHECK_VALUE(at::isfinite(a).all().item<bool>(), "attnkern.entmax: alpha must be finite, got ",
+                    a.isnan().any().item<bool>() ? "NaN" : "an infinite value");
+  return a;
 }
 
 template <Family FAM>
