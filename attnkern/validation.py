@@ -202,12 +202,19 @@ def check_module_alpha(normalizer: str, alpha) -> None:
                          f"with normalizer={normalizer!r}")
 
 
-def learnable_alpha_theta(alpha_init) -> torch.Tensor:
+def learnable_alpha_theta(alpha_init, device=None, dtype=None) -> torch.Tensor:
     """θ with α = 1 + sigmoid(θ) = alpha_init, the parameter of a learnable α
-    kept in (1, 2); alpha_init must lie in (1, 2)."""
+    kept in (1, 2); alpha_init must lie in (1, 2). device and dtype are the
+    module's factory kwargs (None: torch's defaults). θ is made in the
+    accumulation dtype of `dtype` (float32 for float16 and bfloat16): every
+    consumer casts α to that dtype before use (the kernels take α in float32 or
+    float64), and a half-precision θ would round away small updates of α."""
     if not 1.0 < float(alpha_init) < 2.0:
         raise ValueError(f"alpha_init must be in (1, 2), got {alpha_init}")
-    return torch.logit(torch.tensor(float(alpha_init) - 1.0))
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return torch.logit(torch.tensor(float(alpha_init) - 1.0, dtype=acc_dtype(dtype), device=device))
 
 
 # --- attention masks ---------------------------------------------------------------------------------

@@ -29,12 +29,25 @@ _FAR = -1e30
 
 
 def _rows_last(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x.movedim(dim, -1).to(torch.float64)
+    """x in float64 with `dim` last; a 0-d x is one row of one entry, as the
+    kernels take it."""
+    return (x.movedim(dim, -1) if x.dim() else x.reshape(1)).to(torch.float64)
 
 
 def _finish(p64: torch.Tensor, x: torch.Tensor, dim: int, nan_rows: torch.Tensor) -> torch.Tensor:
     p64 = torch.where(nan_rows, torch.full_like(p64, math.nan), p64)
-    return p64.movedim(-1, dim).to(x.dtype)
+    return (p64.movedim(-1, dim) if x.dim() else p64.reshape(())).to(x.dtype)
+
+
+def _no_entries(x: torch.Tensor, dim: int, a: torch.Tensor | None = None) -> torch.Tensor:
+    """The output for an input with no entries (rows of length 0, or no rows):
+    an empty tensor of x's shape and dtype. It is computed from x (and from the
+    α rows `a`), so that backward runs and gives them their empty or zero
+    gradients, as the kernels' backward does."""
+    p = _rows_last(x, dim) * 0
+    if a is not None:
+        p = p + a * 0
+    return p.movedim(-1, dim).to(x.dtype)
 
 
 def _prepare(x: torch.Tensor, dim: int):
@@ -55,6 +68,8 @@ def _prepare(x: torch.Tensor, dim: int):
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """softmax(x)_i = exp(x_i) / Σ_j exp(x_j) along `dim`; rows of only -inf give 0."""
+    if not x.numel():
+        return _no_entries(x, dim)
     y, valid, empty, bad = _prepare(x, dim)
     e = torch.exp(y) * valid
     p = e / e.sum(-1, keepdim=True).clamp_min(1e-300)
@@ -64,6 +79,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Euclidean projection onto the simplex, argmin_{p in Δ} ||p - x||², by sorting."""
+    if not x.numel():
+        return _no_entries(x, dim)
     y, valid, empty, bad = _prepare(x, dim)
     ys, _ = torch.sort(y, dim=-1, descending=True)
     n = y.shape[-1]
@@ -79,6 +96,8 @@ def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """1.5-entmax, argmax_{p in Δ} <p, x> + H_1.5(p), by sorting (Peters et al., 2019)."""
+    if not x.numel():
+        return _no_entries(x, dim)
     y, valid, empty, bad = _prepare(x, dim)
     z = y / 2
     zs, _ = torch.sort(z, dim=-1, descending=True)
@@ -117,54 +136,107 @@ def _alpha_rows(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
     return _rows_last(a.to(torch.float64).expand(shape), dim)
 
 
+def _may_hold(mask: torch.Tensor) -> bool:
+    """bool(mask.any()), or True where values cannot steer Python (under
+    torch.func.vmap)."""
+    try:
+        return bool(mask.any())
+    except RuntimeError as exc:
+        if "vmap" in str(exc):
+            return True
+        raise
+
+
+def _map_sparse(y: torch.Tensor, c: torch.Tensor, b: torch.Tensor):
+    """α > 1 (b > 0) at the shift c: p = φ_b(y - c) and d = 1 + b(y - c), so that
+    -∂p/∂c = p/d on the support."""
+    return _phi(y - c, b), 1 + b * (y - c)
+
+
+def _map_dense(y: torch.Tensor, s: torch.Tensor, beta: torch.Tensor):
+    """α < 1 (β = 1 - α > 0) at the shift c = expm1(β s)/β, i.e. with the shift
+    on a log scale: p = φ_-β(y - c) = exp(-s) (1 + w)^(-1/β) with
+    w = -y β exp(-β s) >= 0 (y <= 0), and d = 1 + w, so that -∂p/∂s = p/d.
+
+    c itself overflows float64 once β ln n > 709 (it reaches (n^β - 1)/β for n
+    equal scores), while s stays in [0, ln n] for every β: at s = 0 the top
+    entry alone has p = 1, and at s = ln n every entry has p <= 1/n."""
+    w = -y * torch.exp(torch.log(beta) - beta * s)
+    return torch.exp(-s - torch.log1p(w) / beta), 1 + w
+
+
 def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
-    """α-entmax, argmax_{p in Δ} <p, x> + H^T_α(p) (Tsallis entropy), any α > 0.
+    """α-entmax, argmax_{p in Δ} <p, x> + H^T_α(p) (Tsallis entropy), any finite α.
 
     alpha: float, or tensor broadcastable to x with size 1 along `dim`; may
-    require grad. The threshold is found by bisection (no gradient) and made
+    require grad. The shift is found by bisection (no gradient) and made
     differentiable with one implicit-function step, so autograd gives the exact
-    gradient in x and α.
+    gradient in x and α. Rows with α > 1 solve for the shift c of
+    docs/algorithms.md, rows with α < 1 for its log-scale form (_map_dense).
     """
+    if not x.numel():
+        return _no_entries(x, dim, _alpha_rows(alpha, x, dim))
     y, valid, empty, bad = _prepare(x, dim)
     a = _alpha_rows(alpha, x, dim)
     b = a - 1
     soft = b.abs() < SOFTMAX_BAND
     b_safe = torch.where(soft, torch.full_like(b, 0.5), b)
+    # Each row takes one of the two maps; the other is evaluated at a harmless
+    # parameter (b = 1/2, β = 1) so that it stays finite and sends no NaN into
+    # the gradients through torch.where.
+    dense = b_safe < 0
+    b_sparse = torch.where(dense, torch.full_like(b_safe, 0.5), b_safe)
+    beta = torch.where(dense, -b_safe, torch.ones_like(b_safe))
+    y_dense = torch.where(valid, y, torch.zeros_like(y))
     n = y.shape[-1]
+    # Only the maps some row takes are evaluated (the oracle's cost is in the
+    # bisection); where the values cannot be read (torch.func.vmap), both are.
+    some_dense, some_sparse = _may_hold(dense), _may_hold(~dense)
+
+    def rows(y, y_dense, t, b_sparse, beta, slope=True):
+        """p at the shift t of each row (c or s), and g = -∂p/∂t (0 off the support)."""
+        if not some_dense:
+            p, d = _map_sparse(y, t, b_sparse)
+        elif not some_sparse:
+            p, d = _map_dense(y_dense, t, beta)
+        else:
+            p_s, d_s = _map_sparse(y, t, b_sparse)
+            p_d, d_d = _map_dense(y_dense, t, beta)
+            p, d = torch.where(dense, p_d, p_s), torch.where(dense, d_d, d_s)
+        p = p * valid
+        if not slope:
+            return p, None
+        g = torch.where(p > 0, p / torch.where(p > 0, d, torch.ones_like(d)), torch.zeros_like(p))
+        return p, g
 
     with torch.no_grad():
-        bd = b_safe.detach()
-        yd = y.detach()
+        bd, betad = b_sparse.detach(), beta.detach()
+        yd, ydd = y.detach(), y_dense.detach()
         lo = torch.zeros_like(bd)
         hi = -torch.expm1(-bd * math.log(n)) / bd if n > 1 else torch.zeros_like(bd)
-        hi = hi.clone()
+        hi = torch.where(dense, torch.full_like(hi, math.log(n)), hi)
         for _ in range(_BISECT_STEPS):
             mid = 0.5 * (lo + hi)
-            s = (_phi(yd - mid, bd) * valid).sum(-1, keepdim=True)
-            big = s >= 1
+            big = rows(yd, ydd, mid, bd, betad, slope=False)[0].sum(-1, keepdim=True) >= 1
             lo = torch.where(big, mid, lo)
             hi = torch.where(big, hi, mid)
-        c0 = 0.5 * (lo + hi)
-        p0 = _phi(yd - c0, bd) * valid
-        d0 = 1 + bd * (yd - c0)
-        g0 = torch.where(p0 > 0, p0 / d0, torch.zeros_like(p0)).sum(-1, keepdim=True)
+        t0 = 0.5 * (lo + hi)
+        g0 = rows(yd, ydd, t0, bd, betad)[1].sum(-1, keepdim=True)
         # Rows with no support (all -inf) are zeroed below; keep their
         # (unused) branch finite so no NaN reaches the gradients.
         g0 = torch.where(g0 > 0, g0, torch.ones_like(g0))
 
-    # Implicit function step: value c0, gradient -F_x/F_c and -F_b/F_c.
-    f = (_phi(y - c0, b_safe) * valid).sum(-1, keepdim=True) - 1
-    c = c0 + f / g0
+    # Implicit function step: value t0, gradient -F_x/F_t and -F_b/F_t.
+    f = rows(y, y_dense, t0, b_sparse, beta, slope=False)[0].sum(-1, keepdim=True) - 1
+    t = t0 + f / g0
     # A second, differentiable Newton step: the first step's error is quadratic
-    # in a perturbation of the inputs, so after this one c is exact to third
+    # in a perturbation of the inputs, so after this one t is exact to third
     # order and autograd's second derivatives (double backward, jvp of vjp)
     # are exact as well.
-    pc = _phi(y - c, b_safe) * valid
-    dc = 1 + b_safe * (y - c)
-    gc = torch.where(pc > 0, pc / torch.where(pc > 0, dc, torch.ones_like(dc)), torch.zeros_like(pc))
-    gc = gc.sum(-1, keepdim=True)
-    c = c + (pc.sum(-1, keepdim=True) - 1) / torch.where(gc > 0, gc, torch.ones_like(gc))
-    p = _phi(y - c, b_safe) * valid
+    pt, gt = rows(y, y_dense, t, b_sparse, beta)
+    gt = gt.sum(-1, keepdim=True)
+    t = t + (pt.sum(-1, keepdim=True) - 1) / torch.where(gt > 0, gt, torch.ones_like(gt))
+    p = rows(y, y_dense, t, b_sparse, beta, slope=False)[0]
     p = p / p.sum(-1, keepdim=True).detach().clamp_min(1e-300)
 
     # Rows at α = 1: softmax, with the α-derivative of the family at α = 1,
@@ -303,6 +375,11 @@ def budget_sparsemax(X: torch.Tensor, budget, dim: int = -1) -> torch.Tensor:
     gradient in X and the budget. budget: a float ≥ 0 or a tensor broadcastable
     to X with size 1 along `dim`. Serves the reference backend and devices
     without a kernel."""
+    if not X.numel():
+        # No entries (rows of length 0, or no rows): an empty output, computed
+        # from X and the budget so that backward gives them their gradients.
+        p = X * 0
+        return p + (budget * 0).to(X.dtype) if isinstance(budget, torch.Tensor) else p
     z = X.movedim(dim, -1).to(torch.float64) if X.dim() else X.reshape(1).to(torch.float64)
     if isinstance(budget, torch.Tensor):
         b = budget.to(torch.float64)

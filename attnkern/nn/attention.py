@@ -34,7 +34,8 @@ class MultiheadAttention(nn.Module):
         "entmax15" or "entmax".
       alpha ("entmax" only): a float (fixed α for every head) or "learnable":
         one α per head, α = 1 + sigmoid(θ) ∈ (1, 2), initialized at
-        `alpha_init` (as attnkern.nn.EntmaxAlpha).
+        `alpha_init` (as attnkern.nn.EntmaxAlpha; θ follows device and dtype,
+        but stays float32 for float16 and bfloat16).
       backend: passed to attnkern.attention.
     Shapes: query (L, N, E) or (N, L, E) with batch_first, or unbatched (L, E).
     need_weights=True returns the attention weights (averaged over heads when
@@ -84,7 +85,7 @@ class MultiheadAttention(nn.Module):
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
         if alpha == "learnable":
-            self.entmax_alpha = EntmaxAlpha(num_heads, alpha_init)
+            self.entmax_alpha = EntmaxAlpha(num_heads, alpha_init, **factory)
             self.fixed_alpha = None
         else:
             self.entmax_alpha = None
@@ -105,6 +106,8 @@ class MultiheadAttention(nn.Module):
         if self.bias_k is not None:
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
+        if self.entmax_alpha is not None:
+            self.entmax_alpha.reset_parameters()
 
     @property
     def alpha(self):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -65,16 +67,26 @@ class EntmaxAlpha(nn.Module):
     transformers, Correia et al., 2019): α = 1 + sigmoid(θ) ∈ (1, 2).
 
     Input: (batch, heads, ..., n) scores normalized along `dim` (default last);
-    the head axis is dim 1 (or `head_dim`).
+    the head axis is dim 1 (or `head_dim`). device, dtype: as for torch's
+    modules, except that θ is float32 for float16 and bfloat16 (see
+    attnkern.validation.learnable_alpha_theta).
     """
 
-    def __init__(self, heads: int, alpha_init: float = 1.5, dim: int = -1, head_dim: int = 1):
+    def __init__(self, heads: int, alpha_init: float = 1.5, dim: int = -1, head_dim: int = 1, device=None,
+                 dtype=None):
         super().__init__()
         if not isinstance(heads, int) or heads < 1:
             raise ValueError(f"heads must be a positive int, got {heads!r}")
-        theta = learnable_alpha_theta(alpha_init)
+        theta = learnable_alpha_theta(alpha_init, device=device, dtype=dtype)
         self.theta = nn.Parameter(theta.repeat(heads))
         self.heads, self.dim, self.head_dim = heads, dim, head_dim
+        self.alpha_init = float(alpha_init)
+
+    def reset_parameters(self) -> None:
+        """θ back to alpha_init for every head (e.g. after to_empty() on a
+        module built on the meta device)."""
+        with torch.no_grad():
+            self.theta.fill_(math.log((self.alpha_init - 1.0) / (2.0 - self.alpha_init)))
 
     @property
     def alpha(self) -> torch.Tensor:

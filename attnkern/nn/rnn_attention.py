@@ -57,10 +57,13 @@ class RNNAttention(nn.Module, abc.ABC):
     mode: "learned", "uniform" or "fixed" (see the module docstring).
     backend: attnkern backend of the normalizer ("auto" runs the compiled
       kernel on CPU tensors; "reference" the float64 oracle).
+    device, dtype: as for torch's modules, for every parameter; the learnable
+      α's θ stays float32 for float16 and bfloat16 (see
+      attnkern.validation.learnable_alpha_theta).
     """
 
     def __init__(self, *, normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, mode: str = "learned",
-                 backend: str = "auto"):
+                 backend: str = "auto", device=None, dtype=None):
         super().__init__()
         check_module_alpha(normalizer, alpha)
         if mode not in MODES:
@@ -70,7 +73,7 @@ class RNNAttention(nn.Module, abc.ABC):
         self.alpha_theta = None
         self.fixed_alpha = None
         if alpha == "learnable":
-            self.alpha_theta = nn.Parameter(learnable_alpha_theta(alpha_init))
+            self.alpha_theta = nn.Parameter(learnable_alpha_theta(alpha_init, device=device, dtype=dtype))
         elif alpha is not None:
             self.fixed_alpha = float(alpha)
         self.normalizer, self.mode, self.backend = normalizer, mode, backend
@@ -163,8 +166,8 @@ class LuongAttention(RNNAttention):
     """Luong et al. (2015) attention: score(q, k) = q·k ("dot", needs Dq == Dk) or
     q·W k ("general", W of shape (Dq, Dk))."""
 
-    def __init__(self, query_dim: int, key_dim: int, kind: str = "general", **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, query_dim: int, key_dim: int, kind: str = "general", *, device=None, dtype=None, **kwargs):
+        super().__init__(device=device, dtype=dtype, **kwargs)
         _positive_int(query_dim, "query_dim")
         _positive_int(key_dim, "key_dim")
         if kind not in ("dot", "general"):
@@ -172,7 +175,7 @@ class LuongAttention(RNNAttention):
         if kind == "dot" and query_dim != key_dim:
             raise ValueError(f"kind='dot' needs query_dim == key_dim, got {query_dim} and {key_dim}")
         self.kind, self.query_dim, self.key_dim = kind, query_dim, key_dim
-        self.W = nn.Linear(key_dim, query_dim, bias=False) if kind == "general" else None
+        self.W = nn.Linear(key_dim, query_dim, bias=False, device=device, dtype=dtype) if kind == "general" else None
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return _dot(query, keys if self.W is None else self.W(keys))
@@ -197,15 +200,16 @@ class AdditiveAttention(RNNAttention):
     """Bahdanau et al. (2015) attention: score(q, k) = v·tanh(W k + U q), with W
     (hidden, Dk), U (hidden, Dq) and v (hidden)."""
 
-    def __init__(self, query_dim: int, key_dim: int, hidden_dim: int, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, query_dim: int, key_dim: int, hidden_dim: int, *, device=None, dtype=None, **kwargs):
+        super().__init__(device=device, dtype=dtype, **kwargs)
         _positive_int(query_dim, "query_dim")
         _positive_int(key_dim, "key_dim")
         _positive_int(hidden_dim, "hidden_dim")
         self.query_dim, self.key_dim, self.hidden_dim = query_dim, key_dim, hidden_dim
-        self.W = nn.Linear(key_dim, hidden_dim, bias=True)
-        self.U = nn.Linear(query_dim, hidden_dim, bias=False)
-        self.v = nn.Linear(hidden_dim, 1, bias=False)
+        factory = {"device": device, "dtype": dtype}
+        self.W = nn.Linear(key_dim, hidden_dim, bias=True, **factory)
+        self.U = nn.Linear(query_dim, hidden_dim, bias=False, **factory)
+        self.v = nn.Linear(hidden_dim, 1, bias=False, **factory)
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         k = self.W(keys)  # (B, T, H)
