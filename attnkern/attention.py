@@ -56,7 +56,9 @@ def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     flags = (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("return_weights", return_weights))
     for name, flag in flags:
         if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+            kind = type(flag)
+            kind_name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+            raise TypeError(f"{name} must be a Python bool, got {kind_name}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise TypeError(f"scale must be None or a finite float, got {scale!r}")

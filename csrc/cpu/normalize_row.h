@@ -77,10 +77,28 @@ inline void normalize_row_wide(const float* x, int64_t n, float b, float* out, i
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(row[i]);
 }
 
+// α so far below 1 that n^(1 - α) overflows double (the bracket of the shift,
+// (1 - n^(-b)) / b, is infinite): the weights are then uniform over the
+// entries above -inf to far below double's resolution (with the shift c of
+// order n^(-b), p_i ∝ (1 - b(c - y_i))^(1/b) spreads by ~|y_i| / c).
+template <typename acc_t>
+inline bool uniform_far_below_one(const acc_t* x, int64_t n, acc_t b, acc_t* out) {
+  if (!(b < acc_t(0)) || std::isfinite(math::entmax_shift_upper<double>(n, static_cast<double>(b)))) return false;
+  const acc_t m = row_max(x, n);
+  if (special_row(m, out, n)) return true;
+  const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) k += x[i] > ninf;
+  const acc_t each = acc_t(1) / static_cast<acc_t>(k);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] > ninf ? each : acc_t(0);
+  return true;
+}
+
 template <typename acc_t, Family FAM>
 inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work,
                                 int32_t* idx) {
   if constexpr (FAM == Family::kGeneric) {
+    if (uniform_far_below_one(x, n, b, out)) return;
     math::with_family(math::family_of<acc_t>(b), [&](auto tag) {
       constexpr Family F = decltype(tag)::value;
       if constexpr (F == Family::kGeneric) {
