@@ -643,6 +643,10 @@ Tensor fixed_backward(const Tensor& p, const Tensor& grad, int64_t dim) {
 
 Tensor entmax_forward(const Tensor& x, const Tensor& alpha, int64_t dim) {
   TORCH_CHECK(alpha.defined(), "attnkern: entmax_fwd needs alpha");
+  // attnkern.entmax checks α in eager mode; a compiled graph does not, and a
+  // NaN or infinite α would give rows of zeros. Checked on the device, without
+  // a synchronization (as the CPU op checks it at once).
+  at::_assert_async(at::isfinite(alpha).all(), "attnkern.entmax: alpha must be finite");
   return forward_op(x, alpha, dim, Family::kGeneric);
 }
 
