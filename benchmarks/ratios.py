@@ -10,6 +10,7 @@ kernels dispatched to, PyTorch's CPU capability, the dtype and the threads.
     python benchmarks/ratios.py --quick              # N = 2048 and the row-wise shapes
     python benchmarks/ratios.py --dtypes float32 --threads 2
     python benchmarks/ratios.py --cases rowwise --rounds 21
+    python benchmarks/ratios.py --cases rowwise --rounds 21 --processes 4
 
 Cases (B = 1, H = 8, E = 64 unless said):
   attention   N = 2048, 8192; softmax, sparsemax, entmax15, entmax α = 1.3;
@@ -22,6 +23,12 @@ Cases (B = 1, H = 8, E = 64 unless said):
 The process's heap keeps the memory it frees (conftest.steady_heap), so that
 neither contender pays page faults for fresh tensors in some cases and not in
 others.
+
+--processes N repeats the whole run in N fresh processes, one after another,
+and reports each case's median ratio over them with their range: where both
+contenders stream tensors from memory (the row-wise cases), where a process's
+buffers land sets its speed, and on a 2-core Zen 5 a case's ratio moved by
+±15% from process to process while staying steady within one.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -194,7 +204,13 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", choices=["attention", "decode", "rowwise"],
                     default=["attention", "decode", "rowwise"], help="which groups of cases to run")
     ap.add_argument("--out", default="results/bench/ratios", help="prefix of the .md and .json written")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="repeat the run in this many fresh processes; report the median ratio and the range")
     args = ap.parse_args()
+    if args.processes < 1:
+        ap.error("--processes must be at least 1")
+    if args.processes > 1:
+        return repeat_in_processes(args)
     heap = "steady (glibc mallopt)" if steady_heap() else "the C library's default"
     sizes = [2048] if args.quick else [2048, 8192]
 
@@ -237,6 +253,78 @@ def main() -> None:
     meta = dict(cpu=cpu_model(), attnkern_level=level, torch=torch.__version__,
                 torch_capability=torch.backends.cpu.get_cpu_capability())
     out.with_suffix(".json").write_text(json.dumps(dict(machine=meta, results=results), indent=1))
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+
+
+def _argv_without(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag` and its value (either "--flag v" or "--flag=v")."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def repeat_in_processes(args) -> None:
+    """Runs this script args.processes times, each in a fresh process with the
+    same arguments, and merges their results: per case, the median of the
+    processes' ratios (and of their times) with the lowest and highest ratio."""
+    runs = []
+    base = _argv_without(_argv_without(sys.argv[1:], "--processes"), "--out")
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            prefix = Path(tmp) / f"run{i}"
+            cmd = [sys.executable, str(Path(__file__).resolve()), *base, "--out", str(prefix)]
+            print(f"process {i + 1} of {args.processes}: {' '.join(cmd[1:])}", flush=True)
+            subprocess.run(cmd, check=True)
+            runs.append(json.loads(prefix.with_suffix(".json").read_text()))
+    merged, order = {}, []
+    for run in runs:
+        for r in run["results"]:
+            key = (r["dtype"], r["threads"], r["case"], r["normalizer"], r["mode"])
+            if key not in merged:
+                merged[key] = []
+                order.append(key)
+            merged[key].append(r)
+    meta = runs[0]["machine"]
+    head = (f"CPU: {meta['cpu']}; attnkern CPU kernels at {meta['attnkern_level'].get('active', '?')} "
+            f"(this CPU runs up to {meta['attnkern_level'].get('machine', '?')}); torch {meta['torch']} "
+            f"CPU capability {meta['torch_capability']}.\n"
+            f"Ratio = attnkern time / PyTorch time: in each of {args.processes} processes the median of "
+            f"interleaved rounds; here the median over the processes, with their range.")
+    lines, results, title = [head, ""], [], None
+    for key in order:
+        rs = merged[key]
+        dtype_name, threads, case, name, mode = key
+        t = f"### {dtype_name}, {threads} thread{'s' if threads > 1 else ''}"
+        if t != title:
+            if title is not None:
+                lines.append("")
+            title = t
+            lines += [t, "",
+                      "| case | normalizer | mode | ratio | range | target | attnkern ms | PyTorch ms | rounds |",
+                      "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        ratios = [r["ratio"] for r in rs]
+        ratio, target = statistics.median(ratios), rs[0]["target"]
+        ours, theirs = statistics.median(r["ours_s"] for r in rs), statistics.median(r["torch_s"] for r in rs)
+        ok = "" if ratio <= target else " ✗"
+        lines.append(f"| {case} | {name} | {mode} | {ratio:.2f}{ok} | {min(ratios):.2f}–{max(ratios):.2f} | "
+                     f"≤ {target:g} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {len(rs)} × {rs[0]['rounds']} |")
+        results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode, ratio=ratio,
+                            ratio_min=min(ratios), ratio_max=max(ratios), ratios=ratios, target=target,
+                            ours_s=ours, torch_s=theirs, rounds=rs[0]["rounds"], processes=len(rs)))
+    lines.append("")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(dict(machine=meta, processes=args.processes, results=results),
+                                                   indent=1))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
 
 
