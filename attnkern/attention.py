@@ -51,8 +51,8 @@ def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         raise ValueError(f"key and value must have the same number of heads, got {key.shape[-3]} and "
                          f"{value.shape[-3]}")
     validation.check_attn_mask(attn_mask, query)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
     flags = (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("return_weights", return_weights))
     for name, flag in flags:
         if not isinstance(flag, bool):
@@ -112,7 +112,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
       scores), broadcastable to (..., H, L, S). is_causal: query i sees keys
       j <= i (SDPA's top-left alignment). scale: default 1/sqrt(E).
       dropout_p: dropout on the weights (kept with probability 1 - dropout_p,
-      scaled by 1 / (1 - dropout_p), as SDPA); the kernels regenerate the mask
+      scaled by 1 / (1 - dropout_p), as SDPA; 1 drops them all); the kernels regenerate the mask
       in the backward from a seed drawn from torch's generator, so
       torch.manual_seed reproduces it.
     normalizer: "softmax", "sparsemax" (Euclidean projection onto the simplex),
@@ -136,6 +136,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if not compiling:
         _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer,
                       return_weights)
+    if dropout_p == 1:
+        # Every weight dropped, as SDPA and torch's module allow: zeros (and zero
+        # gradients) in the shape and graph of the undropped result.
+        res = attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, normalizer=normalizer,
+                        alpha=alpha, backend=backend, return_weights=return_weights)
+        return tuple(r * 0 for r in res) if isinstance(res, tuple) else res * 0
     E = query.shape[-1]
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     # (E = 0: every score is 0, whatever the scale; SDPA gives uniform weights.)

@@ -139,6 +139,18 @@ def test_dropout_with_returned_weights(normalizer, alpha):
     torch.testing.assert_close(out, p @ v)
 
 
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_dropout_one_drops_everything_as_sdpa(return_weights):
+    q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
+    res = attnkern.attention(q, k, v, dropout_p=1.0, normalizer="entmax15", return_weights=return_weights)
+    out = res[0] if return_weights else res
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=1.0))
+    if return_weights:
+        assert not res[1].any()
+    out.sum().backward()
+    assert not any(t.grad.any() for t in (q, k, v))
+
+
 def test_multihead_attention_drops_out_with_weights_in_training():
     torch.manual_seed(0)
     mha = attnkern.nn.MultiheadAttention(8, 2, dropout=0.5)
