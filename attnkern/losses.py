@@ -27,7 +27,7 @@ from attnkern import autograd, ops
 from attnkern.compat import normmax_bisect
 from attnkern.family import acc_dtype
 from attnkern.ops import _compiling
-from attnkern.validation import as_index, check_k, check_n_iter, check_row_param, check_tensor
+from attnkern.validation import any_true, as_index, check_k, check_n_iter, check_row_param, check_tensor
 
 REDUCTIONS = ("elementwise_mean", "mean", "sum", "none")
 
@@ -44,6 +44,10 @@ def _check_inputs(X, target) -> None:
     if tuple(target.shape) != tuple(X.shape[:-1]):
         raise ValueError(f"target of shape {tuple(target.shape)} does not match X of shape {tuple(X.shape)} "
                          "(expected X's shape without its last dim)")
+    n_classes = X.shape[-1]
+    if target.numel() and target.device.type == "cpu" and any_true((target < 0) | (target >= n_classes)):
+        raise ValueError(f"target must hold class indices in [0, {n_classes}), got min {int(target.min())}, "
+                         f"max {int(target.max())}")
 
 
 def _entmax_family_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.Tensor:

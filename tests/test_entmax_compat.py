@@ -270,6 +270,16 @@ def test_loss_module_ignores_negative_ignore_index_targets():
     assert_close(attnkern.SparsemaxLoss()(x, t), loss.sum() / 2)
 
 
+@pytest.mark.parametrize("loss", [attnkern.sparsemax_loss, attnkern.entmax15_loss,
+                                  lambda x, t: attnkern.entmax_bisect_loss(x, t, 1.3),
+                                  lambda x, t: attnkern.normmax_bisect_loss(x, t, 2.0)])
+@pytest.mark.parametrize("target", [[0, 2, 5, 1], [0, -1, 2, 1]])
+def test_loss_target_out_of_range(loss, target):
+    # Every loss names the problem (normmax's raised torch's indexing error).
+    with pytest.raises(ValueError, match=r"target must hold class indices in \[0, 5\)"):
+        loss(torch.randn(4, 5), torch.tensor(target))
+
+
 def test_loss_bad_reduction():
     with pytest.raises(ValueError):
         attnkern.SparsemaxLoss(reduction="avg")

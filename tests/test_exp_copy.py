@@ -43,6 +43,9 @@ def test_copy_bad_arguments(tmp_path, capsys):
     assert "--distributions" in capsys.readouterr().err
     assert cli.main(["copy", "--out", str(tmp_path), "--normalizers", "relu"]) == 2
     assert "--normalizers" in capsys.readouterr().err
+    assert cli.main(["copy", "--out", str(tmp_path / "never-made"), "--calibrate", "-5"]) == 2
+    assert "argument --calibrate" in capsys.readouterr().err
+    assert not (tmp_path / "never-made").exists()
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax15"])

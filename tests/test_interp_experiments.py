@@ -109,12 +109,28 @@ def test_report_gathers_every_part(out):
 
 
 def test_bad_arguments_give_one_line_errors(tmp_path, capsys):
-    assert cli.main(["importance", "--out", str(tmp_path), "--dataset", "imdb"]) == 1
-    assert "argument --dataset" in capsys.readouterr().err
-    assert cli.main(["adversarial", "--out", str(tmp_path), "--epsilon", "0"]) == 1
-    assert "argument --epsilon" in capsys.readouterr().err
+    # Usage errors (exit 2), found before the output directory is made.
+    out = tmp_path / "never-made"
+    for argv, name in ((["importance", "--dataset", "imdb"], "--dataset"), (["importance", "--instances", "0"],
+                       "--instances"), (["adversarial", "--epsilon", "0"], "--epsilon"),
+                       (["permutation", "--permutations", "0"], "--permutations"),
+                       (["baselines", "--lambdas", "-1"], "--lambdas")):
+        assert cli.main([argv[0], "--out", str(out), *argv[1:]]) == 2
+        assert f"argument {name}" in capsys.readouterr().err
+        assert not out.exists()
     assert cli.main(["report", "--out", str(tmp_path / "empty")]) == 1
     assert "no interpretability results" in capsys.readouterr().err
+
+
+def test_missing_data_is_one_line(tmp_path, monkeypatch, capsys):
+    # Every run fails for want of the data: one line with the reason, no "results in".
+    monkeypatch.setenv("ATTNKERN_DATA", str(tmp_path / "empty-cache"))
+    argv = ["importance", "--out", str(tmp_path / "out"), "--quick", "--dataset", "bbc", "--encoders", "average",
+            "--normalizers", "softmax", "--no-progress"]
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "attnkern-exp data fetch bbc" in captured.err and "\n" not in captured.err.strip()
+    assert "results" not in captured.out
 
 
 # --- building blocks ------------------------------------------------------------------------------------------------

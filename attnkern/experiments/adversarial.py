@@ -103,13 +103,18 @@ def _plot(merged: dict, out) -> list[str]:
                                "adversarial attention within ε of the output", xlim=(0, LN2 * 1.02))
 
 
-def run(args) -> dict:
+def check_arguments(args) -> None:
+    """ValueError naming the argument (the CLI checks before it creates the output directory)."""
     interp.check_model_arguments(args)
     for name, value, ok in (("--k", args.k, args.k >= 1), ("--epsilon", args.epsilon, args.epsilon > 0),
                             ("--steps", args.steps, args.steps >= 1), ("--lr", args.lr, args.lr > 0),
                             ("--penalty", args.penalty, args.penalty >= 0)):
         if not ok:
             raise ValueError(f"argument {name}: out of range, got {value}")
+
+
+def run(args) -> dict:
+    check_arguments(args)
     extra = {"k": args.k, "epsilon": args.epsilon, "steps": args.steps, "lr": args.lr, "penalty": args.penalty}
     jobs = interp.model_jobs(args, NAME, extra=extra)
     sweep = interp.run_model_jobs(analyse, jobs, args, NAME)

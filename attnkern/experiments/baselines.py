@@ -150,11 +150,16 @@ def analyse(config: dict, seed: int) -> dict:
     return result
 
 
-def run(args) -> dict:
+def check_arguments(args) -> None:
+    """ValueError naming the argument (the CLI checks before it creates the output directory)."""
     interp.check_model_arguments(args)
+    if args.lambdas is not None and any(not (lam >= 0 and math.isfinite(lam)) for lam in args.lambdas):
+        raise ValueError(f"argument --lambdas: must be finite and >= 0, got {args.lambdas}")
+
+
+def run(args) -> dict:
+    check_arguments(args)
     lambdas = args.lambdas if args.lambdas is not None else ([0.01, 1.0] if args.quick else list(DEFAULT_LAMBDAS))
-    if any(not (lam >= 0 and math.isfinite(lam)) for lam in lambdas):
-        raise ValueError(f"argument --lambdas: must be finite and >= 0, got {lambdas}")
     # --quick: the deceptive models start from the trained base model, so one epoch already moves the attention
     deceptive_epochs = QUICK_DECEPTIVE_EPOCHS if args.quick else None
     jobs = interp.model_jobs(args, NAME, extra={"lambdas": lambdas, "deceptive_epochs": deceptive_epochs})

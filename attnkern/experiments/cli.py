@@ -143,14 +143,29 @@ def main(argv=None) -> int:
                              f"(known: {', '.join(EXPERIMENTS) or 'none'}, data, list)")
         parser, module = build_parser(cmd)
         args = parser.parse_args(argv[1:])
+        # The experiment's own options, before validate() creates the output directory.
+        check = getattr(module, "check_arguments", None)
+        if check is not None:
+            try:
+                check(args)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         validate(args)
         args.experiment = cmd
         result = module.run(args)
+        sweep = (result or {}).get("sweep", {})
+        failures = sweep.get("failures", {})
+        failed = sorted(failures)
+        if failed and len(failed) >= sweep.get("runs_total", len(failed)):
+            # Nothing to report (e.g. missing data): one line with the first reason.
+            print(f"{PROG}: error: all {len(failed)} run(s) failed; {failed[0]}: "
+                  f"{failures[failed[0]].strip().splitlines()[0]}", file=sys.stderr)
+            return 1
         print(f"{cmd}: results (JSON, markdown, PNG) in {args.out}")
-        failed = sorted((result or {}).get("sweep", {}).get("failures", {}))
         if failed:
             print(f"{PROG}: {len(failed)} run(s) failed (the others are kept; rerun to retry): "
-                  + ", ".join(failed), file=sys.stderr)
+                  + ", ".join(failed) + f"; {failed[0]}: {failures[failed[0]].strip().splitlines()[0]}",
+                  file=sys.stderr)
             return 1
         return 0
     except UsageError as exc:

@@ -202,10 +202,15 @@ def calibrate(args) -> dict:
     return result
 
 
+def check_arguments(args) -> None:
+    """ValueError naming the argument (the CLI checks before it creates the output directory)."""
+    if getattr(args, "calibrate", None) is not None and args.calibrate < 1:
+        raise ValueError(f"argument --calibrate: must be a positive int, got {args.calibrate}")
+
+
 def run(args) -> dict:
+    check_arguments(args)
     if getattr(args, "calibrate", None) is not None:
-        if args.calibrate < 1:
-            raise ValueError(f"--calibrate must be a positive int, got {args.calibrate}")
         return calibrate(args)
     jobs, scale, seeds = jobs_for(args)
     sweep = run_sweep(args, train_copy, jobs)

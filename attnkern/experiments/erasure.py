@@ -27,6 +27,10 @@ NAME = "erasure"
 ORDERS = ("attention", "random", "gradient", "gradient_x_attention")
 
 
+# The CLI checks these before it creates the output directory (run() checks them again).
+check_arguments = interp.check_model_arguments
+
+
 def add_arguments(parser) -> None:
     interp.add_model_arguments(parser)
 

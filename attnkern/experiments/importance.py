@@ -43,6 +43,10 @@ PAPER_TABLE2 = {
 }
 
 
+# The CLI checks these before it creates the output directory (run() checks them again).
+check_arguments = interp.check_model_arguments
+
+
 def add_arguments(parser) -> None:
     interp.add_model_arguments(parser)
 

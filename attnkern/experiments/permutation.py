@@ -62,10 +62,15 @@ def _plot(merged: dict, out) -> list[str]:
                                "median output change (TVD)", "permuted attention, encoder fixed: density of instances")
 
 
-def run(args) -> dict:
+def check_arguments(args) -> None:
+    """ValueError naming the argument (the CLI checks before it creates the output directory)."""
     interp.check_model_arguments(args)
     if args.permutations < 1:
         raise ValueError(f"argument --permutations: must be a positive int, got {args.permutations}")
+
+
+def run(args) -> dict:
+    check_arguments(args)
     jobs = interp.model_jobs(args, NAME, extra={"permutations": args.permutations})
     sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
     rows, merged = interp.model_rows(sweep, lambda key, per: summarize(per))
