@@ -8,6 +8,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -339,9 +340,14 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
 Tensor alpha_rows(const Tensor& x, const Tensor& alpha, int64_t dim) {
   Tensor a = per_row(alpha, x, dim, x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   // attnkern.entmax checks α in eager mode; a compiled graph skips that check,
-  // and a NaN or infinite α would otherwise give rows of zeros here.
-  TORCH_CHECK_VALUE(at::isfinite(a).all().item<bool>(), "attnkern.entmax: alpha must be finite, got ",
-                    a.isnan().any().item<bool>() ? "NaN" : "an infinite value");
+  // and a NaN or infinite α would otherwise give rows of zeros here. (A loop
+  // over the contiguous rows' α, not tensor ops: small calls, as the RNN
+  // attention makes every step, would pay an allocation and a reduction.)
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "attnkern_alpha_check", [&] {
+    const scalar_t* p = a.const_data_ptr<scalar_t>();
+    for (int64_t i = 0, n = a.numel(); i < n; ++i)
+      TORCH_CHECK_VALUE(std::isfinite(p[i]), "attnkern.entmax: alpha must be finite, got ", p[i]);
+  });
   return a;
 }
 
