@@ -478,6 +478,15 @@ def test_modules():
         m(torch.randn(2, 5, 4, 10))
     with pytest.raises(ValueError, match="alpha_init"):
         attnkern.nn.EntmaxAlpha(heads=2, alpha_init=2.5)
+    with pytest.raises(ValueError, match="heads"):
+        attnkern.nn.EntmaxAlpha(heads=True)
+    with pytest.raises(ValueError, match="head_dim=5"):
+        attnkern.nn.EntmaxAlpha(heads=3, head_dim=5)(x)
+    # The reprs name every setting.
+    assert "head_dim=1, alpha_init=1.4" in repr(m)
+    assert "k=3, return_support_size=True" in repr(attnkern.nn.Sparsemax(k=3, return_support_size=True))
+    assert "n_iter=50" in repr(attnkern.nn.EntmaxBisect(alpha=1.3))
+    assert repr(attnkern.EntmaxBisectLoss(alpha=1.2)).startswith("EntmaxBisectLoss(alpha=1.2, n_iter=50, ")
 
 
 # --- errors --------------------------------------------------------------------------------------

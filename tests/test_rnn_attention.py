@@ -153,6 +153,13 @@ def test_bad_shapes_and_kinds():
         att(torch.randn(2, 4), torch.randn(2, 3, 4), mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="mask"):
         att.normalize(torch.randn(2, 3), torch.ones(2, 3))
+    # The feature sizes the module was built for, and tensors for every input.
+    with pytest.raises(ValueError, match="Dq=4"):
+        att(torch.randn(2, 3, 5), torch.randn(2, 5, 4))
+    with pytest.raises(ValueError, match="Dk=4"):
+        att(torch.randn(2, 4), torch.randn(2, 5, 3))
+    with pytest.raises(TypeError, match="values"):
+        att(torch.randn(2, 4), torch.randn(2, 5, 4), [1, 2])
 
 
 @pytest.mark.parametrize("norm", NORMS, ids=NORM_IDS)

@@ -30,7 +30,9 @@ class _FenchelYoungLoss(nn.Module, metaclass=abc.ABCMeta):
         return losses.reduce_loss(self.loss, X, target, self.ignore_index, self.reduction)
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+        # The subclass's own settings (k, n_iter, alpha) first, as set in its __init__.
+        own = [f"{name}={getattr(self, name)}" for name in ("alpha", "k", "n_iter") if hasattr(self, name)]
+        return ", ".join(own + [f"ignore_index={self.ignore_index}", f"reduction={self.reduction!r}"])
 
 
 class SparsemaxLoss(_FenchelYoungLoss):

@@ -33,7 +33,7 @@ class Sparsemax(nn.Module):
         return ops.sparsemax(X, dim=self.dim, k=self.k, return_support_size=self.return_support_size)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}"
+        return f"dim={self.dim}, k={self.k}, return_support_size={self.return_support_size}"
 
 
 class Entmax15(nn.Module):
@@ -45,7 +45,7 @@ class Entmax15(nn.Module):
         return ops.entmax15(X, dim=self.dim, k=self.k, return_support_size=self.return_support_size)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}"
+        return f"dim={self.dim}, k={self.k}, return_support_size={self.return_support_size}"
 
 
 class EntmaxBisect(nn.Module):
@@ -59,7 +59,7 @@ class EntmaxBisect(nn.Module):
         return ops.entmax_bisect(X, alpha=self.alpha, dim=self.dim, n_iter=self.n_iter)
 
     def extra_repr(self) -> str:
-        return f"alpha={self.alpha}, dim={self.dim}"
+        return f"alpha={self.alpha}, dim={self.dim}, n_iter={self.n_iter}"
 
 
 class EntmaxAlpha(nn.Module):
@@ -75,7 +75,7 @@ class EntmaxAlpha(nn.Module):
     def __init__(self, heads: int, alpha_init: float = 1.5, dim: int = -1, head_dim: int = 1, device=None,
                  dtype=None):
         super().__init__()
-        if not isinstance(heads, int) or heads < 1:
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
             raise ValueError(f"heads must be a positive int, got {heads!r}")
         theta = learnable_alpha_theta(alpha_init, device=device, dtype=dtype)
         self.theta = nn.Parameter(theta.repeat(heads))
@@ -93,6 +93,10 @@ class EntmaxAlpha(nn.Module):
         return 1.0 + torch.sigmoid(self.theta)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
+        if not isinstance(X, torch.Tensor):
+            raise TypeError(f"X must be a torch.Tensor, got {type(X).__name__}")
+        if not -X.dim() <= self.head_dim < X.dim():
+            raise ValueError(f"head_dim={self.head_dim} is out of range for X with {X.dim()} dims")
         if X.dim() < 2 or X.shape[self.head_dim] != self.heads:
             raise ValueError(f"X must have {self.heads} heads along dim {self.head_dim}, "
                              f"got shape {tuple(X.shape)}")
@@ -102,4 +106,4 @@ class EntmaxAlpha(nn.Module):
         return ops.entmax(X, alpha, dim=self.dim)
 
     def extra_repr(self) -> str:
-        return f"heads={self.heads}, dim={self.dim}"
+        return f"heads={self.heads}, dim={self.dim}, head_dim={self.head_dim}, alpha_init={self.alpha_init}"

@@ -114,13 +114,15 @@ class RNNAttention(nn.Module, abc.ABC):
         return ops.entmax(scores, alpha, dim=-1, backend=self.backend)
 
     def _check(self, query, keys, values, mask):
-        for name, t in (("query", query), ("keys", keys)):
-            if not isinstance(t, torch.Tensor):
+        for name, t in (("query", query), ("keys", keys), ("values", values), ("mask", mask)):
+            if not isinstance(t, torch.Tensor) and not (name == "mask" and t is None):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if keys.dim() != 3:
-            raise ValueError(f"keys must be (B, T, Dk), got shape {tuple(keys.shape)}")
-        if query.dim() not in (2, 3) or query.shape[0] != keys.shape[0]:
-            raise ValueError(f"query must be (B, Dq) or (B, L, Dq) with B={keys.shape[0]}, "
+        key_dim, query_dim = getattr(self, "key_dim", None), getattr(self, "query_dim", None)
+        if keys.dim() != 3 or (key_dim is not None and keys.shape[-1] != key_dim):
+            raise ValueError(f"keys must be (B, T, Dk={key_dim}), got shape {tuple(keys.shape)}")
+        if (query.dim() not in (2, 3) or query.shape[0] != keys.shape[0]
+                or (query_dim is not None and query.shape[-1] != query_dim)):
+            raise ValueError(f"query must be (B, Dq) or (B, L, Dq) with B={keys.shape[0]}, Dq={query_dim}, "
                              f"got shape {tuple(query.shape)}")
         if values.dim() != 3 or values.shape[:2] != keys.shape[:2]:
             raise ValueError(f"values must be (B, T, Dv) with (B, T)={tuple(keys.shape[:2])}, "
