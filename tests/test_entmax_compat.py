@@ -280,6 +280,16 @@ def test_loss_target_out_of_range(loss, target):
         loss(torch.randn(4, 5), torch.tensor(target))
 
 
+@pytest.mark.parametrize("fn", [lambda x: attnkern.normmax_bisect(x, 2.0), lambda x: attnkern.budget_bisect(x, 2.0)],
+                         ids=["normmax", "budget"])
+def test_nan_row_gradient_is_nan(fn):
+    x = torch.randn(3, 6, dtype=torch.float64)
+    x[1, 2] = math.nan
+    x.requires_grad_(True)
+    fn(x).backward(torch.ones(3, 6, dtype=torch.float64))
+    assert torch.isnan(x.grad[1]).all() and torch.isfinite(x.grad[[0, 2]]).all()
+
+
 def test_loss_bad_reduction():
     with pytest.raises(ValueError):
         attnkern.SparsemaxLoss(reduction="avg")

@@ -239,10 +239,16 @@ def test_masked_and_fully_masked_rows(name, fn, rfn, dtype):
 def test_nan_stays_in_its_row(name, fn, rfn):
     x = make_scores((4, 9), torch.float32, seed=6)
     x[1, 3] = math.nan
+    x.requires_grad_(True)
     p = fn(x)
     assert torch.isnan(p[1]).all()
     assert not torch.isnan(p[[0, 2, 3]]).any()
-    assert_close(p[[0, 2, 3]], rfn(x[[0, 2, 3]].double()), dtype=torch.float32)
+    assert_close(p[[0, 2, 3]], rfn(x[[0, 2, 3]].detach().double()), dtype=torch.float32)
+    # Its gradient is NaN too, for every normalizer (as torch.softmax's), and
+    # the other rows' are finite.
+    p.backward(torch.randn_like(p))
+    assert torch.isnan(x.grad[1]).all()
+    assert torch.isfinite(x.grad[[0, 2, 3]]).all()
 
 
 @pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)

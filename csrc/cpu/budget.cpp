@@ -235,6 +235,10 @@ void budget_bwd_impl(const Tensor& p, const Tensor& grad, Tensor& dx, Tensor& db
     acc_t *pb = buf.data(), *gb = pb + n, *db = gb + n;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
+      if (lay.nan_row_gradient(pp, dp, base)) {
+        if (bp) bp[r] = std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
       acc_t v;
       if (direct) {
         v = budget_bwd_row<acc_t>(reinterpret_cast<const acc_t*>(pp + base),

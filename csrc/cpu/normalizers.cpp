@@ -311,6 +311,10 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
       const int64_t base = lay.base(r);
       const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : math::fixed_b<FAM, acc_t>();
       acc_t da;
+      if (lay.nan_row_gradient(pp, dxp, base)) {
+        if (dap) dap[r] = std::numeric_limits<acc_t>::quiet_NaN();
+        continue;
+      }
       if (direct) {
         da = backward_row_alpha<acc_t, FAM>(reinterpret_cast<const acc_t*>(pp + base),
                                             reinterpret_cast<const acc_t*>(gp + base),

@@ -66,6 +66,7 @@ void normmax_bwd_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Ten
     acc_t *pb = buf.data(), *gb = pb + n, *db = gb + n;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
+      if (lay.nan_row_gradient(pp, dp, base)) continue;
       lay.load(pp + base, pb);
       lay.load(gp + base, gb);
       normmax_bwd_row<acc_t>(pb, gb, db, n, ap[r]);

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "attnkern/isa_namespace.h"
 #include "attnkern/reduced_store.h"
@@ -82,6 +83,18 @@ struct RowLayout {
     } else {
       for (int64_t j = 0; j < n; ++j) dst[j * inner] = static_cast<scalar_t>(src[j]);
     }
+  }
+
+  // The backward of a row whose output p (starting at p[base]) is NaN: the
+  // forwards write NaN across a row with a NaN score, and its gradient is NaN
+  // too (as torch.softmax's; the sparse families' support tests, false for
+  // NaN, would otherwise give a silent 0). Returns whether it wrote one.
+  template <typename scalar_t>
+  bool nan_row_gradient(const scalar_t* p, scalar_t* dx, int64_t base) const {
+    if (!(static_cast<float>(p[base]) != static_cast<float>(p[base]))) return false;
+    const scalar_t nan = std::numeric_limits<scalar_t>::quiet_NaN();
+    for (int64_t j = 0; j < n; ++j) dx[base + j * inner] = nan;
+    return true;
   }
 };
 
