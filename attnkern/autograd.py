@@ -433,7 +433,10 @@ class NormmaxFunction(torch.autograd.Function):
 
 
 def _row_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x.amax(dim, keepdim=True), with -inf for rows of length 0 (amax refuses them)."""
+    """x.amax(dim, keepdim=True), with -inf for rows of length 0 (amax refuses
+    them); a 0-d x is its own max."""
+    if not x.dim():
+        return x
     if x.shape[dim] == 0:
         shape = list(x.shape)
         shape[dim] = 1
@@ -447,7 +450,7 @@ def _zero_budget_slope(x: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.T
     so the slope is the mean of grad over them (0 for a row with no finite
     entry). x, grad: with the row along `dim`; returns float64 keepdim rows."""
     x64 = x.detach().to(torch.float64)
-    m = _row_amax(x64, dim) if x.dim() else x64
+    m = _row_amax(x64, dim)
     top = (x64 == m) & torch.isfinite(m)
     k = top.sum(dim, keepdim=True) if x.dim() else top.to(torch.int64)
     g = torch.where(top, grad.to(torch.float64), torch.zeros_like(x64))
@@ -472,7 +475,7 @@ def _budget_product(p: torch.Tensor, x: torch.Tensor, budget: torch.Tensor, v: t
         db = torch.where(zero, _zero_budget_slope(x, v, dim).to(v.dtype), mean)
     if v_budget is not None:
         x64 = x.detach().to(torch.float64)
-        top = (x64 == (_row_amax(x64, dim) if x.dim() else x64)).to(v.dtype)
+        top = (x64 == _row_amax(x64, dim)).to(v.dtype)
         col = torch.where(zero, top / top.sum(dim, keepdim=True).clamp_min(1), s / k.clamp_min(1))
         out = out + col * v_budget.to(v.dtype)
     return out, db

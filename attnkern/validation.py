@@ -57,14 +57,14 @@ def check_dim(x: torch.Tensor, dim, name: str = "dim") -> int:
     return dim % nd
 
 
-def any_true(mask: torch.Tensor) -> bool:
-    """bool(mask.any()) for a validation check; False under torch.func.vmap,
-    where values cannot steer Python (the check is then skipped)."""
+def any_true(mask: torch.Tensor, under_vmap: bool = False) -> bool:
+    """bool(mask.any()); `under_vmap` under torch.func.vmap, where values cannot
+    steer Python (False, the default, skips a validation check there)."""
     try:
         return bool(mask.any())
     except RuntimeError as exc:
         if "vmap" in str(exc):
-            return False
+            return under_vmap
         raise
 
 

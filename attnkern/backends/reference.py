@@ -19,6 +19,7 @@ import math
 import torch
 
 from attnkern.family import SOFTMAX_BAND, Family
+from attnkern.validation import any_true
 
 # Bisection steps: the bracket is at most ln(n) + 1 wide, so 100 halvings
 # reach float64 resolution for any row length.
@@ -136,17 +137,6 @@ def _alpha_rows(alpha, x: torch.Tensor, dim: int) -> torch.Tensor:
     return _rows_last(a.to(torch.float64).expand(shape), dim)
 
 
-def _may_hold(mask: torch.Tensor) -> bool:
-    """bool(mask.any()), or True where values cannot steer Python (under
-    torch.func.vmap)."""
-    try:
-        return bool(mask.any())
-    except RuntimeError as exc:
-        if "vmap" in str(exc):
-            return True
-        raise
-
-
 def _map_sparse(y: torch.Tensor, c: torch.Tensor, b: torch.Tensor):
     """α > 1 (b > 0) at the shift c: p = φ_b(y - c) and d = 1 + b(y - c), so that
     -∂p/∂c = p/d on the support."""
@@ -191,7 +181,7 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     n = y.shape[-1]
     # Only the maps some row takes are evaluated (the oracle's cost is in the
     # bisection); where the values cannot be read (torch.func.vmap), both are.
-    some_dense, some_sparse = _may_hold(dense), _may_hold(~dense)
+    some_dense, some_sparse = any_true(dense, under_vmap=True), any_true(~dense, under_vmap=True)
 
     def rows(y, y_dense, t, b_sparse, beta, slope=True):
         """p at the shift t of each row (c or s), and g = -∂p/∂t (0 off the support)."""

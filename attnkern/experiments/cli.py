@@ -156,16 +156,15 @@ def main(argv=None) -> int:
         sweep = (result or {}).get("sweep", {})
         failures = sweep.get("failures", {})
         failed = sorted(failures)
+        first = f"{failed[0]}: {failures[failed[0]].strip().splitlines()[0]}" if failed else ""
         if failed and len(failed) >= sweep.get("runs_total", len(failed)):
             # Nothing to report (e.g. missing data): one line with the first reason.
-            print(f"{PROG}: error: all {len(failed)} run(s) failed; {failed[0]}: "
-                  f"{failures[failed[0]].strip().splitlines()[0]}", file=sys.stderr)
+            print(f"{PROG}: error: all {len(failed)} run(s) failed; {first}", file=sys.stderr)
             return 1
         print(f"{cmd}: results (JSON, markdown, PNG) in {args.out}")
         if failed:
             print(f"{PROG}: {len(failed)} run(s) failed (the others are kept; rerun to retry): "
-                  + ", ".join(failed) + f"; {failed[0]}: {failures[failed[0]].strip().splitlines()[0]}",
-                  file=sys.stderr)
+                  + ", ".join(failed) + f"; {first}", file=sys.stderr)
             return 1
         return 0
     except UsageError as exc:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -86,7 +84,7 @@ class EntmaxAlpha(nn.Module):
         """θ back to alpha_init for every head (e.g. after to_empty() on a
         module built on the meta device)."""
         with torch.no_grad():
-            self.theta.fill_(math.log((self.alpha_init - 1.0) / (2.0 - self.alpha_init)))
+            self.theta.copy_(learnable_alpha_theta(self.alpha_init).expand_as(self.theta))
 
     @property
     def alpha(self) -> torch.Tensor:
