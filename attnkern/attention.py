@@ -200,16 +200,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     acc = acc_dtype(query.dtype)
     if query.dtype in (torch.float16, torch.bfloat16):
         broadcast = q_heads_expanded or any(t.shape[:-3] != batch for t in (q, k, v))
-        # Softmax decoding without gradients (a few query rows, as in
-        # generation) hands K and V to the CPU kernel in their own dtype: it
-        # reads them in place, where widened copies would cost several times
-        # the decoding itself.
+        # The CPU kernel takes bfloat16 as it is (its forward GEMMs run in
+        # bfloat16 where the CPU has bfloat16 dot products), and so does its
+        # softmax decoding without gradients (a few query rows, as in
+        # generation) for float16: it reads K and V in place, where widened
+        # copies would cost several times the decoding itself.
         decodes_in_place = (chosen == "cpu" and normalizer == "softmax" and L <= _CPU_DECODE_ROWS
                             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
-        if (chosen == "cpu" and not decodes_in_place) or broadcast:
+        in_place = chosen == "cpu" and (query.dtype == torch.bfloat16 or decodes_in_place)
+        if (chosen == "cpu" and not in_place) or broadcast:
             # The gradient of a broadcast input is a sum over the broadcast
             # dims: take it in float32 and round to the half type once (the
-            # CPU kernel computes in float32 anyway, so this costs it nothing).
+            # CPU kernel computes float16 in float32 anyway).
             q, k, v = q.float(), k.float(), v.float()
 
     def as_4d(t, heads, seq, dim):

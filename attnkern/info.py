@@ -37,6 +37,9 @@ def report() -> str:
         d = isa.dispatch()
         lines.append(f"           CPU kernels run at {d['active']} ({d['reason']}); this CPU runs up to "
                      f"{d['machine']}, this build carries up to {d['compiled']}")
+        lines.append("           bfloat16 attention GEMMs: "
+                     + ("bfloat16 (oneDNN brgemm)" if d["bf16_gemm"] else "float32 (no AVX512-BF16 / AMX-BF16 "
+                        "at this level, or turned off)"))
     lines.append("")
     lines.append("backends:")
     for name, (ok, why) in backends().items():

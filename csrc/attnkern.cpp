@@ -76,12 +76,14 @@ using attnkern::cpu::Level;
 
 const char* level_name(Level level) { return kLevelNames[static_cast<int>(level)]; }
 
-// cpu_dispatch() -> {"active", "reason", "machine", "compiled"}: the CPU kernels'
-// instruction-set levels (attnkern/cpu_kernels.h).
+// cpu_dispatch() -> {"active", "reason", "machine", "compiled", "bf16_gemm"}: the
+// CPU kernels' instruction-set levels (attnkern/cpu_kernels.h), and whether
+// bfloat16 attention's forward GEMMs run in bfloat16 at the active level.
 PyObject* cpu_dispatch(PyObject*, PyObject*) {
   namespace c = attnkern::cpu;
-  return Py_BuildValue("{s:s,s:s,s:s,s:s}", "active", level_name(c::active_level()), "reason", c::active_reason(),
-                       "machine", level_name(c::machine_level()), "compiled", level_name(c::compiled_level()));
+  return Py_BuildValue("{s:s,s:s,s:s,s:s,s:O}", "active", level_name(c::active_level()), "reason",
+                       c::active_reason(), "machine", level_name(c::machine_level()), "compiled",
+                       level_name(c::compiled_level()), "bf16_gemm", c::active_bf16_gemm() ? Py_True : Py_False);
 }
 
 // force_cpu_level(name or None): run the CPU kernels at that level (None: the

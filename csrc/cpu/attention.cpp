@@ -84,6 +84,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
     ws.mrow.resize(BM);
     ws.lsum.resize(BM);
     FlushDenormals ftz;
+    Bf16GemmScope gemm16(P.q16 != nullptr);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nb, bi = bh / P.H, h = bh % P.H;
       const int64_t i0 = zigzag(t % nb, nb) * BM, m = std::min(BM, P.L - i0);
@@ -196,12 +197,13 @@ template <typename acc_t>
 Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& mask, bool is_causal, double scale, Family fam, const Tensor& alpha) {
   Problem<acc_t> P;
-  P.q = q.const_data_ptr<acc_t>();
-  // (Undefined k and v: decoding reads half-precision K and V in place.)
+  // (Undefined q, k or v: decoding reads half-precision K and V in place, and
+  // bfloat16 GEMMs read bfloat16 copies.)
+  P.q = q.defined() ? q.const_data_ptr<acc_t>() : nullptr;
   P.k = k.defined() ? k.const_data_ptr<acc_t>() : nullptr;
   P.v = v.defined() ? v.const_data_ptr<acc_t>() : nullptr;
-  P.B = c.B, P.H = c.H, P.Hk = c.Hk, P.L = c.L, P.S = c.S, P.E = q.size(3);
-  P.Ev = v.defined() ? v.size(3) : round_up_panel<acc_t>(c.Ev);
+  P.B = c.B, P.H = c.H, P.Hk = c.Hk, P.L = c.L, P.S = c.S;
+  P.E = round_up_panel<acc_t>(c.E), P.Ev = round_up_panel<acc_t>(c.Ev);
   P.scale = static_cast<acc_t>(scale);
   P.causal = is_causal;
   if (mask.defined()) {
@@ -292,6 +294,20 @@ Tensor padded(const Tensor& t, at::ScalarType acc, int64_t width) {
   return at::constant_pad_nd(x, {0, width - x.size(-1)}, 0).contiguous();
 }
 
+// One packed copy (pack_keys_vnni, or pack_values_vnni with `values`) of each
+// (batch, kv-head) of x (B, Hk, S, d), bfloat16.
+Tensor pack_heads_vnni(const Tensor& x, bool values) {
+  const int64_t heads = x.size(0) * x.size(1), S = x.size(2), d = x.size(3), Sk = round_up_vnni(S);
+  Tensor packed = at::empty({heads * Sk * d}, x.options());
+  const bf16* src = x.const_data_ptr<bf16>();
+  bf16* dst = packed.mutable_data_ptr<bf16>();
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      (values ? pack_values_vnni : pack_keys_vnni)(src + i * S * d, S, d, d, dst + i * Sk * d);
+  });
+  return packed;
+}
+
 // One packed copy (pack_panels) of each (batch, kv-head) of x (B, Hk, S, d).
 template <typename acc_t>
 Tensor pack_heads(const Tensor& x) {
@@ -328,20 +344,40 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     const bool half_kv = fam == Family::kSoftmax && c.L <= kDecodeRows &&
                          (k_in.scalar_type() == at::kBFloat16 || k_in.scalar_type() == at::kHalf) &&
                          v_in.scalar_type() == k_in.scalar_type() && std::is_same_v<scalar_t, float>;
-    Tensor q = padded(q_in, c.acc, Ep);
-    Tensor k = half_kv ? Tensor() : padded(k_in, c.acc, Ep), v = half_kv ? Tensor() : padded(v_in, c.acc, Evp);
+    // bfloat16 GEMMs (half_gemm.h) beyond decoding: q and K in bfloat16, V
+    // in bfloat16 for the softmax heads' P·V and in float32 for the others'.
+    const bool gemm16 = std::is_same_v<scalar_t, float> && q_in.scalar_type() == at::kBFloat16 &&
+                        c.L > kDecodeRows && c.S > 0 && bf16_gemm_enabled();
+    Tensor q = gemm16 ? Tensor() : padded(q_in, c.acc, Ep);
+    Tensor k = half_kv || gemm16 ? Tensor() : padded(k_in, c.acc, Ep);
+    Tensor v = half_kv || gemm16 ? Tensor() : padded(v_in, c.acc, Evp);
     Tensor k_half = half_kv ? k_in.contiguous() : Tensor(), v_half = half_kv ? v_in.contiguous() : Tensor();
-    Tensor out_p = at::empty({c.B, c.H, c.L, Evp}, q.options());
+    Tensor q16, k16, v16;
+    Tensor out_p = at::empty({c.B, c.H, c.L, Evp}, q_in.options().dtype(c.acc));
     if (out_p.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
+      if (gemm16) {
+        q16 = padded(q_in, at::kBFloat16, Ep);
+        k16 = pack_heads_vnni(padded(k_in, at::kBFloat16, Ep), false);
+        P.q16 = q16.const_data_ptr<bf16>();
+        P.k16 = k16.const_data_ptr<bf16>();
+        if (has_softmax_head(P)) {
+          v16 = pack_heads_vnni(padded(v_in, at::kBFloat16, Evp), true);
+          P.v16 = v16.const_data_ptr<bf16>();
+        }
+        if (!all_softmax_heads(P)) {
+          v = padded(v_in, c.acc, Evp);
+          P.v = v.const_data_ptr<scalar_t>();
+        }
+      }
       if (half_kv) {
         P.k_half = k_half.const_data_ptr(), P.v_half = v_half.const_data_ptr();
         P.half_is_bf16 = k_in.scalar_type() == at::kBFloat16;
         P.e_half = c.E, P.ev_half = c.Ev;
       }
       // Key panels for the score GEMMs of every normalizer (decoding reads K as it is).
-      Tensor kpack = !decodes(P) ? pack_heads<scalar_t>(k) : Tensor();
+      Tensor kpack = !decodes(P) && !gemm16 ? pack_heads<scalar_t>(k) : Tensor();
       if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();
       forward_kernel<scalar_t>(P, out_p.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
     }
@@ -455,6 +491,7 @@ void add_attention_kernels(KernelTable& t) {
   t.attention_fwd = &attention_fwd;
   t.attention_bwd = &attention_bwd;
   t.attention_dropout_mask = &attention_dropout_mask;
+  t.bf16_gemm = &bf16_gemm_enabled;
 }
 
 }  // namespace CPU_CAPABILITY

@@ -24,6 +24,7 @@
 #include "blas.h"
 #include "dropout.h"
 #include "entmax_row.h"
+#include "half_gemm.h"
 #include "tile_gemm.h"
 
 namespace attnkern {
@@ -98,6 +99,13 @@ struct Problem {
   const void* v_half = nullptr;
   bool half_is_bf16 = true;
   int64_t e_half = 0, ev_half = 0;
+  // bfloat16 inputs whose forward GEMMs run in bfloat16 (half_gemm.h): q as
+  // rows of E values, K and V of every (batch, kv-head) packed by
+  // pack_keys_vnni (round_up_vnni(S) · E entries a head) and pack_values_vnni
+  // (round_up_vnni(S) · Ev; null when no head is softmax); null otherwise.
+  const bf16* q16 = nullptr;
+  const bf16* k16 = nullptr;
+  const bf16* v16 = nullptr;
 
   int64_t group() const { return H / Hk; }
   // The global index of query row i of (batch bi, head h): the dropout counter.
@@ -109,6 +117,9 @@ struct Problem {
   const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk) * S * Ev; }
   const acc_t* kp_head(int64_t bi, int64_t hk) const { return kp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * E; }
   const acc_t* vp_head(int64_t bi, int64_t hk) const { return vp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * Ev; }
+  const bf16* q16_rows(int64_t bi, int64_t h, int64_t i0) const { return q16 + ((bi * H + h) * L + i0) * E; }
+  const bf16* k16_head(int64_t bi, int64_t hk) const { return k16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
+  const bf16* v16_head(int64_t bi, int64_t hk) const { return v16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
 };
 
 template <typename acc_t>
@@ -140,6 +151,19 @@ inline void mask_scores(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t 
   }
 }
 
+// y (m x w, row stride ldy) *= scale.
+template <typename acc_t>
+inline void scale_scores(acc_t* y, int64_t m, int64_t w, int64_t ldy, acc_t scale) {
+  using V = Vec<acc_t>;
+  const V vs(scale);
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * ldy;
+    int64_t j = 0;
+    for (; j + V::size() <= w; j += V::size()) (V::loadu(row + j) * vs).store(row + j);
+    for (; j < w; ++j) row[j] *= scale;
+  }
+}
+
 // Columns [j0, j1) of C (m x n, row stride n) = alpha · A · Bᵀ, with A
 // (m x K, row stride K) and B (n x K) as packed panels (pack_panels), through
 // tile_gemm: the whole panels straight into C, a last partial one through a
@@ -163,9 +187,18 @@ inline void gemm_packed_cols(int64_t m, int64_t n, int64_t j0, int64_t j1, int64
 }
 
 // y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
-// diagonal: over the packed key panels (P.kp) when there are, else BLAS.
+// diagonal: in bfloat16 (P.q16), over the packed key panels (P.kp) when there
+// are, else BLAS.
 template <typename acc_t>
 inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (P.q16) {
+      scores_bf16(m, n, 0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, n);
+      scale_scores(y, m, n, n, P.scale);
+      mask_scores(P, bi, h, i0, m, 0, n, y, n);
+      return;
+    }
+  }
   const acc_t* q = P.q_rows(bi, h, i0);
   if (P.kp) {
     gemm_packed_cols<acc_t>(m, n, 0, n, P.E, P.scale, q, P.kp_head(bi, h / P.group()), y);

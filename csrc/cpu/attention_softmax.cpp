@@ -16,11 +16,19 @@ namespace attn {
 
 
 // Scores of a tile: y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys
-// [j0, j0 + w) through the packed key panels, plus the mask, -inf above the
+// [j0, j0 + w) through the packed key panels (or in bfloat16: P.q16), plus the mask, -inf above the
 // causal diagonal. Columns [w, ldy) hold scores against zero padding keys.
 template <typename acc_t>
 void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
                 acc_t* y, int64_t ldy) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (P.q16) {
+      scores_bf16(m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
+      scale_scores(y, m, w, ldy, P.scale);
+      mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
+      return;
+    }
+  }
   tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
                    kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
   mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
@@ -35,7 +43,7 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
                            acc_t* y, acc_t* o, float* c, acc_t* mrow, acc_t* lrow) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
-  const acc_t* vh = P.v_head(bi, h / P.group());
+  const int64_t hk = h / P.group();
   const int64_t BN = softmax_block_keys();
   std::fill(mrow, mrow + m, -inf);
   std::fill(lrow, lrow + m, acc_t(0));
@@ -70,7 +78,14 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
     }
     if (P.drop.on) apply_dropout(P.drop, y, m, w, ldy, P.row_id(bi, h, i0), j0);
     // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
-    tile_gemm<acc_t>(m, P.Ev, w, acc_t(1), y, ldy, 1, vh + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev, j0 > 0);
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (P.v16) {
+        pv_bf16(m, w, j0, y, ldy, P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
+        continue;
+      }
+    }
+    tile_gemm<acc_t>(m, P.Ev, w, acc_t(1), y, ldy, 1, P.v_head(bi, hk) + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev,
+                     j0 > 0);
   }
   for (int64_t r = 0; r < m; ++r) {
     acc_t* orow = o + r * P.Ev;

@@ -126,6 +126,8 @@ const char* active_reason() {
   return forced.load() >= 0 ? "forced by attnkern.isa.force_level" : chosen_by_default().reason.c_str();
 }
 
+bool active_bf16_gemm() { return table().bf16_gemm(); }
+
 void force_level(int level) {
   if (level < 0) {
     forced.store(-1);
