@@ -136,3 +136,76 @@ def test_bf16_gemms_thread_count_and_dropout(normalizer, monkeypatch):
     torch.manual_seed(11)
     dropped32 = attnkern.attention(q, k, v, dropout_p=0.3, **kw)
     torch.testing.assert_close(dropped.float(), dropped32.float(), atol=3e-2, rtol=2e-2)
+
+
+def _grads(fn, inputs, go):
+    xs = [t.detach().clone().requires_grad_() for t in inputs]
+    return torch.autograd.grad(fn(*xs), xs, go)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax_at_one"])
+def test_bf16_gemm_gradients_by_the_half_rule(normalizer, case, monkeypatch):
+    """The softmax backward's GEMMs in bfloat16 (dK and dV accumulated
+    transposed): dq, dk, dv against float64 by the half-type rule, and against
+    the float32-GEMM path. α-entmax with every α = 1 takes it too."""
+    (B, H, Hk, L, S, E, Ev), mask_kind, spread = CASES[case]
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=torch.bfloat16, spread=spread)
+    go = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    mask, causal = attention_mask(mask_kind, B, H, L, S)
+    norm, alpha = ("softmax", None) if normalizer == "softmax" else ("entmax", torch.ones(H))
+    G = H // Hk
+
+    def kern(q, k, v):
+        return attnkern.attention(q, k, v, mask, is_causal=causal, normalizer=norm, alpha=alpha, enable_gqa=True,
+                                  backend="cpu")
+
+    def plain(q, k, v):  # scores, weights and p·v in q's dtype
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+        p = torch.softmax(reference.attention_scores(q, k, mask, causal, E**-0.5), -1).nan_to_num(0.0)
+        return p.to(q.dtype) @ v
+
+    def exact(q, k, v):
+        return ref_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), mask, causal, "softmax", None)
+
+    g16 = _grads(kern, (q, k, v), go.to(torch.bfloat16))
+    gp = _grads(plain, (q, k, v), go.to(torch.bfloat16))
+    gx = _grads(exact, [t.double() for t in (q, k, v)], go)
+    monkeypatch.setenv("ATTNKERN_BF16_GEMM", "0")
+    g32 = _grads(kern, (q, k, v), go.to(torch.bfloat16))
+    for name, a, p_, x, b in zip(("dq", "dk", "dv"), g16, gp, gx, g32, strict=True):
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all()
+        err = (a.double() - x).abs().max().item()
+        err_plain = (p_.double() - x).abs().max().item()
+        err32 = (b.double() - x).abs().max().item()
+        assert half_rule_bound(err, err_plain, torch.bfloat16), (name, err, err_plain)
+        assert half_rule_bound(err, err32, torch.bfloat16), (name, err, err32)
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_gradients_thread_count_and_dropout(monkeypatch):
+    q, k, v = make_qkv(1, 2, 1, 200, 333, 64, 48, dtype=torch.bfloat16)
+    go = torch.randn(1, 2, 200, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+    def kern(p):
+        def f(q, k, v):
+            torch.manual_seed(7)
+            return attnkern.attention(q, k, v, is_causal=True, dropout_p=p, enable_gqa=True, backend="cpu")
+        return f
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _grads(kern(0.0), (q, k, v), go)
+        torch.set_num_threads(2)
+        two = _grads(kern(0.0), (q, k, v), go)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    dropped = _grads(kern(0.25), (q, k, v), go)
+    monkeypatch.setenv("ATTNKERN_BF16_GEMM", "0")
+    dropped32 = _grads(kern(0.25), (q, k, v), go)
+    for a, b in zip(dropped, dropped32, strict=True):
+        scale = b.float().abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2 * scale, rtol=2e-2)

@@ -112,7 +112,9 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
   const int64_t nbs = (P.L + BMs - 1) / BMs;
   const int64_t G = P.group();
   const int64_t tasks = P.B * P.Hk * nchunks;
-  const int64_t kv_head_k = P.S * P.E, kv_head_v = P.S * P.Ev;
+  // (Transposed accumulators with bfloat16 GEMMs: E x round_up_vnni(S).)
+  const int64_t Sa = P.do16 ? round_up_vnni(P.S) : P.S;
+  const int64_t kv_head_k = Sa * P.E, kv_head_v = Sa * P.Ev;
   // Softmax heads take the tiled path unless dα is wanted (α-entmax heads in
   // the softmax limit): the row-buffer path reduces it.
   auto tiled = [&](int64_t h) { return P.fam[h] == Family::kSoftmax && dalpha_acc == nullptr; };
@@ -128,6 +130,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
     ws.pidx.resize(std::max<int64_t>(P.S, 1));
     ws.lse.resize(BMs);
     FlushDenormals ftz;
+    Bf16GemmScope gemm16(P.q16 != nullptr);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t chunk = t % nchunks, bk = t / nchunks, bi = bk / P.Hk, hk = bk % P.Hk;
       acc_t* dk = dk_acc + (chunk * P.B * P.Hk + bk) * kv_head_k;
@@ -141,7 +144,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
           const int64_t i0 = zigzag(u, nbh) * bm, m = std::min(bm, P.L - i0);
           const int64_t n = P.keys_for(i0, m);
           acc_t* dqb = dq + (bh * P.L + i0) * P.E;
-          const acc_t* dob = dout + (bh * P.L + i0) * P.Ev;
+          const acc_t* dob = dout ? dout + (bh * P.L + i0) * P.Ev : nullptr;
           const float* c = shift + bh * P.L + i0;
           if (n == 0) {
             std::fill(dqb, dqb + m * P.E, acc_t(0));
@@ -326,6 +329,16 @@ bool has_softmax_head(const Problem<acc_t>& P) {
   return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
 }
 
+// Whether every head is of the softmax family (normalizer softmax, or
+// α-entmax with every α in softmax's limit).
+bool all_softmax_family(Family fam, const Tensor& alpha) {
+  if (fam != Family::kGeneric) return fam == Family::kSoftmax;
+  const double* a = alpha.const_data_ptr<double>();
+  for (int64_t h = 0; h < alpha.numel(); ++h)
+    if (math::family_of<float>(static_cast<float>(a[h]) - 1.0f) != Family::kSoftmax) return false;
+  return true;
+}
+
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const c10::optional<Tensor>& mask_in, bool is_causal, double scale,
                                          c10::string_view normalizer, const c10::optional<Tensor>& alpha_in,
@@ -420,23 +433,47 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
   Tensor dalpha_acc = want_alpha ? at::zeros({nchunks, c.B, c.H}, q_in.options().dtype(at::kDouble)) : Tensor();
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_bwd", [&] {
     const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
-    Tensor q = padded(q_in, c.acc, Ep), k = padded(k_in, c.acc, Ep), v = padded(v_in, c.acc, Evp);
-    Tensor dout = padded(grad_out, c.acc, Evp);
-    Tensor dq_p = at::empty({c.B, c.H, c.L, Ep}, q.options());
-    Tensor dk_acc = at::zeros({nchunks, c.B, c.Hk, c.S, Ep}, q.options());
-    Tensor dv_acc = at::zeros({nchunks, c.B, c.Hk, c.S, Evp}, q.options());
+    // bfloat16 GEMMs when every head takes the tiled softmax backward (its
+    // dK, dV accumulators are then transposed, which the row-buffer path's
+    // are not).
+    const bool gemm16 = std::is_same_v<scalar_t, float> && q_in.scalar_type() == at::kBFloat16 && c.S > 0 &&
+                        !want_alpha && all_softmax_family(fam, alpha) && bf16_gemm_enabled();
+    const int64_t Sa = gemm16 ? round_up_vnni(c.S) : c.S;
+    Tensor q = gemm16 ? Tensor() : padded(q_in, c.acc, Ep), k = gemm16 ? Tensor() : padded(k_in, c.acc, Ep);
+    Tensor v = gemm16 ? Tensor() : padded(v_in, c.acc, Evp);
+    Tensor dout = gemm16 ? Tensor() : padded(grad_out, c.acc, Evp);
+    auto opts = q_in.options().dtype(c.acc);
+    Tensor dq_p = at::empty({c.B, c.H, c.L, Ep}, opts);
+    Tensor dk_acc = at::zeros(gemm16 ? at::IntArrayRef{nchunks, c.B, c.Hk, Ep, Sa}
+                                     : at::IntArrayRef{nchunks, c.B, c.Hk, c.S, Ep}, opts);
+    Tensor dv_acc = at::zeros(gemm16 ? at::IntArrayRef{nchunks, c.B, c.Hk, Evp, Sa}
+                                     : at::IntArrayRef{nchunks, c.B, c.Hk, c.S, Evp}, opts);
     if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
-      // Key and value panels for the S and dP GEMMs of every normalizer.
-      Tensor kpack = pack_heads<scalar_t>(k), vpack = pack_heads<scalar_t>(v), delta;
-      P.kp = kpack.const_data_ptr<scalar_t>();
-      P.vp = vpack.const_data_ptr<scalar_t>();
+      Tensor kpack, vpack, q16, k16, do16, vk16, kv16, delta;
+      if (gemm16) {
+        q16 = padded(q_in, at::kBFloat16, Ep);
+        do16 = padded(grad_out, at::kBFloat16, Evp);
+        Tensor kb = padded(k_in, at::kBFloat16, Ep), vb = padded(v_in, at::kBFloat16, Evp);
+        k16 = pack_heads_vnni(kb, false);
+        kv16 = pack_heads_vnni(kb, true);
+        vk16 = pack_heads_vnni(vb, false);
+        P.q16 = q16.const_data_ptr<bf16>(), P.k16 = k16.const_data_ptr<bf16>();
+        P.do16 = do16.const_data_ptr<bf16>(), P.vk16 = vk16.const_data_ptr<bf16>();
+        P.kv16 = kv16.const_data_ptr<bf16>();
+      } else {
+        // Key and value panels for the S and dP GEMMs of every normalizer.
+        kpack = pack_heads<scalar_t>(k), vpack = pack_heads<scalar_t>(v);
+        P.kp = kpack.const_data_ptr<scalar_t>();
+        P.vp = vpack.const_data_ptr<scalar_t>();
+      }
       if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs
         // δ = dO·O per query row (its Σ_j p_j dp_j).
         delta = (grad_out.to(c.acc) * out.to(c.acc)).sum(-1).contiguous();
       }
-      backward_kernel<scalar_t>(P, dout.const_data_ptr<scalar_t>(), shift.const_data_ptr<float>(),
+      backward_kernel<scalar_t>(P, dout.defined() ? dout.const_data_ptr<scalar_t>() : nullptr,
+                                shift.const_data_ptr<float>(),
                                 delta.defined() ? delta.const_data_ptr<scalar_t>() : nullptr,
                                 dq_p.mutable_data_ptr<scalar_t>(),
                                 dk_acc.mutable_data_ptr<scalar_t>(), dv_acc.mutable_data_ptr<scalar_t>(), nchunks,
@@ -448,6 +485,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
       dv_p = at::empty_like(dv_p);
       sum_chunks<scalar_t>(dk_acc, dk_p);
       sum_chunks<scalar_t>(dv_acc, dv_p);
+    }
+    if (gemm16) {  // (E x Sa) -> (S x E)
+      dk_p = dk_p.narrow(3, 0, c.S).transpose(2, 3);
+      dv_p = dv_p.narrow(3, 0, c.S).transpose(2, 3);
     }
     dq = Ep == c.E ? dq_p : dq_p.narrow(3, 0, c.E);
     dk = Ep == c.E ? dk_p : dk_p.narrow(3, 0, c.E);

@@ -106,6 +106,13 @@ struct Problem {
   const bf16* q16 = nullptr;
   const bf16* k16 = nullptr;
   const bf16* v16 = nullptr;
+  // The softmax backward's bfloat16 GEMMs (set with q16 and k16): dO as rows
+  // of Ev values, V packed by pack_keys_vnni (for dO·Vᵀ) and K by
+  // pack_values_vnni (for dS·K); its dK and dV accumulators are then
+  // transposed, E x round_up_vnni(S) and Ev x round_up_vnni(S) a head.
+  const bf16* do16 = nullptr;
+  const bf16* vk16 = nullptr;
+  const bf16* kv16 = nullptr;
 
   int64_t group() const { return H / Hk; }
   // The global index of query row i of (batch bi, head h): the dropout counter.
@@ -120,6 +127,8 @@ struct Problem {
   const bf16* q16_rows(int64_t bi, int64_t h, int64_t i0) const { return q16 + ((bi * H + h) * L + i0) * E; }
   const bf16* k16_head(int64_t bi, int64_t hk) const { return k16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
   const bf16* v16_head(int64_t bi, int64_t hk) const { return v16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
+  const bf16* vk16_head(int64_t bi, int64_t hk) const { return vk16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
+  const bf16* kv16_head(int64_t bi, int64_t hk) const { return kv16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
 };
 
 template <typename acc_t>

@@ -116,11 +116,26 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
   using V = Vec<acc_t>;
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   const int64_t hk = h / P.group();
-  const acc_t* qb = P.q_rows(bi, h, i0);
-  const acc_t* kh = P.k_head(bi, hk);
-  const acc_t* vp = P.vp_head(bi, hk);
+  // (No float copies of q, k and V's panels with bfloat16 GEMMs.)
+  const acc_t* qb = P.q ? P.q_rows(bi, h, i0) : nullptr;
+  const acc_t* kh = P.k ? P.k_head(bi, hk) : nullptr;
+  const acc_t* vp = P.vp ? P.vp_head(bi, hk) : nullptr;
   const int64_t BN = softmax_block_keys();
   for (int64_t r = 0; r < m; ++r) lse[r] = static_cast<acc_t>(c[r]);
+  // bfloat16 GEMMs (P.do16): Qᵀ and dOᵀ of the block, the A operands of
+  // dKᵀ += Qᵀ·dS and dVᵀ += dOᵀ·P; P and dS of a tile packed as their B
+  // operands (pack_rows_vnni) in yk.
+  const bool b16 = P.do16 != nullptr;
+  const int64_t mk = m + (m & 1);
+  thread_local std::vector<bf16> qt, dot, yk;
+  if (b16) {
+    qt.resize(P.E * mk);
+    dot.resize(P.Ev * mk);
+    yk.resize(mk * round_up_vnni(BN));
+    transpose_bf16(P.q16_rows(bi, h, i0), m, P.E, P.E, qt.data(), mk);
+    transpose_bf16(P.do16 + (P.row_id(bi, h, i0)) * P.Ev, m, P.Ev, P.Ev, dot.data(), mk);
+  }
+  const int64_t ldt = round_up_vnni(P.S);  // row stride of the transposed dK, dV accumulators
   if constexpr (std::is_same_v<acc_t, double>) {
     // The shift is stored in float32: one pass over the row's tiles sums
     // exp(s - c) and corrects c to double precision.
@@ -148,8 +163,16 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       }
     }
     // dP = dO·Vᵀ, then dS in place.
-    tile_gemm<acc_t>(m, ldy, P.Ev, acc_t(1), dob, P.Ev, 1, vp + j0 * P.Ev, kPanel<acc_t>, P.Ev * kPanel<acc_t>, d,
-                     ldy, false);
+    bool dp_done = false;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (b16) {
+        scores_bf16(m, w, j0, P.Ev, P.do16 + P.row_id(bi, h, i0) * P.Ev, P.vk16_head(bi, hk), d, ldy);
+        dp_done = true;
+      }
+    }
+    if (!dp_done)
+      tile_gemm<acc_t>(m, ldy, P.Ev, acc_t(1), dob, P.Ev, 1, vp + j0 * P.Ev, kPanel<acc_t>, P.Ev * kPanel<acc_t>,
+                       d, ldy, false);
     if (P.drop.on) {
       // dP of the kept weights, times 1 / (1 - p); the same flags drop P for dV below.
       keep.resize(static_cast<size_t>(m * w));
@@ -170,6 +193,17 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     }
     if (P.drop.on)
       for (int64_t r = 0; r < m; ++r) apply_keep(y + r * ldy, keep.data() + r * w, w, P.drop);
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (b16) {
+        // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS, dQ (+)= dS·K.
+        pack_rows_vnni(y, m, w, ldy, yk.data());
+        rows_product_bf16(P.Ev, m, w, dot.data(), yk.data(), dv + j0, ldt);
+        pack_rows_vnni(d, m, w, ldy, yk.data());
+        rows_product_bf16(P.E, m, w, qt.data(), yk.data(), dk + j0, ldt);
+        pv_bf16(m, w, j0, d, ldy, P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);
+        continue;
+      }
+    }
     // dV += Pᵀ·dO, dK += dSᵀ·Q (A read transposed), dQ (+)= dS·K.
     tile_gemm<acc_t>(w, P.Ev, m, acc_t(1), y, 1, ldy, dob, P.Ev, kPanel<acc_t>, dv + j0 * P.Ev, P.Ev, true);
     tile_gemm<acc_t>(w, P.E, m, acc_t(1), d, 1, ldy, qb, P.E, kPanel<acc_t>, dk + j0 * P.E, P.E, true);

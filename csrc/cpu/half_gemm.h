@@ -27,6 +27,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512) && !defined(_MSC_VER)
+#include <immintrin.h>
+#endif
+
 namespace attnkern {
 namespace cpu {
 inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
@@ -136,29 +140,101 @@ inline void scores_bf16(int64_t m, int64_t w, int64_t j0, int64_t E, const bf16*
   }
 }
 
-// o (m x Ev, row stride Ev; Ev a multiple of 16) = P · V[j0:j0 + w], or +=
-// with `accumulate`, for P (m x w floats, row stride ldy) rounded to
-// bfloat16, j0 even; vpack: the head's packed values.
-inline void pv_bf16(int64_t m, int64_t w, int64_t j0, const float* y, int64_t ldy, const bf16* vpack, int64_t S,
-                    int64_t Ev, float* o, bool accumulate) {
+// The rows of y (m x w floats, row stride ldy) rounded to bfloat16 into dst
+// (m x wk, wk = w rounded up to even; the odd column's pad is 0).
+inline void rows_to_bf16(const float* y, int64_t m, int64_t w, int64_t ldy, bf16* dst, int64_t wk) {
   using Vf = at::vec::Vectorized<float>;
   using Vh = at::vec::Vectorized<bf16>;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* src = y + r * ldy;
+    bf16* out = dst + r * wk;
+    int64_t j = 0;
+    for (; j + Vh::size() <= w; j += Vh::size())
+      at::vec::convert_from_float<bf16>(Vf::loadu(src + j), Vf::loadu(src + j + Vf::size())).store(out + j);
+    for (; j < w; ++j) out[j] = src[j];
+    if (wk > w) out[w] = bf16(0.f);
+  }
+}
+
+// o (m x Ev, row stride Ev; Ev a multiple of 16) = P · V[j0:j0 + w], or +=
+// with `accumulate`, for P (m x w floats, row stride ldy) rounded to
+// bfloat16, j0 even; vpack: the head's packed values (pack_values_vnni).
+inline void pv_bf16(int64_t m, int64_t w, int64_t j0, const float* y, int64_t ldy, const bf16* vpack, int64_t S,
+                    int64_t Ev, float* o, bool accumulate) {
   const int64_t wk = w + (w & 1), Sk = round_up_vnni(S);
   thread_local std::vector<bf16> ph;
   ph.resize(m * wk);
-  for (int64_t r = 0; r < m; ++r) {
-    const float* src = y + r * ldy;
-    bf16* dst = ph.data() + r * wk;
-    int64_t j = 0;
-    for (; j + Vh::size() <= w; j += Vh::size())
-      at::vec::convert_from_float<bf16>(Vf::loadu(src + j), Vf::loadu(src + j + Vf::size())).store(dst + j);
-    for (; j < w; ++j) dst[j] = src[j];
-    if (wk > w) dst[w] = bf16(0.f);
-  }
+  rows_to_bf16(y, m, w, ldy, ph.data(), wk);
   for (int64_t c0 = 0; c0 < Ev; c0 += kVnniBlock) {
     const int64_t bw = std::min(kVnniBlock, Ev - c0);
     at::native::cpublas::brgemm(m, bw, wk, wk, bw, Ev, accumulate, ph.data(), vpack + c0 * Sk + j0 * bw, o + c0,
                                 true);
+  }
+}
+
+// x (m x d bfloat16, row stride ld) transposed into dst (d x mk, mk = m
+// rounded up to even; the pad column is 0): the A operand of a product that
+// sums over the m rows.
+inline void transpose_bf16(const bf16* x, int64_t m, int64_t d, int64_t ld, bf16* dst, int64_t mk) {
+  for (int64_t e = 0; e < d; ++e) {
+    bf16* row = dst + e * mk;
+    for (int64_t i = 0; i < m; ++i) row[i] = x[i * ld + e];
+    if (mk > m) row[m] = bf16(0.f);
+  }
+}
+
+// The bits of x rounded to bfloat16 (to nearest even; NaN stays NaN), in the
+// low half of each 32-bit lane.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+}
+#endif
+
+// y (m x w floats, row stride ldy) rounded to bfloat16 as the B operand of a
+// product that sums over its m rows (VNNI layout over rows), in blocks of 64
+// columns: block u (width bw = min(64, round_up(w - 64u, 16))) at
+// dst + u·64·mk holds [mk/2][bw][2] (mk = m rounded up to even); zero past
+// row m and column w.
+inline void pack_rows_vnni(const float* y, int64_t m, int64_t w, int64_t ldy, bf16* dst) {
+  const int64_t mk = m + (m & 1);
+  for (int64_t c0 = 0; c0 < w; c0 += kVnniBlock) {
+    const int64_t rest = std::min(kVnniBlock, w - c0), bw = (rest + 15) / 16 * 16;
+    bf16* blk = dst + c0 * mk;
+    for (int64_t i = 0; i < mk; i += 2) {
+      const float* a = y + i * ldy + c0;
+      const float* b = i + 1 < m ? a + ldy : nullptr;
+      bf16* out = blk + i * bw;
+      int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      for (; c + 16 <= rest; c += 16) {
+        const __m512i lo = bf16_bits(_mm512_loadu_ps(a + c));
+        const __m512i hi = b ? bf16_bits(_mm512_loadu_ps(b + c)) : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + 2 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+#endif
+      for (; c < bw; ++c) {
+        out[2 * c] = c < rest ? bf16(a[c]) : bf16(0.f);
+        out[2 * c + 1] = c < rest && b ? bf16(b[c]) : bf16(0.f);
+      }
+    }
+  }
+}
+
+// Cᵀ (d x w, row stride ldc) += Aᵀ · Y for Aᵀ (d x mk bfloat16: a block of m
+// rows transposed, transpose_bf16) and Y (m x w, packed by pack_rows_vnni):
+// the key-side gradients dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS of a tile, with the
+// accumulators transposed (keys along the rows of C). Columns up to
+// round_up(w, 16) are added to (zeros past w).
+inline void rows_product_bf16(int64_t d, int64_t m, int64_t w, const bf16* at_, const bf16* ypack, float* ct,
+                              int64_t ldc) {
+  const int64_t mk = m + (m & 1);
+  for (int64_t c0 = 0; c0 < w; c0 += kVnniBlock) {
+    const int64_t bw = (std::min(kVnniBlock, w - c0) + 15) / 16 * 16;
+    at::native::cpublas::brgemm(d, bw, mk, mk, bw, ldc, true, at_, ypack + c0 * mk, ct + c0, true);
   }
 }
 
