@@ -209,3 +209,22 @@ def test_bf16_gemm_gradients_thread_count_and_dropout(monkeypatch):
     for a, b in zip(dropped, dropped32, strict=True):
         scale = b.float().abs().max().item()
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2 * scale, rtol=2e-2)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
+def test_bf16_ops_opcheck_and_compile(normalizer):
+    """The ops take bfloat16 as it is (on every CPU): opcheck, and
+    torch.compile against eager."""
+    q, k, v = make_qkv(1, 4, 2, 9, 13, 8, 6, dtype=torch.bfloat16, noncontig=True)
+    mask = torch.randn(1, 1, 9, 13).expand(1, 4, 9, 13)
+    args = (q, k, v, mask, False, 0.35, normalizer, None)
+    torch.library.opcheck(torch.ops.attnkern.attention_fwd, args)
+    out, shift = torch.ops.attnkern.attention_fwd(*args)
+    assert out.dtype == torch.bfloat16 and shift.dtype == torch.float32
+    go = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.attnkern.attention_bwd, (go, *args[:-1], None, out, shift, False))
+
+    def f(q, k, v):
+        return attnkern.attention(q, k, v, normalizer=normalizer, is_causal=True, enable_gqa=True, backend="cpu")
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v), atol=0, rtol=0)

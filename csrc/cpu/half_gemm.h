@@ -45,29 +45,34 @@ inline int64_t round_up_vnni(int64_t n) { return (n + kVnniBlock - 1) / kVnniBlo
 
 namespace detail {
 
-// Whether oneDNN's bfloat16 brgemm runs here and gives exact products: a
-// 3 x 16 x 4 product of small integers, which must come out exact.
-inline bool brgemm_probe() {
-  constexpr int64_t M = 3, N = 16, K = 4;
-  bf16 a[M * K], b[K * N];
-  float c[M * N], want[M * N];
+// Whether oneDNN's bfloat16 brgemm runs here with B in the layout packed
+// below and gives exact products: small integer products (exact in float32)
+// in two shapes, one with N below the leading dim and an odd number of row
+// pairs, as the attention's last blocks have. A CPU whose kernels expected
+// another layout would fail this and keep the float32 GEMMs.
+inline bool brgemm_probe_shape(int64_t M, int64_t N, int64_t K, int64_t ldb) {
+  std::vector<bf16> a(M * K), b(K * ldb);
+  std::vector<float> c(M * ldb, -1.f), want(M * ldb, -1.f);
+  auto bval = [](int64_t k, int64_t n) { return static_cast<float>((k * 5 + n * 3) % 7 - 3); };
   for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<float>(i % 5 - 2);
   for (int64_t k = 0; k < K; ++k)
-    for (int64_t n = 0; n < N; ++n) b[(k / 2) * N * 2 + n * 2 + k % 2] = static_cast<float>((k * N + n) % 7 - 3);
+    for (int64_t n = 0; n < ldb; ++n) b[(k / 2) * ldb * 2 + n * 2 + k % 2] = bval(k, n);
   for (int64_t i = 0; i < M; ++i)
     for (int64_t n = 0; n < N; ++n) {
       float s = 0;
-      for (int64_t k = 0; k < K; ++k) s += static_cast<float>(a[i * K + k]) * static_cast<float>((k * N + n) % 7 - 3);
-      want[i * N + n] = s;
+      for (int64_t k = 0; k < K; ++k) s += static_cast<float>(a[i * K + k]) * bval(k, n);
+      want[i * ldb + n] = s;
     }
   try {
-    at::native::cpublas::brgemm(M, N, K, K, N, N, false, a, b, c, true);
+    at::native::cpublas::brgemm(M, N, K, K, ldb, ldb, false, a.data(), b.data(), c.data(), true);
     at::native::cpublas::brgemm_release(true);
   } catch (const std::exception&) {
     return false;
   }
-  return std::memcmp(c, want, sizeof(c)) == 0;
+  return std::memcmp(c.data(), want.data(), c.size() * sizeof(float)) == 0;
 }
+
+inline bool brgemm_probe() { return brgemm_probe_shape(3, 16, 4, 16) && brgemm_probe_shape(7, 48, 34, 64); }
 
 inline bool bf16_hardware() {
 #if defined(CPU_CAPABILITY_AVX512) && defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(__GNUC__) && \
