@@ -326,6 +326,43 @@ inline void axpy(acc_t* y, const acc_t* x, acc_t a, int64_t n) {
   for (; e < n; ++e) y[e] += a * x[e];
 }
 
+// o[0:ev] = Σ_t x[t] · v[idx[t], 0:ev] (row stride ldv) over a list of cnt
+// entries, o overwritten; ev a multiple of two vectors. The columns run in
+// register blocks of four vectors: an axpy per entry carries o through a
+// store and a reload each time (the sparse P·V spent most of its time there).
+// Entries are added in list order, each as axpy adds it.
+template <typename acc_t>
+inline void accumulate_listed(const acc_t* x, const int32_t* idx, int64_t cnt, const acc_t* v, int64_t ldv,
+                              int64_t ev, acc_t* o) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  int64_t c = 0;
+  for (; c + 4 * W <= ev; c += 4 * W) {
+    V a0(0), a1(0), a2(0), a3(0);
+    for (int64_t t = 0; t < cnt; ++t) {
+      const V xt(x[t]);
+      const acc_t* vr = v + static_cast<int64_t>(idx[t]) * ldv + c;
+      a0 = a0 + xt * V::loadu(vr), a1 = a1 + xt * V::loadu(vr + W);
+      a2 = a2 + xt * V::loadu(vr + 2 * W), a3 = a3 + xt * V::loadu(vr + 3 * W);
+    }
+    a0.store(o + c), a1.store(o + c + W), a2.store(o + c + 2 * W), a3.store(o + c + 3 * W);
+  }
+  for (; c + 2 * W <= ev; c += 2 * W) {
+    V a0(0), a1(0);
+    for (int64_t t = 0; t < cnt; ++t) {
+      const V xt(x[t]);
+      const acc_t* vr = v + static_cast<int64_t>(idx[t]) * ldv + c;
+      a0 = a0 + xt * V::loadu(vr), a1 = a1 + xt * V::loadu(vr + W);
+    }
+    a0.store(o + c), a1.store(o + c + W);
+  }
+  for (; c < ev; ++c) {
+    acc_t a = 0;
+    for (int64_t t = 0; t < cnt; ++t) a += x[t] * v[static_cast<int64_t>(idx[t]) * ldv + c];
+    o[c] = a;
+  }
+}
+
 template <typename acc_t>
 inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
   using V = Vec<acc_t>;

@@ -207,13 +207,17 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
       pivot = pm.pivot;
       mean = pm.shift;
     }
+    // ds in place of dp; dq = Σ ds k_j in registers (accumulate_listed), then
+    // the scattered dk_j and dv_j rows.
+    for (int64_t t = t0; t < t1; ++t) {
+      const acc_t pj = prow[idx[t]];
+      dps[t - t0] = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * ((dps[t - t0] - pivot) - mean);
+    }
+    accumulate_listed(dps.data(), idx.data() + t0, t1 - t0, kh, P.E, P.E, dqr);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = idx[t];
-      const acc_t pj = prow[j];
-      const acc_t ds = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * ((dps[t - t0] - pivot) - mean);
-      axpy(dqr, kh + j * P.E, ds, P.E);
-      axpy(dk + j * P.E, qr, ds, P.E);
-      if (kept[t - t0] != acc_t(0)) axpy(dv + j * P.Ev, dor, pj * kept[t - t0], P.Ev);
+      axpy(dk + j * P.E, qr, dps[t - t0], P.E);
+      if (kept[t - t0] != acc_t(0)) axpy(dv + j * P.Ev, dor, prow[j] * kept[t - t0], P.Ev);
     }
   }
 }
@@ -233,11 +237,13 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   if (P.drop.on) apply_dropout(P.drop, y, m, n, n, P.row_id(bi, h, i0), 0);
   const acc_t* vh = P.v_head(bi, h / P.group());
   if (collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), ws.idx, ws.ptr)) {
-    std::fill(o, o + m * P.Ev, acc_t(0));
+    acc_t* vals = ws.work.data();  // the row's support values, in list order
     for (int64_t r = 0; r < m; ++r) {
       const acc_t* prow = y + r * n;
-      for (int64_t t = ws.ptr[r]; t < ws.ptr[r + 1]; ++t)
-        axpy(o + r * P.Ev, vh + ws.idx[t] * P.Ev, prow[ws.idx[t]], P.Ev);
+      const int32_t* idx = ws.idx.data() + ws.ptr[r];
+      const int64_t cnt = ws.ptr[r + 1] - ws.ptr[r];
+      for (int64_t t = 0; t < cnt; ++t) vals[t] = prow[idx[t]];
+      accumulate_listed(vals, idx, cnt, vh, P.Ev, P.Ev, o + r * P.Ev);
     }
     return;
   }
