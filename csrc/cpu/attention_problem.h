@@ -327,18 +327,20 @@ inline void axpy(acc_t* y, const acc_t* x, acc_t a, int64_t n) {
 }
 
 // o[0:ev] = Σ_t x[t] · v[idx[t], 0:ev] (row stride ldv) over a list of cnt
-// entries, o overwritten; ev a multiple of two vectors. The columns run in
-// register blocks of four vectors: an axpy per entry carries o through a
-// store and a reload each time (the sparse P·V spent most of its time there).
-// Entries are added in list order, each as axpy adds it.
+// entries, o overwritten, or added to with `accumulate`; ev a multiple of two
+// vectors. The columns run in register blocks of four vectors: an axpy per
+// entry carries o through a store and a reload each time (the sparse P·V
+// spent most of its time there). Entries are added in list order, each as
+// axpy adds it.
 template <typename acc_t>
 inline void accumulate_listed(const acc_t* x, const int32_t* idx, int64_t cnt, const acc_t* v, int64_t ldv,
-                              int64_t ev, acc_t* o) {
+                              int64_t ev, acc_t* o, bool accumulate = false) {
   using V = Vec<acc_t>;
   constexpr int64_t W = V::size();
+  auto start = [&](int64_t c) { return accumulate ? V::loadu(o + c) : V(acc_t(0)); };
   int64_t c = 0;
   for (; c + 4 * W <= ev; c += 4 * W) {
-    V a0(0), a1(0), a2(0), a3(0);
+    V a0 = start(c), a1 = start(c + W), a2 = start(c + 2 * W), a3 = start(c + 3 * W);
     for (int64_t t = 0; t < cnt; ++t) {
       const V xt(x[t]);
       const acc_t* vr = v + static_cast<int64_t>(idx[t]) * ldv + c;
@@ -348,7 +350,7 @@ inline void accumulate_listed(const acc_t* x, const int32_t* idx, int64_t cnt, c
     a0.store(o + c), a1.store(o + c + W), a2.store(o + c + 2 * W), a3.store(o + c + 3 * W);
   }
   for (; c + 2 * W <= ev; c += 2 * W) {
-    V a0(0), a1(0);
+    V a0 = start(c), a1 = start(c + W);
     for (int64_t t = 0; t < cnt; ++t) {
       const V xt(x[t]);
       const acc_t* vr = v + static_cast<int64_t>(idx[t]) * ldv + c;
@@ -357,7 +359,7 @@ inline void accumulate_listed(const acc_t* x, const int32_t* idx, int64_t cnt, c
     a0.store(o + c), a1.store(o + c + W);
   }
   for (; c < ev; ++c) {
-    acc_t a = 0;
+    acc_t a = accumulate ? o[c] : acc_t(0);
     for (int64_t t = 0; t < cnt; ++t) a += x[t] * v[static_cast<int64_t>(idx[t]) * ldv + c];
     o[c] = a;
   }
@@ -457,6 +459,10 @@ struct Workspace {
   std::vector<int32_t> pidx, idx;
   std::vector<int64_t> ptr;
   Runs runs;
+  // The sparse backward's entries regrouped by key (CSC): starts, rows, ds, p·keep.
+  std::vector<int64_t> cstart;
+  std::vector<int32_t> crow;
+  std::vector<acc_t> cds, cpk;
 };
 
 // attention_softmax.cpp: one block of m query rows from i0 of (batch bi, head

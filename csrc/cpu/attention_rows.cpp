@@ -162,36 +162,41 @@ void backward_rows(acc_t* y, acc_t* d, int64_t m, int64_t n, const std::vector<s
 }
 
 // Backward of a block of rows over their supports (CSR idx/ptr), entry by
-// entry: dp = dO·v_j, ds = scale·g·(dp - Σg dp/Σg), dq = Σ ds k_j,
-// dk_j += ds q, dv_j += p dO.
+// entry: dp = dO·v_j, ds = scale·g·(dp - Σg dp/Σg), dq = Σ ds k_j, then key by
+// key dk_j += Σ ds q and dv_j += Σ p·keep dO.
 template <typename acc_t, Family FAM>
-void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, int64_t n,
-                          const std::vector<int32_t>& idx, const std::vector<int64_t>& ptr, acc_t b,
-                          const acc_t* qb, const acc_t* dob, const acc_t* kh, const acc_t* vh, acc_t* dqb,
-                          acc_t* dk, acc_t* dv, double* dalpha, std::vector<acc_t>& dps, int64_t row0,
-                          std::vector<acc_t>& kept) {
+void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, int64_t n, acc_t b, const acc_t* qb,
+                          const acc_t* dob, const acc_t* kh, const acc_t* vh, acc_t* dqb, acc_t* dk, acc_t* dv,
+                          double* dalpha, int64_t row0, Workspace<acc_t>& ws) {
   const Dropout& drop = P.drop;
   const acc_t dscale = static_cast<acc_t>(drop.scale);
+  const std::vector<int32_t>& idx = ws.idx;
+  const std::vector<int64_t>& ptr = ws.ptr;
+  const int64_t total = ptr[m];
+  // By entry (CSR order): dp, then ds in its place; the weight p·keep of dV.
+  std::vector<acc_t>& dps = ws.dps;
+  std::vector<acc_t>& pk = ws.kept;
+  dps.resize(total);
+  pk.resize(total);
   std::vector<acc_t> gs;
   for (int64_t r = 0; r < m; ++r) {
     const acc_t* prow = y + r * n;
-    const acc_t* qr = qb + r * P.E;
     const acc_t* dor = dob + r * P.Ev;
     acc_t* dqr = dqb + r * P.E;
-    std::fill(dqr, dqr + P.E, acc_t(0));
     const int64_t t0 = ptr[r], t1 = ptr[r + 1];
-    if (t0 == t1) continue;
-    dps.resize(t1 - t0);
-    kept.resize(t1 - t0);
+    if (t0 == t1) {
+      std::fill(dqr, dqr + P.E, acc_t(0));
+      continue;
+    }
     acc_t gsum = 0, gdp = 0;
     math::AlphaGradSums asums;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = idx[t];
       // With dropout, dp_j = dO·v_j · keep_j / (1 - p).
       const acc_t kj = drop.on ? static_cast<acc_t>(dropout_keep(drop, row0 + r, j)) * dscale : acc_t(1);
-      kept[t - t0] = kj;
       const acc_t dpj = kj == acc_t(0) ? acc_t(0) : kj * dot(dor, vh + j * P.Ev, P.Ev);
-      dps[t - t0] = dpj;
+      pk[t] = kj;
+      dps[t] = dpj;
       const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
       gsum += g;
       gdp += g * dpj;
@@ -203,22 +208,55 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
       // α > 2: the mean measured from a pivot (entmax_pivoted_mean says why).
       gs.resize(t1 - t0);
       for (int64_t t = t0; t < t1; ++t) gs[t - t0] = math::entmax_g_from_p<acc_t>(prow[idx[t]], b, FAM);
-      const auto pm = math::entmax_pivoted_mean<acc_t>(gs.data(), dps.data(), t1 - t0);
+      const auto pm = math::entmax_pivoted_mean<acc_t>(gs.data(), dps.data() + t0, t1 - t0);
       pivot = pm.pivot;
       mean = pm.shift;
     }
-    // ds in place of dp; dq = Σ ds k_j in registers (accumulate_listed), then
-    // the scattered dk_j and dv_j rows.
     for (int64_t t = t0; t < t1; ++t) {
       const acc_t pj = prow[idx[t]];
-      dps[t - t0] = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * ((dps[t - t0] - pivot) - mean);
+      dps[t] = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * ((dps[t] - pivot) - mean);
+      pk[t] = pk[t] == acc_t(0) ? acc_t(0) : pj * pk[t];
     }
-    accumulate_listed(dps.data(), idx.data() + t0, t1 - t0, kh, P.E, P.E, dqr);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j = idx[t];
-      axpy(dk + j * P.E, qr, dps[t - t0], P.E);
-      if (kept[t - t0] != acc_t(0)) axpy(dv + j * P.Ev, dor, prow[j] * kept[t - t0], P.Ev);
+    // dq = Σ ds k_j, in registers.
+    accumulate_listed(dps.data() + t0, idx.data() + t0, t1 - t0, kh, P.E, P.E, dqr);
+  }
+  // dk_j += ds q_r and dv_j += p·keep dO_r. With few entries per key (the
+  // regrouping below costs a few passes over the n keys), entry by entry.
+  if (2 * total < n) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t t = ptr[r]; t < ptr[r + 1]; ++t) {
+        const int64_t j = idx[t];
+        axpy(dk + j * P.E, qb + r * P.E, dps[t], P.E);
+        axpy(dv + j * P.Ev, dob + r * P.Ev, pk[t], P.Ev);
+      }
+    return;
+  }
+  // Else the entries regrouped by key (CSC; each key's rows in increasing
+  // order): dk_j and dv_j take all of the block's terms in registers, read
+  // and written once per block instead of once per entry (the scattered
+  // axpys' stores were most of α = 1.3's backward). Either way each gets the
+  // same terms in the same order. A dropped entry (keep 0) adds 0·dO_r.
+  std::vector<int64_t>& start = ws.cstart;
+  std::vector<int32_t>& rows = ws.crow;
+  std::vector<acc_t>& cds = ws.cds;
+  std::vector<acc_t>& cpk = ws.cpk;
+  start.assign(n + 1, 0);
+  rows.resize(total), cds.resize(total), cpk.resize(total);
+  for (int64_t t = 0; t < total; ++t) ++start[idx[t] + 1];
+  for (int64_t j = 0; j < n; ++j) start[j + 1] += start[j];
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t t = ptr[r]; t < ptr[r + 1]; ++t) {
+      const int64_t at = start[idx[t]]++;
+      rows[at] = static_cast<int32_t>(r), cds[at] = dps[t], cpk[at] = pk[t];
     }
+  // (start[j] now holds key j's end, the next key's start.)
+  int64_t a = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t e = start[j];
+    if (e == a) continue;
+    accumulate_listed(cds.data() + a, rows.data() + a, e - a, qb, P.E, P.E, dk + j * P.E, true);
+    accumulate_listed(cpk.data() + a, rows.data() + a, e - a, dob, P.Ev, P.Ev, dv + j * P.Ev, true);
+    a = e;
   }
 }
 
@@ -292,8 +330,7 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
     // α > 2 always goes entry by entry, where its mean is pivoted.
     const int64_t max_entries = b > acc_t(1) ? m * n : static_cast<int64_t>(kSparseDensity * m * n);
     if (collect_support(y, m, n, max_entries, ws.idx, ws.ptr)) {
-      backward_sparse_rows<acc_t, FAM>(P, y, m, n, ws.idx, ws.ptr, b, qb, dob, kh, vh, dqb, dk, dv, da, ws.dps,
-                                       P.row_id(bi, h, i0), ws.kept);
+      backward_sparse_rows<acc_t, FAM>(P, y, m, n, b, qb, dob, kh, vh, dqb, dk, dv, da, P.row_id(bi, h, i0), ws);
       return;
     }
   }
