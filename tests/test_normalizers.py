@@ -199,6 +199,23 @@ def test_long_rows_float32(name, fn, rfn):
 
 
 @pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
+@pytest.mark.parametrize("n,offset", [(4096, 0), (4099, 1), (5000, 300), (8192, 777)])
+def test_long_rows_at_any_offset_forward_and_backward(name, fn, rfn, n, offset):
+    """Rows of 4096 and more move their scratch per row, away from the row
+    modulo 4 KiB (RowScratch::place): rows at odd offsets in memory and of odd
+    lengths, forward and backward against the reference."""
+    store = make_scores((3 * n + offset,), torch.float32, scale=2.0, seed=n)
+    x = store[offset:].view(3, n).requires_grad_()
+    g = make_scores((3, n), torch.float32, seed=n + 1)
+    xd = x.detach().double().requires_grad_()
+    p, pd = fn(x), rfn(xd)
+    assert_close(p, pd, dtype=torch.float32, scale=cond(name))
+    (gx,) = torch.autograd.grad(p, x, g)
+    (gd,) = torch.autograd.grad(pd, xd, g.double())
+    assert_close(gx, gd, dtype=torch.float32, scale=cond(name))
+
+
+@pytest.mark.parametrize("name,fn,rfn", NORMALIZERS, ids=NORM_IDS)
 @pytest.mark.parametrize("dim", [0, 1, -1, 2])
 def test_any_dim_and_noncontiguous(name, fn, rfn, dim):
     base = make_scores((7, 5, 11), torch.float64, scale=2.0, seed=3)

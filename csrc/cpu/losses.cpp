@@ -80,12 +80,13 @@ void loss_impl(const Tensor& x, const Tensor& target, const Tensor& alpha, Tenso
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     RowScratch<acc_t> scratch(n);
-    acc_t* row = scratch.row();
-    acc_t* y = scratch.y();
-    acc_t* work = scratch.work();
-    int32_t* idx = scratch.idx.data();
     std::vector<acc_t> pbuf(std::is_same_v<scalar_t, acc_t> ? 0 : n);
     for (int64_t r = begin; r < end; ++r) {
+      scratch.place({xp + r * n});
+      acc_t* row = scratch.row();
+      acc_t* y = scratch.y();
+      acc_t* work = scratch.work();
+      int32_t* idx = scratch.idx();
       const acc_t* xr;
       if constexpr (std::is_same_v<scalar_t, acc_t>) {
         xr = reinterpret_cast<const acc_t*>(xp + r * n);

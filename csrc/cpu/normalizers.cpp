@@ -78,19 +78,21 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     RowScratch<acc_t> scratch(n);
-    acc_t* row = scratch.row();
-    acc_t* y = scratch.y();
-    acc_t* work = scratch.work();
-    int32_t* idx = scratch.idx.data();
     std::optional<RowScratch<acc_t>> scratch1;  // the second row of a pair
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
+      scratch.place({xp + base});
+      acc_t* row = scratch.row();
+      acc_t* y = scratch.y();
+      acc_t* work = scratch.work();
+      int32_t* idx = scratch.idx();
       const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : math::fixed_b<FAM, acc_t>();
       if constexpr (FAM == Family::kGeneric) {
         // Contiguous rows of α-entmax go two at a time (normalize_generic_pair).
         if (lay.inner == 1 && r + 1 < end) {
           if (!scratch1) scratch1.emplace(n);
           const int64_t base1 = lay.base(r + 1);
+          scratch1->place({xp + base1});
           const acc_t b1 = ap[r + 1] - acc_t(1);
           // The next pair's rows, contiguous (lay.inner == 1), for the prefetch.
           const bool more = r + 3 < end;
@@ -303,12 +305,13 @@ void backward_impl(const Tensor& p, const Tensor& grad, Tensor& dx, const Tensor
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     RowScratch<acc_t> scratch(n);
-    acc_t* pb = scratch.row();
-    acc_t* db = scratch.y();
-    acc_t* gb = scratch.work();
-    int32_t* idx = scratch.idx.data();
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
+      scratch.place({pp + base, gp + base});
+      acc_t* pb = scratch.row();
+      acc_t* db = scratch.y();
+      acc_t* gb = scratch.work();
+      int32_t* idx = scratch.idx();
       const acc_t b = FAM == Family::kGeneric ? ap[r] - acc_t(1) : math::fixed_b<FAM, acc_t>();
       acc_t da;
       if (lay.nan_row_gradient(pp, dxp, base)) {
