@@ -200,7 +200,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     acc = acc_dtype(query.dtype)
     if query.dtype in (torch.float16, torch.bfloat16):
         broadcast = q_heads_expanded or any(t.shape[:-3] != batch for t in (q, k, v))
-        # The CPU kernel takes bfloat16 as it is (its forward GEMMs run in
+        # The CPU kernel takes bfloat16 as it is (its GEMMs run in
         # bfloat16 where the CPU has bfloat16 dot products), and so does its
         # softmax decoding without gradients (a few query rows, as in
         # generation) for float16: it reads K and V in place, where widened

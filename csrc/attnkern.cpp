@@ -78,7 +78,7 @@ const char* level_name(Level level) { return kLevelNames[static_cast<int>(level)
 
 // cpu_dispatch() -> {"active", "reason", "machine", "compiled", "bf16_gemm"}: the
 // CPU kernels' instruction-set levels (attnkern/cpu_kernels.h), and whether
-// bfloat16 attention's forward GEMMs run in bfloat16 at the active level.
+// bfloat16 attention's GEMMs run in bfloat16 at the active level.
 PyObject* cpu_dispatch(PyObject*, PyObject*) {
   namespace c = attnkern::cpu;
   return Py_BuildValue("{s:s,s:s,s:s,s:s,s:O}", "active", level_name(c::active_level()), "reason",

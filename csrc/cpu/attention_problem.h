@@ -99,7 +99,7 @@ struct Problem {
   const void* v_half = nullptr;
   bool half_is_bf16 = true;
   int64_t e_half = 0, ev_half = 0;
-  // bfloat16 inputs whose forward GEMMs run in bfloat16 (half_gemm.h): q as
+  // bfloat16 inputs whose GEMMs run in bfloat16 (half_gemm.h): q as
   // rows of E values, K and V of every (batch, kv-head) packed by
   // pack_keys_vnni (round_up_vnni(S) · E entries a head) and pack_values_vnni
   // (round_up_vnni(S) · Ev; null when no head is softmax); null otherwise.
@@ -195,19 +195,29 @@ inline void gemm_packed_cols(int64_t m, int64_t n, int64_t j0, int64_t j1, int64
   }
 }
 
+// y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys [j0, j0 + w) plus
+// the mask, -inf above the causal diagonal, from bfloat16 q and K (P.q16;
+// j0 a multiple of 64). Returns false (nothing done) without them.
+template <typename acc_t>
+inline bool scores_bf16_masked(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
+                               int64_t w, acc_t* y, int64_t ldy) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (P.q16) {
+      scores_bf16(m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
+      scale_scores(y, m, w, ldy, P.scale);
+      mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
+      return true;
+    }
+  }
+  return false;
+}
+
 // y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
 // diagonal: in bfloat16 (P.q16), over the packed key panels (P.kp) when there
 // are, else BLAS.
 template <typename acc_t>
 inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (P.q16) {
-      scores_bf16(m, n, 0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, n);
-      scale_scores(y, m, n, n, P.scale);
-      mask_scores(P, bi, h, i0, m, 0, n, y, n);
-      return;
-    }
-  }
+  if (scores_bf16_masked(P, bi, h, i0, m, 0, n, y, n)) return;
   const acc_t* q = P.q_rows(bi, h, i0);
   if (P.kp) {
     gemm_packed_cols<acc_t>(m, n, 0, n, P.E, P.scale, q, P.kp_head(bi, h / P.group()), y);

@@ -16,19 +16,13 @@ namespace attn {
 
 
 // Scores of a tile: y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys
-// [j0, j0 + w) through the packed key panels (or in bfloat16: P.q16), plus the mask, -inf above the
-// causal diagonal. Columns [w, ldy) hold scores against zero padding keys.
+// [j0, j0 + w) through the packed key panels (or in bfloat16: P.q16), plus
+// the mask, -inf above the causal diagonal. Columns [w, ldy) hold scores
+// against zero padding keys.
 template <typename acc_t>
 void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
                 acc_t* y, int64_t ldy) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (P.q16) {
-      scores_bf16(m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
-      scale_scores(y, m, w, ldy, P.scale);
-      mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
-      return;
-    }
-  }
+  if (scores_bf16_masked(P, bi, h, i0, m, j0, w, y, ldy)) return;
   tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
                    kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
   mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
@@ -127,13 +121,14 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
   // operands (pack_rows_vnni) in yk.
   const bool b16 = P.do16 != nullptr;
   const int64_t mk = m + (m & 1);
-  thread_local std::vector<bf16> qt, dot, yk;
+  const bf16* do16 = b16 ? P.do16 + P.row_id(bi, h, i0) * P.Ev : nullptr;  // the block's dO rows
+  thread_local std::vector<bf16> qt, dot_t, yk;
   if (b16) {
     qt.resize(P.E * mk);
-    dot.resize(P.Ev * mk);
+    dot_t.resize(P.Ev * mk);
     yk.resize(mk * round_up_vnni(BN));
     transpose_bf16(P.q16_rows(bi, h, i0), m, P.E, P.E, qt.data(), mk);
-    transpose_bf16(P.do16 + (P.row_id(bi, h, i0)) * P.Ev, m, P.Ev, P.Ev, dot.data(), mk);
+    transpose_bf16(do16, m, P.Ev, P.Ev, dot_t.data(), mk);
   }
   const int64_t ldt = round_up_vnni(P.S);  // row stride of the transposed dK, dV accumulators
   if constexpr (std::is_same_v<acc_t, double>) {
@@ -166,7 +161,7 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     bool dp_done = false;
     if constexpr (std::is_same_v<acc_t, float>) {
       if (b16) {
-        scores_bf16(m, w, j0, P.Ev, P.do16 + P.row_id(bi, h, i0) * P.Ev, P.vk16_head(bi, hk), d, ldy);
+        scores_bf16(m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
         dp_done = true;
       }
     }
@@ -197,7 +192,7 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       if (b16) {
         // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS, dQ (+)= dS·K.
         pack_rows_vnni(y, m, w, ldy, yk.data());
-        rows_product_bf16(P.Ev, m, w, dot.data(), yk.data(), dv + j0, ldt);
+        rows_product_bf16(P.Ev, m, w, dot_t.data(), yk.data(), dv + j0, ldt);
         pack_rows_vnni(d, m, w, ldy, yk.data());
         rows_product_bf16(P.E, m, w, qt.data(), yk.data(), dk + j0, ldt);
         pv_bf16(m, w, j0, d, ldy, P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);

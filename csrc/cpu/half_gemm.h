@@ -1,4 +1,5 @@
-// bfloat16 GEMMs of the fused attention's forward: bfloat16 products summed
+// bfloat16 GEMMs of the fused attention (the forward, and the softmax
+// backward's: see attention_softmax.cpp): bfloat16 products summed
 // in float32, as PyTorch's SDPA computes them, through oneDNN's brgemm
 // micro-kernels (at::native::cpublas::brgemm), which run them as AVX512-BF16
 // dot products or on AMX tiles, whichever the CPU has.
@@ -87,7 +88,7 @@ inline bool bf16_hardware() {
 
 }  // namespace detail
 
-// Whether the forward's GEMMs of bfloat16 attention run in bfloat16 here.
+// Whether the GEMMs of bfloat16 attention run in bfloat16 here.
 inline bool bf16_gemm_enabled() {
   static const bool hardware = detail::bf16_hardware();
   if (!hardware || !at::globalContext().userEnabledMkldnn()) return false;

@@ -51,7 +51,7 @@ struct KernelTable {
       const Tensor& shift, bool alpha_grad, double dropout_p, const OptTensor& dropout_seed);
   Tensor (*attention_dropout_mask)(int64_t B, int64_t H, int64_t L, int64_t S, double dropout_p,
                                    const Tensor& dropout_seed);
-  // Whether bfloat16 attention's forward GEMMs run in bfloat16 now
+  // Whether bfloat16 attention's GEMMs run in bfloat16 now
   // (csrc/cpu/half_gemm.h); false in the copies that never do.
   bool (*bf16_gemm)();
 };
