@@ -343,9 +343,12 @@ inline void write_probs(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, ac
     if constexpr (FAM == Family::kSoftmax) {
       return t.exp_u20() * vnorm;
     } else if constexpr (FAM == Family::kSparsemax) {
-      return at::vec::maximum(vone + t, vzero) * vnorm;
+      // clamp_min(a, 0) is max(0, a): a NaN a stays NaN, as with
+      // at::vec::maximum, without its compare and blend (two of the loop's
+      // ten operations a vector).
+      return at::vec::clamp_min(vone + t, vzero) * vnorm;
     } else if constexpr (FAM == Family::kEntmax15) {
-      V d = at::vec::maximum(vone + t * V(acc_t(0.5)), vzero);
+      V d = at::vec::clamp_min(vone + t * V(acc_t(0.5)), vzero);
       return d * d * vnorm;
     } else {
       V bt = vb * t;
@@ -884,6 +887,7 @@ inline acc_t ranked_entmax15_shift(const acc_t* y, int64_t k, acc_t* work) {
   const int64_t vectors = (k + W - 1) / W;
   const acc_t cut = vectors <= 1 ? ranked_entmax15_cut<acc_t, 1>(y, k)
                     : vectors <= 2 ? ranked_entmax15_cut<acc_t, 2>(y, k)
+                    : vectors <= 3 ? ranked_entmax15_cut<acc_t, 3>(y, k)
                                    : ranked_entmax15_cut<acc_t, 4>(y, k);
   if (!(cut <= acc_t(0))) return nan;
   // The entries at or above the cut to work (in order), and the largest below it.
