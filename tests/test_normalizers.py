@@ -165,21 +165,26 @@ def test_start_from_lane_maxima_refused(dtype, alpha):
     assert_close(p, ref.entmax(x.double(), alpha), dtype=dtype)
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 97, 1024, 1025])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 129, 1024, 1025])
 @pytest.mark.parametrize("name", ["softmax", "sparsemax", "entmax15", "entmax_bisect"])
-def test_bfloat16_rows_round_the_float32_result(name, n):
-    """A bfloat16 row is computed in float32 and rounded once (to nearest even)
-    as it is stored, by vcvtne2ps2bf16 where the CPU has AVX512_BF16 and by
-    integer operations elsewhere, including the row's tail: the result is the
-    float32 op's on the widened input, rounded, bit for bit (NaN rows: NaN)."""
+def test_half_precision_rows_round_the_float32_result(name, n, dtype):
+    """A bfloat16 / float16 row is widened to float32 (for softmax, sparsemax
+    and entmax15 in the pass that takes its max and running maxima, whose
+    blocks are 32 entries at AVX2 and 64 at AVX-512, hence the lengths),
+    computed in float32 and rounded once (to nearest even) as it is stored, by
+    vcvtne2ps2bf16 where the CPU has AVX512_BF16 and by integer operations
+    elsewhere, including the row's tail: the result is the float32 op's on the
+    widened input, rounded, bit for bit (NaN rows: NaN)."""
     fn = {"softmax": lambda t: attnkern.softmax(t, -1), "sparsemax": attnkern.sparsemax,
           "entmax15": attnkern.entmax15, "entmax_bisect": lambda t: attnkern.entmax_bisect(t, 1.3)}[name]
     g = torch.Generator().manual_seed(n)
-    x = (3 * torch.randn(64, n, generator=g)).to(torch.bfloat16)
+    x = (3 * torch.randn(64, n, generator=g)).to(dtype)
     x[3, 0] = math.nan
     x[5] = -math.inf
-    got, want = fn(x), fn(x.float()).to(torch.bfloat16)
-    assert got.dtype == torch.bfloat16
+    x[7, -1] = math.nan  # in the tail past the last full block
+    got, want = fn(x), fn(x.float()).to(dtype)
+    assert got.dtype == dtype
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan], want[~nan])

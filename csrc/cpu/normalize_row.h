@@ -93,12 +93,11 @@ struct RowScratch {
   }
 };
 
-// One row: x (contiguous, acc type, may alias out) -> out. y, work, idx: scratch.
+// normalize_row given x's max m and, where start_lanes<acc_t, FAM> asks for
+// them, row_max's lanes (else nullptr).
 template <typename acc_t, Family FAM>
-inline void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work, int32_t* idx) {
-  acc_t lanes_buf[kStartLanes<acc_t>];
-  acc_t* lanes = start_lanes<acc_t, FAM>(lanes_buf, n);
-  const acc_t m = row_max(x, n, lanes);
+inline void normalize_row_from_max(const acc_t* x, int64_t n, acc_t m, const acc_t* lanes, acc_t b, acc_t* out,
+                                   acc_t* y, acc_t* work, int32_t* idx) {
   if (special_row(m, out, n)) return;
   if constexpr (FAM == Family::kSoftmax) {
     acc_t inv = acc_t(1) / exp_shifted(x, n, m, out);
@@ -106,6 +105,14 @@ inline void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t*
   } else {
     solve_row<acc_t, FAM>(x, n, m, b, out, y, work, idx, lanes);
   }
+}
+
+// One row: x (contiguous, acc type, may alias out) -> out. y, work, idx: scratch.
+template <typename acc_t, Family FAM>
+inline void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t* y, acc_t* work, int32_t* idx) {
+  acc_t lanes_buf[kStartLanes<acc_t>];
+  acc_t* lanes = start_lanes<acc_t, FAM>(lanes_buf, n);
+  normalize_row_from_max<acc_t, FAM>(x, n, row_max(x, n, lanes), lanes, b, out, y, work, idx);
 }
 
 // α > 2 (b > 1) in float32: p = d^(1/b) has an infinite slope where

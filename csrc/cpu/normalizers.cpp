@@ -125,14 +125,25 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
           if (lay.inner == 1) {
             // Half-precision softmax rows: the final scaling is fused into the
             // rounding store (one pass over the row fewer; same values).
-            lay.load(xp + base, row);
-            const acc_t m = row_max(row, n);
+            const acc_t m = widen_row_max(xp + base, n, row);
             if (special_row(m, row, n)) {
               lay.store(row, op + base);
             } else {
               const acc_t inv = acc_t(1) / exp_shifted(row, n, m, row);
               store_rounded<scalar_t>(row, n, inv, op + base);
             }
+            continue;
+          }
+        }
+        if constexpr (at::is_reduced_floating_point_v<scalar_t> &&
+                      (FAM == Family::kSparsemax || FAM == Family::kEntmax15)) {
+          if (lay.inner == 1) {
+            // Widened as the max is taken (one pass over the row fewer; same values).
+            acc_t lanes_buf[kStartLanes<acc_t>];
+            acc_t* lanes = start_lanes<acc_t, FAM>(lanes_buf, n);
+            const acc_t m = widen_row_max(xp + base, n, row, lanes);
+            normalize_row_from_max<acc_t, FAM>(row, n, m, lanes, b, row, y, work, idx);
+            lay.store(row, op + base);
             continue;
           }
         }

@@ -391,6 +391,60 @@ inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
   return m;
 }
 
+// row_max for a bfloat16 / half row: widens src[0:n] into dst[0:n] (float,
+// exact) and returns row_max(dst, n, lanes), with the same lanes, in the
+// same pass. Widening first and taking the max after read the row twice,
+// and the widening pass alone took a fifth of a bfloat16 entmax15 row's
+// forward on a Zen 4 (its stores, two vectors a load).
+template <typename scalar_t>
+inline float widen_row_max(const scalar_t* src, int64_t n, float* dst, float* lanes = nullptr) {
+  static_assert(at::is_reduced_floating_point_v<scalar_t>, "bfloat16 / half rows");
+  using V = Vec<float>;
+  using Vs = at::vec::Vectorized<scalar_t>;
+  constexpr int64_t W = V::size();
+  static_assert(Vs::size() == 2 * W, "a reduced vector widens to two float vectors");
+  int64_t j = 0;
+  if (n >= 4 * W) {
+    // row_max's four running maxima (position j in lane j mod 4W), fed as widened.
+    auto block = [&](int64_t at, V& a, V& b, V& c, V& d) {
+      auto [a0, a1] = at::vec::convert_to_float<scalar_t>(Vs::loadu(src + at));
+      auto [b0, b1] = at::vec::convert_to_float<scalar_t>(Vs::loadu(src + at + 2 * W));
+      a0.store(dst + at);
+      a1.store(dst + at + W);
+      b0.store(dst + at + 2 * W);
+      b1.store(dst + at + 3 * W);
+      a = a0, b = a1, c = b0, d = b1;
+    };
+    V v0, v1, v2, v3, w0, w1, w2, w3;
+    block(0, v0, v1, v2, v3);
+    for (j = 4 * W; j + 4 * W <= n; j += 4 * W) {
+      block(j, w0, w1, w2, w3);
+      v0 = at::vec::maximum(v0, w0);
+      v1 = at::vec::maximum(v1, w1);
+      v2 = at::vec::maximum(v2, w2);
+      v3 = at::vec::maximum(v3, w3);
+    }
+    // The rest (under 4W entries) widened as they come, then reduced as row_max does.
+    for (int64_t i = j; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    for (; j + W <= n; j += W) v0 = at::vec::maximum(v0, V::loadu(dst + j));
+    if (lanes) {
+      v0.store(lanes);
+      v1.store(lanes + W);
+      v2.store(lanes + 2 * W);
+      v3.store(lanes + 3 * W);
+    }
+    float m = at::vec::vec_reduce_all<float>([](V& a, V& b) { return at::vec::maximum(a, b); },
+                                             at::vec::maximum(at::vec::maximum(v0, v1), at::vec::maximum(v2, v3)));
+    for (; j < n; ++j) {
+      const float v = dst[j];
+      m = (v > m || v != v) ? v : m;
+    }
+    return m;
+  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  return row_max(dst, n, lanes);
+}
+
 // dst = src - m.
 template <typename acc_t>
 inline void subtract_into(const acc_t* src, int64_t n, acc_t m, acc_t* dst) {
