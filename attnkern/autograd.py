@@ -10,6 +10,7 @@ double backward, forward mode and vmap.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -124,6 +125,18 @@ def _rows_to_front(batch_size: int, x: torch.Tensor, x_bdim, dim: int, params=()
     return x, 1 if scalar else dim % (x.dim() - 1) + 1, out, scalar
 
 
+def _cache_forward_signature(cls) -> None:
+    """Stores the signature of cls.forward on it (PEP 362's __signature__).
+    Function.apply binds every call's arguments to forward's signature when
+    the class defines setup_context, and inspect.signature rebuilt it from the
+    function each time: a third of the Python cost of a small normalizer call
+    (fwd+bwd on a [4, 8] tensor: 82 µs against torch.softmax's 24). With the
+    signature stored, inspect returns it as it is."""
+    fn = cls.forward
+    if getattr(fn, "__signature__", None) is None:
+        fn.__signature__ = inspect.signature(fn)
+
+
 def _first_order_only(name: str):
     """Class decorator for a Function whose backward is first order only: double
     backward, forward mode and torch.func transforms raise an error naming the
@@ -134,6 +147,7 @@ def _first_order_only(name: str):
     Function when no tensor argument needs a gradient."""
 
     def wrap(cls):
+        _cache_forward_signature(cls)
         first_order_backward = cls.backward
         first_order_apply = cls.apply  # Function.apply bound to cls
         without_graph = getattr(cls, "forward_without_graph", None)
@@ -172,15 +186,36 @@ def traceable_apply(cls):
     cls without its jvp rule: Dynamo cannot trace a Function that defines jvp
     (a graph break; an error under fullgraph). Torch.compile has no forward
     mode, so nothing is lost there."""
+    _cache_forward_signature(cls)  # (the copy below shares forward)
     attrs = {k: v for k, v in vars(cls).items() if k not in ("jvp", "__dict__", "__weakref__")}
     traceable = type(cls.__name__, (torch.autograd.Function,), attrs)
 
     def apply(*args):
         if torch.compiler.is_compiling():
             return traceable.apply(*args)
-        return cls.apply(*args)
+        if _needs_autograd(args):
+            return cls.apply(*args)
+        # Nothing to record (inference, or no input needs a gradient): the
+        # forward alone, without Function.apply's node and argument binding
+        # (18 -> 8 µs a call on a small tensor; torch.softmax: 2.4).
+        return cls.forward(*args)
 
     return apply
+
+
+def _needs_autograd(args) -> bool:
+    """Whether a call with these arguments must go through Function.apply: a
+    tensor argument needs a gradient (with grad mode on), carries a
+    forward-mode tangent, or a torch.func transform is active."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    grad = torch.is_grad_enabled()
+    dual = forward_ad._current_level >= 0
+    for a in args:
+        if isinstance(a, torch.Tensor) and (
+                (grad and a.requires_grad) or (dual and forward_ad.unpack_dual(a).tangent is not None)):
+            return True
+    return False
 
 
 def _exports_traceable_apply(name: str):

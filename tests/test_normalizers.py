@@ -599,3 +599,29 @@ def test_torch_compile_fullgraph():
     f(x, a).backward()
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(ga, a.grad)
+
+
+@pytest.mark.parametrize("name", ["softmax", "sparsemax", "entmax15", "entmax_bisect", "entmax"])
+def test_calls_without_a_graph_skip_the_autograd_node(name):
+    """With nothing to differentiate (no_grad, inference_mode, or no input that
+    needs a gradient) a normalizer runs its forward without Function.apply: the
+    same values, no grad_fn; with an input that needs one, the node is there."""
+    alpha = torch.full((5, 1), 1.4, requires_grad=True)
+    fn = {"softmax": lambda t: attnkern.softmax(t, -1), "sparsemax": attnkern.sparsemax,
+          "entmax15": attnkern.entmax15, "entmax_bisect": lambda t: attnkern.entmax_bisect(t, 1.3),
+          "entmax": lambda t: attnkern.entmax(t, alpha.detach())}[name]
+    x = torch.randn(5, 33)
+    want = fn(x.clone().requires_grad_(True))
+    assert want.grad_fn is not None
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            got = fn(x.clone().requires_grad_(True))
+        assert got.grad_fn is None and not got.requires_grad
+        assert torch.equal(got, want.detach())
+    got = fn(x)
+    assert got.grad_fn is None and torch.equal(got, want.detach())
+    if name == "entmax":  # α alone needs the gradient: the node is kept
+        p = attnkern.entmax(x, alpha)
+        assert p.grad_fn is not None
+        p.sum().backward()
+        assert alpha.grad is not None
