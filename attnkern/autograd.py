@@ -163,13 +163,10 @@ def _first_order_only(name: str):
             if torch._C._are_functorch_transforms_active():
                 raise RuntimeError(f"{name}: torch.func transforms (vmap, grad, jvp, jacrev, ...) are not "
                                    "implemented by the fused kernels; use backend='reference', or loop")
-            if forward_ad._current_level >= 0 and any(
-                    isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args):
+            if _has_tangent(args):
                 raise RuntimeError(f"{name}: forward-mode AD is not implemented by the fused kernels; "
                                    "use backend='reference'")
-            if without_graph is not None and not torch.compiler.is_compiling() and not (
-                    torch.is_grad_enabled()
-                    and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            if without_graph is not None and not torch.compiler.is_compiling() and not _needs_grad(args):
                 # Nothing to differentiate (inference, decoding): skip the
                 # autograd node and what it saves.
                 return without_graph(*args)
@@ -203,19 +200,22 @@ def traceable_apply(cls):
     return apply
 
 
+def _needs_grad(args) -> bool:
+    """Grad mode is on and a tensor argument needs a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _has_tangent(args) -> bool:
+    """A tensor argument carries a forward-mode tangent."""
+    return forward_ad._current_level >= 0 and any(
+        isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args)
+
+
 def _needs_autograd(args) -> bool:
     """Whether a call with these arguments must go through Function.apply: a
-    tensor argument needs a gradient (with grad mode on), carries a
-    forward-mode tangent, or a torch.func transform is active."""
-    if torch._C._are_functorch_transforms_active():
-        return True
-    grad = torch.is_grad_enabled()
-    dual = forward_ad._current_level >= 0
-    for a in args:
-        if isinstance(a, torch.Tensor) and (
-                (grad and a.requires_grad) or (dual and forward_ad.unpack_dual(a).tangent is not None)):
-            return True
-    return False
+    tensor argument needs a gradient or carries a tangent, or a torch.func
+    transform is active."""
+    return torch._C._are_functorch_transforms_active() or _needs_grad(args) or _has_tangent(args)
 
 
 def _exports_traceable_apply(name: str):

@@ -115,6 +115,16 @@ inline void normalize_row(const acc_t* x, int64_t n, acc_t b, acc_t* out, acc_t*
   normalize_row_from_max<acc_t, FAM>(x, n, row_max(x, n, lanes), lanes, b, out, y, work, idx);
 }
 
+// normalize_row of a bfloat16 / half row src[0:n], widened into row[0:n]
+// (float) as its max is taken (widen_row_max); the result in row.
+template <typename scalar_t, Family FAM>
+inline void normalize_row_widened(const scalar_t* src, int64_t n, float b, float* row, float* y, float* work,
+                                  int32_t* idx) {
+  float lanes_buf[kStartLanes<float>];
+  float* lanes = start_lanes<float, FAM>(lanes_buf, n);
+  normalize_row_from_max<float, FAM>(row, n, widen_row_max(src, n, row, lanes), lanes, b, row, y, work, idx);
+}
+
 // α > 2 (b > 1) in float32: p = d^(1/b) has an infinite slope where
 // d = 1 + b(y - c) reaches 0, so d formed in float32 (an error of ~b·eps)
 // moves the probabilities at the edge of the support by up to ~eps^(1/b).

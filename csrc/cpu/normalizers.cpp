@@ -139,10 +139,7 @@ void forward_impl(const Tensor& x, Tensor& out, const Tensor& alpha, int64_t dim
                       (FAM == Family::kSparsemax || FAM == Family::kEntmax15)) {
           if (lay.inner == 1) {
             // Widened as the max is taken (one pass over the row fewer; same values).
-            acc_t lanes_buf[kStartLanes<acc_t>];
-            acc_t* lanes = start_lanes<acc_t, FAM>(lanes_buf, n);
-            const acc_t m = widen_row_max(xp + base, n, row, lanes);
-            normalize_row_from_max<acc_t, FAM>(row, n, m, lanes, b, row, y, work, idx);
+            normalize_row_widened<scalar_t, FAM>(xp + base, n, b, row, y, work, idx);
             lay.store(row, op + base);
             continue;
           }

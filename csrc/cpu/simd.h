@@ -350,6 +350,35 @@ inline void prefetch_span(const void* p, int64_t bytes, bool write) {
   }
 }
 
+// The max of m and y[j:n), entry by entry (NaN if any is NaN).
+template <typename acc_t>
+inline acc_t max_from(const acc_t* y, int64_t j, int64_t n, acc_t m) {
+  for (; j < n; ++j) {
+    const acc_t v = y[j];
+    m = (v > m || v != v) ? v : m;
+  }
+  return m;
+}
+
+// The end of row_max's four running maxima v0..v3, fed y[0:j) a block of
+// four vectors at a time: the whole vectors of y[j:n) join v0, lanes (if
+// given) takes the four, and the max of them and of the scalar tail is returned.
+template <typename acc_t>
+inline acc_t finish_row_max(const acc_t* y, int64_t j, int64_t n, Vec<acc_t> v0, const Vec<acc_t>& v1,
+                            const Vec<acc_t>& v2, const Vec<acc_t>& v3, acc_t* lanes) {
+  using V = Vec<acc_t>;
+  for (; j + V::size() <= n; j += V::size()) v0 = at::vec::maximum(v0, V::loadu(y + j));
+  if (lanes) {
+    v0.store(lanes);
+    v1.store(lanes + V::size());
+    v2.store(lanes + 2 * V::size());
+    v3.store(lanes + 3 * V::size());
+  }
+  const acc_t m = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); },
+                                                 at::vec::maximum(at::vec::maximum(v0, v1), at::vec::maximum(v2, v3)));
+  return max_from(y, j, n, m);
+}
+
 // The max of y[0:n] (NaN if any entry is NaN). With lanes given and
 // n >= 4 · V::size(), also the 4 · V::size() running maxima it reduces:
 // position j counts in lane j mod 4 · V::size() (the scalar tail in none),
@@ -358,8 +387,6 @@ template <typename acc_t>
 inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
   using V = Vec<acc_t>;
   int64_t j = 0;
-  acc_t m = -std::numeric_limits<acc_t>::infinity();
-  auto reduce = [](V v) { return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, v); };
   if (n >= 4 * V::size()) {
     // Four running maxima: at::vec::maximum propagates NaN (a compare and a
     // blend after the max), a chain too long for one accumulator.
@@ -371,24 +398,15 @@ inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
       v2 = at::vec::maximum(v2, V::loadu(y + j + 2 * V::size()));
       v3 = at::vec::maximum(v3, V::loadu(y + j + 3 * V::size()));
     }
-    for (; j + V::size() <= n; j += V::size()) v0 = at::vec::maximum(v0, V::loadu(y + j));
-    if (lanes) {
-      v0.store(lanes);
-      v1.store(lanes + V::size());
-      v2.store(lanes + 2 * V::size());
-      v3.store(lanes + 3 * V::size());
-    }
-    m = reduce(at::vec::maximum(at::vec::maximum(v0, v1), at::vec::maximum(v2, v3)));
-  } else if (n >= V::size()) {
+    return finish_row_max(y, j, n, v0, v1, v2, v3, lanes);
+  }
+  acc_t m = -std::numeric_limits<acc_t>::infinity();
+  if (n >= V::size()) {
     V v0 = V::loadu(y);
     for (j = V::size(); j + V::size() <= n; j += V::size()) v0 = at::vec::maximum(v0, V::loadu(y + j));
-    m = reduce(v0);
+    m = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, v0);
   }
-  for (; j < n; ++j) {
-    acc_t v = y[j];
-    m = (v > m || v != v) ? v : m;
-  }
-  return m;
+  return max_from(y, j, n, m);
 }
 
 // row_max for a bfloat16 / half row: widens src[0:n] into dst[0:n] (float,
@@ -403,46 +421,33 @@ inline float widen_row_max(const scalar_t* src, int64_t n, float* dst, float* la
   using Vs = at::vec::Vectorized<scalar_t>;
   constexpr int64_t W = V::size();
   static_assert(Vs::size() == 2 * W, "a reduced vector widens to two float vectors");
-  int64_t j = 0;
-  if (n >= 4 * W) {
-    // row_max's four running maxima (position j in lane j mod 4W), fed as widened.
-    auto block = [&](int64_t at, V& a, V& b, V& c, V& d) {
-      auto [a0, a1] = at::vec::convert_to_float<scalar_t>(Vs::loadu(src + at));
-      auto [b0, b1] = at::vec::convert_to_float<scalar_t>(Vs::loadu(src + at + 2 * W));
-      a0.store(dst + at);
-      a1.store(dst + at + W);
-      b0.store(dst + at + 2 * W);
-      b1.store(dst + at + 3 * W);
-      a = a0, b = a1, c = b0, d = b1;
-    };
-    V v0, v1, v2, v3, w0, w1, w2, w3;
-    block(0, v0, v1, v2, v3);
-    for (j = 4 * W; j + 4 * W <= n; j += 4 * W) {
-      block(j, w0, w1, w2, w3);
-      v0 = at::vec::maximum(v0, w0);
-      v1 = at::vec::maximum(v1, w1);
-      v2 = at::vec::maximum(v2, w2);
-      v3 = at::vec::maximum(v3, w3);
-    }
-    // The rest (under 4W entries) widened as they come, then reduced as row_max does.
-    for (int64_t i = j; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-    for (; j + W <= n; j += W) v0 = at::vec::maximum(v0, V::loadu(dst + j));
-    if (lanes) {
-      v0.store(lanes);
-      v1.store(lanes + W);
-      v2.store(lanes + 2 * W);
-      v3.store(lanes + 3 * W);
-    }
-    float m = at::vec::vec_reduce_all<float>([](V& a, V& b) { return at::vec::maximum(a, b); },
-                                             at::vec::maximum(at::vec::maximum(v0, v1), at::vec::maximum(v2, v3)));
-    for (; j < n; ++j) {
-      const float v = dst[j];
-      m = (v > m || v != v) ? v : m;
-    }
-    return m;
+  if (n < 4 * W) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    return row_max(dst, n, lanes);
   }
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-  return row_max(dst, n, lanes);
+  // row_max's four running maxima (position j in lane j mod 4W), fed as widened.
+  auto block = [&](int64_t at, V& a, V& b, V& c, V& d) {
+    auto [a0, a1] = at::vec::convert_to_float<scalar_t>(Vs::loadu(src + at));
+    auto [b0, b1] = at::vec::convert_to_float<scalar_t>(Vs::loadu(src + at + 2 * W));
+    a0.store(dst + at);
+    a1.store(dst + at + W);
+    b0.store(dst + at + 2 * W);
+    b1.store(dst + at + 3 * W);
+    a = a0, b = a1, c = b0, d = b1;
+  };
+  V v0, v1, v2, v3, w0, w1, w2, w3;
+  block(0, v0, v1, v2, v3);
+  int64_t j = 4 * W;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    block(j, w0, w1, w2, w3);
+    v0 = at::vec::maximum(v0, w0);
+    v1 = at::vec::maximum(v1, w1);
+    v2 = at::vec::maximum(v2, w2);
+    v3 = at::vec::maximum(v3, w3);
+  }
+  // The rest (under 4W entries) widened, then folded in as row_max does.
+  for (int64_t i = j; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  return finish_row_max(dst, j, n, v0, v1, v2, v3, lanes);
 }
 
 // dst = src - m.
