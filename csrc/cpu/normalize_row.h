@@ -196,7 +196,9 @@ inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, 
 // their cache lines are asked for then, to arrive while the searches run
 // (random rows of 1024 at α = 1.3 from DRAM, C++ harness on a Zen 5: 9%
 // faster; asking for them at the start of a row competed with its own
-// reads and was slower).
+// reads and was slower), a piece before each round (SpreadPrefetch: asked
+// for in one burst, the core waited on them, a quarter of the pair's time
+// on a Zen 4).
 template <typename acc_t>
 inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, acc_t b0, acc_t b1, acc_t* out0,
                                    acc_t* out1, RowScratch<acc_t>& s0, RowScratch<acc_t>& s1,
@@ -217,16 +219,23 @@ inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, 
   const int64_t k0 = listed_candidates<acc_t>(x0, n, m0, b0, lanes0, s0.y(), s0.idx(), c0);
   const int64_t k1 = listed_candidates<acc_t>(x1, n, m1, b1, lanes1, s1.y(), s1.idx(), c1);
   if (4 * k0 > n || 4 * k1 > n) return one_by_one();
-  if (next) prefetch_span(next, next_bytes, false);
-  if (next_out) prefetch_span(next_out, next_bytes, true);
+  // The next pair's lines, a sixth of them before each search round (a
+  // pair's searches take three rounds on most rows).
+  SpreadPrefetch ahead(next, next_bytes, 6, false), ahead_out(next_out, next_bytes, 6, true);
   ListedSearch<acc_t> first(s0.y(), s0.idx(), k0, n, c0, b0, shift_upper_memo<acc_t>(n, b0), s0.work(), out0);
   ListedSearch<acc_t> second(s1.y(), s1.idx(), k1, n, c1, b1, shift_upper_memo<acc_t>(n, b1), s1.work(),
                              out1);
   bool on0 = true, on1 = true;
   while (on0 || on1) {
+    ahead.step();
+    ahead_out.step();
     if (on0) on0 = first.advance();
+    ahead.step();
+    ahead_out.step();
     if (on1) on1 = second.advance();
   }
+  ahead.rest();
+  ahead_out.rest();
   // A refused start (nothing written): that row from c = 0, as alone.
   if (first.refused) solve_generic_convex<acc_t>(x0, n, m0, b0, out0, s0.y(), s0.work(), s0.idx(), nullptr);
   if (second.refused) solve_generic_convex<acc_t>(x1, n, m1, b1, out1, s1.y(), s1.work(), s1.idx(), nullptr);

@@ -341,14 +341,41 @@ __attribute__((always_inline)) inline Vec<float> pow_unit<float>(const Vec<float
 
 // Asks for the cache lines of bytes [p, p + bytes), to read (write = false)
 // or to write; no fault, no wait.
-inline void prefetch_span(const void* p, int64_t bytes, bool write) {
-  const char* c = static_cast<const char*>(p);
+inline void prefetch_span(const char* p, int64_t bytes, bool write) {
   if (write) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 1, 3);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 1, 3);
   } else {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
   }
 }
+
+// The cache lines of a span (null: none) asked for a piece at a time
+// (step; rest: what is left), spread over work that does not touch memory.
+// Issued in one burst, a span of a few kilobytes fills the core's queue of
+// outstanding misses and the core waits on its own prefetches: a pair of
+// α-entmax rows of 1024 floats on a Zen 4 spent a quarter of its time in
+// such a burst (normalize_generic_pair).
+class SpreadPrefetch {
+ public:
+  SpreadPrefetch(const void* p, int64_t bytes, int pieces, bool write)
+      : p_(static_cast<const char*>(p)), end_(p ? bytes : 0), piece_(std::max<int64_t>(64, (bytes / pieces + 63) / 64 * 64)),
+        write_(write) {}
+  void step() {
+    if (off_ >= end_) return;
+    const int64_t len = std::min(piece_, end_ - off_);
+    prefetch_span(p_ + off_, len, write_);
+    off_ += len;
+  }
+  void rest() {
+    if (off_ < end_) prefetch_span(p_ + off_, end_ - off_, write_);
+    off_ = end_;
+  }
+
+ private:
+  const char* p_;
+  int64_t end_, piece_, off_ = 0;
+  bool write_;
+};
 
 // The max of m and y[j:n), entry by entry (NaN if any is NaN).
 template <typename acc_t>
