@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,35 +84,55 @@ def cpu_model() -> str:
 CASE_BUDGET_S = 90.0
 
 
-def interleaved(ours: Callable[[], object], theirs: Callable[[], object],
-                rounds: int) -> tuple[float, float, float, int]:
-    """(median ratio ours/theirs, median ours s, median theirs s, rounds) over
-    rounds, the two alternating (order flipped every round) after one warm-up
-    each. When both warm-up calls take over a second, first-call costs are
-    noise and the warm-up counts as the first round; rounds are cut to fit
-    CASE_BUDGET_S."""
-    ratios, t_ours, t_theirs = [], [], []
-    t0 = time.perf_counter()
+class Timing(NamedTuple):
+    ratio: float  # median over rounds of ours / theirs
+    ours: float  # median seconds
+    theirs: float
+    rounds: int
+    ours_faults: float  # median minor page faults during one timed call (all threads)
+    theirs_faults: float
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def interleaved(ours: Callable[[], object], theirs: Callable[[], object], rounds: int) -> Timing:
+    """Medians over rounds, the two alternating (order flipped every round)
+    after one warm-up each. When both warm-up calls take over a second,
+    first-call costs are noise and the warm-up counts as the first round;
+    rounds are cut to fit CASE_BUDGET_S. Page faults are counted per call: a
+    call that pays thousands of them runs on fresh pages (its buffers were
+    returned to the system, or the heap grew), which can cost more than the
+    kernel itself."""
+    ratios, t_ours, t_theirs, f_ours, f_theirs = [], [], [], [], []
+    f0, t0 = _minor_faults(), time.perf_counter()
     ours()
-    t1 = time.perf_counter()
+    f1, t1 = _minor_faults(), time.perf_counter()
     theirs()
-    t2 = time.perf_counter()
+    f2, t2 = _minor_faults(), time.perf_counter()
     if min(t1 - t0, t2 - t1) > 1.0:
         t_ours.append(t1 - t0)
         t_theirs.append(t2 - t1)
+        f_ours.append(f1 - f0)
+        f_theirs.append(f2 - f1)
         ratios.append((t1 - t0) / (t2 - t1))
     rounds = max(1, min(rounds, int(CASE_BUDGET_S / (t2 - t0))))
     for r in range(len(ratios), rounds):
         order = (ours, theirs) if r % 2 == 0 else (theirs, ours)
-        times = {}
+        times, faults = {}, {}
         for fn in order:
-            t0 = time.perf_counter()
+            f0, t0 = _minor_faults(), time.perf_counter()
             fn()
             times[fn] = time.perf_counter() - t0
+            faults[fn] = _minor_faults() - f0
         t_ours.append(times[ours])
         t_theirs.append(times[theirs])
+        f_ours.append(faults[ours])
+        f_theirs.append(faults[theirs])
         ratios.append(times[ours] / times[theirs])
-    return statistics.median(ratios), statistics.median(t_ours), statistics.median(t_theirs), len(ratios)
+    med = statistics.median
+    return Timing(med(ratios), med(t_ours), med(t_theirs), len(ratios), med(f_ours), med(f_theirs))
 
 
 def attention_call(fn, q, k, v, mode: str, dout):
@@ -237,16 +259,19 @@ def main() -> None:
                       "decode": lambda dt=dtype: decode_cases(dt, args.rounds),
                       "rowwise": lambda dt=dtype: rowwise_cases(dt, args.rounds)}
             cases = [groups[name]() for name in args.cases]
+            table = []
             for gen in cases:
-                for case, name, mode, target, (ratio, ours, theirs, n) in gen:
-                    ok = "" if ratio <= target else " ✗"
-                    row = (f"| {case} | {name} | {mode} | {ratio:.2f}{ok} | ≤ {target:g} | "
-                           f"{ours * 1e3:.1f} | {theirs * 1e3:.1f} | {n} |")
+                for case, name, mode, target, t in gen:
+                    ok = "" if t.ratio <= target else " ✗"
+                    row = (f"| {case} | {name} | {mode} | {t.ratio:.2f}{ok} | ≤ {target:g} | "
+                           f"{t.ours * 1e3:.1f} | {t.theirs * 1e3:.1f} | {t.rounds} |")
                     print(row, flush=True)
                     lines.append(row)
-                    results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode,
-                                        ratio=ratio, target=target, ours_s=ours, torch_s=theirs, rounds=n))
-            lines.append("")
+                    table.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode,
+                                      ratio=t.ratio, target=target, ours_s=t.ours, torch_s=t.theirs, rounds=t.rounds,
+                                      ours_faults=t.ours_faults, torch_faults=t.theirs_faults))
+            lines += ["", *fault_notes(table)]
+            results += table
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -254,6 +279,21 @@ def main() -> None:
                 torch_capability=torch.backends.cpu.get_cpu_capability())
     out.with_suffix(".json").write_text(json.dumps(dict(machine=meta, results=results), indent=1))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+
+
+# Median page faults a timed call from which a case is named under its table.
+FAULT_NOTE_MIN = 64
+
+
+def fault_notes(rows: list[dict], which: str = "median") -> list[str]:
+    """Lines naming the cases of one table whose timed calls paid page faults
+    (either contender), to tell a slow heap from a slow kernel."""
+    hits = [r for r in rows if max(r.get("ours_faults", 0), r.get("torch_faults", 0)) >= FAULT_NOTE_MIN]
+    if not hits:
+        return []
+    return [f"Page faults a timed call ({which}; attnkern / PyTorch): " + "; ".join(
+        f"{r['case']} {r['normalizer']} {r['mode']} {r['ours_faults']:.0f} / {r['torch_faults']:.0f}"
+        for r in hits) + ".", ""]
 
 
 def _argv_without(argv: list[str], flag: str) -> list[str]:
@@ -296,14 +336,15 @@ def repeat_in_processes(args) -> None:
             f"CPU capability {meta['torch_capability']}.\n"
             f"Ratio = attnkern time / PyTorch time: in each of {args.processes} processes the median of "
             f"interleaved rounds; here the median over the processes, with their range.")
-    lines, results, title = [head, ""], [], None
+    lines, results, title, table_from = [head, ""], [], None, 0
     for key in order:
         rs = merged[key]
         dtype_name, threads, case, name, mode = key
         t = f"### {dtype_name}, {threads} thread{'s' if threads > 1 else ''}"
         if t != title:
             if title is not None:
-                lines.append("")
+                lines += ["", *fault_notes(results[table_from:], "the worst process's median")]
+                table_from = len(results)
             title = t
             lines += [t, "",
                       "| case | normalizer | mode | ratio | range | target | attnkern ms | PyTorch ms | rounds |",
@@ -316,8 +357,10 @@ def repeat_in_processes(args) -> None:
                      f"≤ {target:g} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {len(rs)} × {rs[0]['rounds']} |")
         results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode, ratio=ratio,
                             ratio_min=min(ratios), ratio_max=max(ratios), ratios=ratios, target=target,
-                            ours_s=ours, torch_s=theirs, rounds=rs[0]["rounds"], processes=len(rs)))
-    lines.append("")
+                            ours_s=ours, torch_s=theirs, rounds=rs[0]["rounds"], processes=len(rs),
+                            ours_faults=max(r.get("ours_faults", 0) for r in rs),
+                            torch_faults=max(r.get("torch_faults", 0) for r in rs)))
+    lines += ["", *fault_notes(results[table_from:], "the worst process's median")]
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)
