@@ -80,7 +80,10 @@ struct RowScratch {
     for (const void* r : rows)
       if (r && k < 4) res[k++] = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(r) & 4095u);
     if (k == 0) return;
-    std::sort(res, res + k);
+    // Insertion sort of at most four (std::sort here drew GCC 12 -Warray-bounds
+    // false positives in every build).
+    for (int i = 1; i < k; ++i)
+      for (int j = i; j > 0 && res[j - 1] > res[j]; --j) std::swap(res[j - 1], res[j]);
     uint32_t gap = res[0] + 4096u - res[k - 1], mid = (res[k - 1] + gap / 2) & 4095u;
     for (int i = 1; i < k; ++i)
       if (res[i] - res[i - 1] > gap) gap = res[i] - res[i - 1], mid = res[i - 1] + gap / 2;
