@@ -288,7 +288,7 @@ FAULT_NOTE_MIN = 64
 def fault_notes(rows: list[dict], which: str = "median") -> list[str]:
     """Lines naming the cases of one table whose timed calls paid page faults
     (either contender), to tell a slow heap from a slow kernel."""
-    hits = [r for r in rows if max(r.get("ours_faults", 0), r.get("torch_faults", 0)) >= FAULT_NOTE_MIN]
+    hits = [r for r in rows if max(r["ours_faults"], r["torch_faults"]) >= FAULT_NOTE_MIN]
     if not hits:
         return []
     return [f"Page faults a timed call ({which}; attnkern / PyTorch): " + "; ".join(
@@ -358,8 +358,8 @@ def repeat_in_processes(args) -> None:
         results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode, ratio=ratio,
                             ratio_min=min(ratios), ratio_max=max(ratios), ratios=ratios, target=target,
                             ours_s=ours, torch_s=theirs, rounds=rs[0]["rounds"], processes=len(rs),
-                            ours_faults=max(r.get("ours_faults", 0) for r in rs),
-                            torch_faults=max(r.get("torch_faults", 0) for r in rs)))
+                            ours_faults=max(r["ours_faults"] for r in rs),
+                            torch_faults=max(r["torch_faults"] for r in rs)))
     lines += ["", *fault_notes(results[table_from:], "the worst process's median")]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -228,13 +228,15 @@ inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, 
   ListedSearch<acc_t> first(s0.y(), s0.idx(), k0, n, c0, b0, shift_upper_memo<acc_t>(n, b0), s0.work(), out0);
   ListedSearch<acc_t> second(s1.y(), s1.idx(), k1, n, c1, b1, shift_upper_memo<acc_t>(n, b1), s1.work(),
                              out1);
+  auto ask_ahead = [&] {
+    ahead.step();
+    ahead_out.step();
+  };
   bool on0 = true, on1 = true;
   while (on0 || on1) {
-    ahead.step();
-    ahead_out.step();
+    ask_ahead();
     if (on0) on0 = first.advance();
-    ahead.step();
-    ahead_out.step();
+    ask_ahead();
     if (on1) on1 = second.advance();
   }
   ahead.rest();

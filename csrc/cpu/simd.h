@@ -358,20 +358,21 @@ inline void prefetch_span(const char* p, int64_t bytes, bool write) {
 class SpreadPrefetch {
  public:
   SpreadPrefetch(const void* p, int64_t bytes, int pieces, bool write)
-      : p_(static_cast<const char*>(p)), end_(p ? bytes : 0), piece_(std::max<int64_t>(64, (bytes / pieces + 63) / 64 * 64)),
+      : p_(static_cast<const char*>(p)),
+        end_(p ? bytes : 0),
+        piece_(std::max<int64_t>(64, (bytes / pieces + 63) / 64 * 64)),
         write_(write) {}
-  void step() {
-    if (off_ >= end_) return;
-    const int64_t len = std::min(piece_, end_ - off_);
+  void step() { ask(piece_); }
+  void rest() { ask(end_ - off_); }
+
+ private:
+  void ask(int64_t len) {
+    len = std::min(len, end_ - off_);
+    if (len <= 0) return;
     prefetch_span(p_ + off_, len, write_);
     off_ += len;
   }
-  void rest() {
-    if (off_ < end_) prefetch_span(p_ + off_, end_ - off_, write_);
-    off_ = end_;
-  }
 
- private:
   const char* p_;
   int64_t end_, piece_, off_ = 0;
   bool write_;
