@@ -198,21 +198,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
     B = math.prod(batch)
     acc = acc_dtype(query.dtype)
-    if query.dtype in (torch.float16, torch.bfloat16):
-        broadcast = q_heads_expanded or any(t.shape[:-3] != batch for t in (q, k, v))
-        # The CPU kernel takes bfloat16 as it is (its GEMMs run in
-        # bfloat16 where the CPU has bfloat16 dot products), and so does its
-        # softmax decoding without gradients (a few query rows, as in
-        # generation) for float16: it reads K and V in place, where widened
-        # copies would cost several times the decoding itself.
-        decodes_in_place = (chosen == "cpu" and normalizer == "softmax" and L <= _CPU_DECODE_ROWS
-                            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
-        in_place = chosen == "cpu" and (query.dtype == torch.bfloat16 or decodes_in_place)
-        if (chosen == "cpu" and not in_place) or broadcast:
-            # The gradient of a broadcast input is a sum over the broadcast
-            # dims: take it in float32 and round to the half type once (the
-            # CPU kernel computes float16 in float32 anyway).
-            q, k, v = q.float(), k.float(), v.float()
+    # The kernels take bfloat16 and float16 as they are (the CPU kernel's
+    # GEMMs run in the half type where the CPU has its dot products, else it
+    # widens to float32 itself; its softmax decoding reads K and V in place).
+    # The gradient of a broadcast input is a sum over the broadcast dims: take
+    # it in float32 and round to the half type once.
+    if query.dtype in (torch.float16, torch.bfloat16) and (
+            q_heads_expanded or any(t.shape[:-3] != batch for t in (q, k, v))):
+        q, k, v = q.float(), k.float(), v.float()
 
     def as_4d(t, heads, seq, dim):
         if t.dim() == 4 and t.shape[0] == B:  # already (B, heads, seq, dim)
@@ -253,11 +246,6 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if out.shape != batch + (H, L, Ev):
         out = out.reshape(batch + (H, L, Ev))
     return _unpad(out if out.dtype == query.dtype else out.to(query.dtype), added)
-
-
-# Query rows up to which the CPU kernel's softmax forward takes its decoding
-# path (kDecodeRows in csrc/cpu/attention_problem.h).
-_CPU_DECODE_ROWS = 4
 
 
 def _unpad(res, added: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 
@@ -37,9 +38,12 @@ def report() -> str:
         d = isa.dispatch()
         lines.append(f"           CPU kernels run at {d['active']} ({d['reason']}); this CPU runs up to "
                      f"{d['machine']}, this build carries up to {d['compiled']}")
-        lines.append("           bfloat16 attention GEMMs: "
-                     + ("bfloat16 (oneDNN brgemm)" if d["bf16_gemm"] else "float32 (no AVX512-BF16 / AMX-BF16 "
-                        "at this level, or turned off)"))
+        how = ("products emulated for testing (ATTNKERN_HALF_GEMM_EMULATE=1)"
+               if os.environ.get("ATTNKERN_HALF_GEMM_EMULATE") == "1" else "oneDNN brgemm")
+        for name, key, isa_name in (("bfloat16", "bf16_gemm", "AVX512-BF16 / AMX-BF16"),
+                                    ("float16", "fp16_gemm", "AVX512-FP16")):
+            lines.append(f"           {name} attention GEMMs: "
+                         + (f"{name} ({how})" if d[key] else f"float32 (no {isa_name} at this level, or turned off)"))
     lines.append("")
     lines.append("backends:")
     for name, (ok, why) in backends().items():

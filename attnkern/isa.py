@@ -23,11 +23,13 @@ LEVELS = ("DEFAULT", "AVX2", "AVX512")
 
 
 def dispatch() -> dict[str, str | bool]:
-    """{"active", "reason", "machine", "compiled", "bf16_gemm"}: the level the CPU
-    ops run at now and why, the highest this CPU runs, the highest this build
-    carries, and whether bfloat16 attention's GEMMs run in bfloat16 (at
-    the AVX512 level on CPUs with AVX512-BF16 or AMX-BF16, unless
-    ATTNKERN_BF16_GEMM=0 or torch.backends.mkldnn is off).
+    """{"active", "reason", "machine", "compiled", "bf16_gemm", "fp16_gemm"}: the
+    level the CPU ops run at now and why, the highest this CPU runs, the
+    highest this build carries, and whether bfloat16 / float16 attention's
+    GEMMs run in that type (at the AVX512 level on CPUs with AVX512-BF16 or
+    AMX-BF16 / with AVX512-FP16, unless ATTNKERN_BF16_GEMM=0 /
+    ATTNKERN_FP16_GEMM=0 or torch.backends.mkldnn is off; at every level with
+    the test switch ATTNKERN_HALF_GEMM_EMULATE=1).
     Empty when the compiled extension did not load."""
     if not _extension.LOADED:
         return {}

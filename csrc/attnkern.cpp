@@ -76,14 +76,17 @@ using attnkern::cpu::Level;
 
 const char* level_name(Level level) { return kLevelNames[static_cast<int>(level)]; }
 
-// cpu_dispatch() -> {"active", "reason", "machine", "compiled", "bf16_gemm"}: the
-// CPU kernels' instruction-set levels (attnkern/cpu_kernels.h), and whether
-// bfloat16 attention's GEMMs run in bfloat16 at the active level.
+// cpu_dispatch() -> {"active", "reason", "machine", "compiled", "bf16_gemm",
+// "fp16_gemm"}: the CPU kernels' instruction-set levels
+// (attnkern/cpu_kernels.h), and whether bfloat16 / float16 attention's GEMMs
+// run in their own type at the active level.
 PyObject* cpu_dispatch(PyObject*, PyObject*) {
   namespace c = attnkern::cpu;
-  return Py_BuildValue("{s:s,s:s,s:s,s:s,s:O}", "active", level_name(c::active_level()), "reason",
+  return Py_BuildValue("{s:s,s:s,s:s,s:s,s:O,s:O}", "active", level_name(c::active_level()), "reason",
                        c::active_reason(), "machine", level_name(c::machine_level()), "compiled",
-                       level_name(c::compiled_level()), "bf16_gemm", c::active_bf16_gemm() ? Py_True : Py_False);
+                       level_name(c::compiled_level()), "bf16_gemm",
+                       c::active_half_gemm(at::kBFloat16) ? Py_True : Py_False, "fp16_gemm",
+                       c::active_half_gemm(at::kHalf) ? Py_True : Py_False);
 }
 
 // force_cpu_level(name or None): run the CPU kernels at that level (None: the

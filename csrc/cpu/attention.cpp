@@ -84,7 +84,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
     ws.mrow.resize(BM);
     ws.lsum.resize(BM);
     FlushDenormals ftz;
-    Bf16GemmScope gemm16(P.q16 != nullptr);
+    HalfGemmScope gemm16(P.q16 != nullptr && !P.hg.emulated);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nb, bi = bh / P.H, h = bh % P.H;
       const int64_t i0 = zigzag(t % nb, nb) * BM, m = std::min(BM, P.L - i0);
@@ -112,7 +112,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
   const int64_t nbs = (P.L + BMs - 1) / BMs;
   const int64_t G = P.group();
   const int64_t tasks = P.B * P.Hk * nchunks;
-  // (Transposed accumulators with bfloat16 GEMMs: E x round_up_vnni(S).)
+  // (Transposed accumulators with half-type GEMMs: E x round_up_vnni(S).)
   const int64_t Sa = P.do16 ? round_up_vnni(P.S) : P.S;
   const int64_t kv_head_k = Sa * P.E, kv_head_v = Sa * P.Ev;
   // Softmax heads take the tiled path unless dα is wanted (α-entmax heads in
@@ -130,7 +130,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
     ws.pidx.resize(std::max<int64_t>(P.S, 1));
     ws.lse.resize(BMs);
     FlushDenormals ftz;
-    Bf16GemmScope gemm16(P.q16 != nullptr);
+    HalfGemmScope gemm16(P.q16 != nullptr && !P.hg.emulated);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t chunk = t % nchunks, bk = t / nchunks, bi = bk / P.Hk, hk = bk % P.Hk;
       acc_t* dk = dk_acc + (chunk * P.B * P.Hk + bk) * kv_head_k;
@@ -201,7 +201,7 @@ Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, 
                             const Tensor& mask, bool is_causal, double scale, Family fam, const Tensor& alpha) {
   Problem<acc_t> P;
   // (Undefined q, k or v: decoding reads half-precision K and V in place, and
-  // bfloat16 GEMMs read bfloat16 copies.)
+  // half-type GEMMs read half-type copies.)
   P.q = q.defined() ? q.const_data_ptr<acc_t>() : nullptr;
   P.k = k.defined() ? k.const_data_ptr<acc_t>() : nullptr;
   P.v = v.defined() ? v.const_data_ptr<acc_t>() : nullptr;
@@ -297,16 +297,16 @@ Tensor padded(const Tensor& t, at::ScalarType acc, int64_t width) {
   return at::constant_pad_nd(x, {0, width - x.size(-1)}, 0).contiguous();
 }
 
-// One packed copy (pack_keys_vnni, or pack_values_vnni with `values`) of each
-// (batch, kv-head) of x (B, Hk, S, d), bfloat16.
-Tensor pack_heads_vnni(const Tensor& x, bool values) {
+// One packed copy (pack_keys, or pack_values with `values`, in g's layout) of
+// each (batch, kv-head) of x (B, Hk, S, d), bfloat16 or float16.
+Tensor pack_heads16(const HalfGemm& g, const Tensor& x, bool values) {
   const int64_t heads = x.size(0) * x.size(1), S = x.size(2), d = x.size(3), Sk = round_up_vnni(S);
   Tensor packed = at::empty({heads * Sk * d}, x.options());
-  const bf16* src = x.const_data_ptr<bf16>();
-  bf16* dst = packed.mutable_data_ptr<bf16>();
+  const h16* src = static_cast<const h16*>(x.const_data_ptr());
+  h16* dst = static_cast<h16*>(packed.mutable_data_ptr());
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      (values ? pack_values_vnni : pack_keys_vnni)(src + i * S * d, S, d, d, dst + i * Sk * d);
+      (values ? pack_values : pack_keys)(g.vnni, src + i * S * d, S, d, d, dst + i * Sk * d);
   });
   return packed;
 }
@@ -357,10 +357,12 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     const bool half_kv = fam == Family::kSoftmax && c.L <= kDecodeRows &&
                          (k_in.scalar_type() == at::kBFloat16 || k_in.scalar_type() == at::kHalf) &&
                          v_in.scalar_type() == k_in.scalar_type() && std::is_same_v<scalar_t, float>;
-    // bfloat16 GEMMs (half_gemm.h) beyond decoding: q and K in bfloat16, V
-    // in bfloat16 for the softmax heads' P·V and in float32 for the others'.
-    const bool gemm16 = std::is_same_v<scalar_t, float> && q_in.scalar_type() == at::kBFloat16 &&
-                        c.L > kDecodeRows && c.S > 0 && bf16_gemm_enabled();
+    // Half-type GEMMs (half_gemm.h) beyond decoding: q and K in the input's
+    // half type, V in it for the softmax heads' P·V and in float32 for the
+    // others'.
+    const at::ScalarType dt = q_in.scalar_type();
+    HalfGemm hg;
+    const bool gemm16 = std::is_same_v<scalar_t, float> && c.L > kDecodeRows && c.S > 0 && half_gemm_enabled(dt, &hg);
     Tensor q = gemm16 ? Tensor() : padded(q_in, c.acc, Ep);
     Tensor k = half_kv || gemm16 ? Tensor() : padded(k_in, c.acc, Ep);
     Tensor v = half_kv || gemm16 ? Tensor() : padded(v_in, c.acc, Evp);
@@ -371,13 +373,14 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
       if (gemm16) {
-        q16 = padded(q_in, at::kBFloat16, Ep);
-        k16 = pack_heads_vnni(padded(k_in, at::kBFloat16, Ep), false);
-        P.q16 = q16.const_data_ptr<bf16>();
-        P.k16 = k16.const_data_ptr<bf16>();
+        q16 = padded(q_in, dt, Ep);
+        k16 = pack_heads16(hg, padded(k_in, dt, Ep), false);
+        P.hg = hg;
+        P.q16 = static_cast<const h16*>(q16.const_data_ptr());
+        P.k16 = static_cast<const h16*>(k16.const_data_ptr());
         if (has_softmax_head(P)) {
-          v16 = pack_heads_vnni(padded(v_in, at::kBFloat16, Evp), true);
-          P.v16 = v16.const_data_ptr<bf16>();
+          v16 = pack_heads16(hg, padded(v_in, dt, Evp), true);
+          P.v16 = static_cast<const h16*>(v16.const_data_ptr());
         }
         if (!all_softmax_heads(P)) {
           v = padded(v_in, c.acc, Evp);
@@ -433,11 +436,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
   Tensor dalpha_acc = want_alpha ? at::zeros({nchunks, c.B, c.H}, q_in.options().dtype(at::kDouble)) : Tensor();
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_bwd", [&] {
     const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
-    // bfloat16 GEMMs when every head takes the tiled softmax backward (its
+    // Half-type GEMMs when every head takes the tiled softmax backward (its
     // dK, dV accumulators are then transposed, which the row-buffer path's
     // are not).
-    const bool gemm16 = std::is_same_v<scalar_t, float> && q_in.scalar_type() == at::kBFloat16 && c.S > 0 &&
-                        !want_alpha && all_softmax_family(fam, alpha) && bf16_gemm_enabled();
+    const at::ScalarType dt = q_in.scalar_type();
+    HalfGemm hg;
+    const bool gemm16 = std::is_same_v<scalar_t, float> && c.S > 0 && !want_alpha && all_softmax_family(fam, alpha) &&
+                        half_gemm_enabled(dt, &hg);
     const int64_t Sa = gemm16 ? round_up_vnni(c.S) : c.S;
     Tensor q = gemm16 ? Tensor() : padded(q_in, c.acc, Ep), k = gemm16 ? Tensor() : padded(k_in, c.acc, Ep);
     Tensor v = gemm16 ? Tensor() : padded(v_in, c.acc, Evp);
@@ -453,15 +458,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
       P.drop = drop;
       Tensor kpack, vpack, q16, k16, do16, vk16, kv16, delta;
       if (gemm16) {
-        q16 = padded(q_in, at::kBFloat16, Ep);
-        do16 = padded(grad_out, at::kBFloat16, Evp);
-        Tensor kb = padded(k_in, at::kBFloat16, Ep), vb = padded(v_in, at::kBFloat16, Evp);
-        k16 = pack_heads_vnni(kb, false);
-        kv16 = pack_heads_vnni(kb, true);
-        vk16 = pack_heads_vnni(vb, false);
-        P.q16 = q16.const_data_ptr<bf16>(), P.k16 = k16.const_data_ptr<bf16>();
-        P.do16 = do16.const_data_ptr<bf16>(), P.vk16 = vk16.const_data_ptr<bf16>();
-        P.kv16 = kv16.const_data_ptr<bf16>();
+        q16 = padded(q_in, dt, Ep);
+        do16 = padded(grad_out, dt, Evp);
+        Tensor kb = padded(k_in, dt, Ep), vb = padded(v_in, dt, Evp);
+        k16 = pack_heads16(hg, kb, false);
+        kv16 = pack_heads16(hg, kb, true);
+        vk16 = pack_heads16(hg, vb, false);
+        auto bits = [](const Tensor& t) { return static_cast<const h16*>(t.const_data_ptr()); };
+        P.hg = hg;
+        P.q16 = bits(q16), P.k16 = bits(k16), P.do16 = bits(do16), P.vk16 = bits(vk16), P.kv16 = bits(kv16);
       } else {
         // Key and value panels for the S and dP GEMMs of every normalizer.
         kpack = pack_heads<scalar_t>(k), vpack = pack_heads<scalar_t>(v);
@@ -532,7 +537,7 @@ void add_attention_kernels(KernelTable& t) {
   t.attention_fwd = &attention_fwd;
   t.attention_bwd = &attention_bwd;
   t.attention_dropout_mask = &attention_dropout_mask;
-  t.bf16_gemm = &bf16_gemm_enabled;
+  t.half_gemm = [](at::ScalarType dtype) { return half_gemm_enabled(dtype); };
 }
 
 }  // namespace CPU_CAPABILITY

@@ -99,20 +99,22 @@ struct Problem {
   const void* v_half = nullptr;
   bool half_is_bf16 = true;
   int64_t e_half = 0, ev_half = 0;
-  // bfloat16 inputs whose GEMMs run in bfloat16 (half_gemm.h): q as
-  // rows of E values, K and V of every (batch, kv-head) packed by
-  // pack_keys_vnni (round_up_vnni(S) · E entries a head) and pack_values_vnni
-  // (round_up_vnni(S) · Ev; null when no head is softmax); null otherwise.
-  const bf16* q16 = nullptr;
-  const bf16* k16 = nullptr;
-  const bf16* v16 = nullptr;
-  // The softmax backward's bfloat16 GEMMs (set with q16 and k16): dO as rows
-  // of Ev values, V packed by pack_keys_vnni (for dO·Vᵀ) and K by
-  // pack_values_vnni (for dS·K); its dK and dV accumulators are then
+  // bfloat16 / float16 inputs whose GEMMs run in their own type (half_gemm.h;
+  // hg says which and how): q as rows of E values, K and V of every
+  // (batch, kv-head) packed by pack_keys (round_up_vnni(S) · E entries
+  // a head) and pack_values (round_up_vnni(S) · Ev; null when no head is
+  // softmax); null otherwise.
+  HalfGemm hg;
+  const h16* q16 = nullptr;
+  const h16* k16 = nullptr;
+  const h16* v16 = nullptr;
+  // The softmax backward's half-type GEMMs (set with q16 and k16): dO as rows
+  // of Ev values, V packed by pack_keys (for dO·Vᵀ) and K by
+  // pack_values (for dS·K); its dK and dV accumulators are then
   // transposed, E x round_up_vnni(S) and Ev x round_up_vnni(S) a head.
-  const bf16* do16 = nullptr;
-  const bf16* vk16 = nullptr;
-  const bf16* kv16 = nullptr;
+  const h16* do16 = nullptr;
+  const h16* vk16 = nullptr;
+  const h16* kv16 = nullptr;
 
   int64_t group() const { return H / Hk; }
   // The global index of query row i of (batch bi, head h): the dropout counter.
@@ -124,11 +126,11 @@ struct Problem {
   const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk) * S * Ev; }
   const acc_t* kp_head(int64_t bi, int64_t hk) const { return kp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * E; }
   const acc_t* vp_head(int64_t bi, int64_t hk) const { return vp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * Ev; }
-  const bf16* q16_rows(int64_t bi, int64_t h, int64_t i0) const { return q16 + ((bi * H + h) * L + i0) * E; }
-  const bf16* k16_head(int64_t bi, int64_t hk) const { return k16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
-  const bf16* v16_head(int64_t bi, int64_t hk) const { return v16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
-  const bf16* vk16_head(int64_t bi, int64_t hk) const { return vk16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
-  const bf16* kv16_head(int64_t bi, int64_t hk) const { return kv16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
+  const h16* q16_rows(int64_t bi, int64_t h, int64_t i0) const { return q16 + ((bi * H + h) * L + i0) * E; }
+  const h16* k16_head(int64_t bi, int64_t hk) const { return k16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
+  const h16* v16_head(int64_t bi, int64_t hk) const { return v16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
+  const h16* vk16_head(int64_t bi, int64_t hk) const { return vk16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
+  const h16* kv16_head(int64_t bi, int64_t hk) const { return kv16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
 };
 
 template <typename acc_t>
@@ -196,14 +198,14 @@ inline void gemm_packed_cols(int64_t m, int64_t n, int64_t j0, int64_t j1, int64
 }
 
 // y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys [j0, j0 + w) plus
-// the mask, -inf above the causal diagonal, from bfloat16 q and K (P.q16;
+// the mask, -inf above the causal diagonal, from half-type q and K (P.q16;
 // j0 a multiple of 64). Returns false (nothing done) without them.
 template <typename acc_t>
-inline bool scores_bf16_masked(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
+inline bool scores_half_masked(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
                                int64_t w, acc_t* y, int64_t ldy) {
   if constexpr (std::is_same_v<acc_t, float>) {
     if (P.q16) {
-      scores_bf16(m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
+      scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
       scale_scores(y, m, w, ldy, P.scale);
       mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
       return true;
@@ -213,11 +215,11 @@ inline bool scores_bf16_masked(const Problem<acc_t>& P, int64_t bi, int64_t h, i
 }
 
 // y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
-// diagonal: in bfloat16 (P.q16), over the packed key panels (P.kp) when there
+// diagonal: in the half type (P.q16), over the packed key panels (P.kp) when there
 // are, else BLAS.
 template <typename acc_t>
 inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
-  if (scores_bf16_masked(P, bi, h, i0, m, 0, n, y, n)) return;
+  if (scores_half_masked(P, bi, h, i0, m, 0, n, y, n)) return;
   const acc_t* q = P.q_rows(bi, h, i0);
   if (P.kp) {
     gemm_packed_cols<acc_t>(m, n, 0, n, P.E, P.scale, q, P.kp_head(bi, h / P.group()), y);

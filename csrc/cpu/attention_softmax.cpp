@@ -16,13 +16,13 @@ namespace attn {
 
 
 // Scores of a tile: y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys
-// [j0, j0 + w) through the packed key panels (or in bfloat16: P.q16), plus
+// [j0, j0 + w) through the packed key panels (or in the half type: P.q16), plus
 // the mask, -inf above the causal diagonal. Columns [w, ldy) hold scores
 // against zero padding keys.
 template <typename acc_t>
 void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
                 acc_t* y, int64_t ldy) {
-  if (scores_bf16_masked(P, bi, h, i0, m, j0, w, y, ldy)) return;
+  if (scores_half_masked(P, bi, h, i0, m, j0, w, y, ldy)) return;
   tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
                    kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
   mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
@@ -74,7 +74,7 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
     // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
     if constexpr (std::is_same_v<acc_t, float>) {
       if (P.v16) {
-        pv_bf16(m, w, j0, y, ldy, P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
+        pv_half(P.hg, m, w, j0, y, ldy, P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
         continue;
       }
     }
@@ -110,25 +110,25 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
   using V = Vec<acc_t>;
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   const int64_t hk = h / P.group();
-  // (No float copies of q, k and V's panels with bfloat16 GEMMs.)
+  // (No float copies of q, k and V's panels with half-type GEMMs.)
   const acc_t* qb = P.q ? P.q_rows(bi, h, i0) : nullptr;
   const acc_t* kh = P.k ? P.k_head(bi, hk) : nullptr;
   const acc_t* vp = P.vp ? P.vp_head(bi, hk) : nullptr;
   const int64_t BN = softmax_block_keys();
   for (int64_t r = 0; r < m; ++r) lse[r] = static_cast<acc_t>(c[r]);
-  // bfloat16 GEMMs (P.do16): Qᵀ and dOᵀ of the block, the A operands of
+  // Half-type GEMMs (P.do16): Qᵀ and dOᵀ of the block, the A operands of
   // dKᵀ += Qᵀ·dS and dVᵀ += dOᵀ·P; P and dS of a tile packed as their B
-  // operands (pack_rows_vnni) in yk.
+  // operands (pack_rows) in yk.
   const bool b16 = P.do16 != nullptr;
   const int64_t mk = m + (m & 1);
-  const bf16* do16 = b16 ? P.do16 + P.row_id(bi, h, i0) * P.Ev : nullptr;  // the block's dO rows
-  thread_local std::vector<bf16> qt, dot_t, yk;
+  const h16* do16 = b16 ? P.do16 + P.row_id(bi, h, i0) * P.Ev : nullptr;  // the block's dO rows
+  thread_local std::vector<h16> qt, dot_t, yk;
   if (b16) {
     qt.resize(P.E * mk);
     dot_t.resize(P.Ev * mk);
     yk.resize(mk * round_up_vnni(BN));
-    transpose_bf16(P.q16_rows(bi, h, i0), m, P.E, P.E, qt.data(), mk);
-    transpose_bf16(do16, m, P.Ev, P.Ev, dot_t.data(), mk);
+    transpose_half(P.q16_rows(bi, h, i0), m, P.E, P.E, qt.data(), mk);
+    transpose_half(do16, m, P.Ev, P.Ev, dot_t.data(), mk);
   }
   const int64_t ldt = round_up_vnni(P.S);  // row stride of the transposed dK, dV accumulators
   if constexpr (std::is_same_v<acc_t, double>) {
@@ -161,7 +161,7 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     bool dp_done = false;
     if constexpr (std::is_same_v<acc_t, float>) {
       if (b16) {
-        scores_bf16(m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
+        scores_half(P.hg, m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
         dp_done = true;
       }
     }
@@ -191,11 +191,11 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     if constexpr (std::is_same_v<acc_t, float>) {
       if (b16) {
         // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS, dQ (+)= dS·K.
-        pack_rows_vnni(y, m, w, ldy, yk.data());
-        rows_product_bf16(P.Ev, m, w, dot_t.data(), yk.data(), dv + j0, ldt);
-        pack_rows_vnni(d, m, w, ldy, yk.data());
-        rows_product_bf16(P.E, m, w, qt.data(), yk.data(), dk + j0, ldt);
-        pv_bf16(m, w, j0, d, ldy, P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);
+        pack_rows(P.hg, y, m, w, ldy, yk.data());
+        rows_product_half(P.hg, P.Ev, m, w, dot_t.data(), yk.data(), dv + j0, ldt);
+        pack_rows(P.hg, d, m, w, ldy, yk.data());
+        rows_product_half(P.hg, P.E, m, w, qt.data(), yk.data(), dk + j0, ldt);
+        pv_half(P.hg, m, w, j0, d, ldy, P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);
         continue;
       }
     }

@@ -1,21 +1,36 @@
-// bfloat16 GEMMs of the fused attention (the forward, and the softmax
-// backward's: see attention_softmax.cpp): bfloat16 products summed
-// in float32, as PyTorch's SDPA computes them, through oneDNN's brgemm
-// micro-kernels (at::native::cpublas::brgemm), which run them as AVX512-BF16
-// dot products or on AMX tiles, whichever the CPU has.
+// Half-type GEMMs of the fused attention (the forward, and the softmax
+// backward's: see attention_softmax.cpp) for bfloat16 and float16 inputs:
+// half-type products summed in float32, as PyTorch's SDPA computes them,
+// through oneDNN's brgemm micro-kernels (at::native::cpublas::brgemm), which
+// run bfloat16 as AVX512-BF16 dot products or on AMX tiles, and float16 with
+// AVX512-FP16 or on AMX-FP16 tiles, whichever the CPU has.
 //
-// The B operand of a brgemm is in oneDNN's VNNI layout: the rows of B (the
-// reduction dim) in pairs, each pair stored interleaved, [K/2][N][2], at most
-// 64 columns to a block (oneDNN's packed kernels take leading dims 16..64).
+// The B operand of a brgemm is in the layout oneDNN's kernel for the type
+// and CPU expects: the VNNI layout, the rows of B (the reduction dim) in
+// pairs, each pair stored interleaved, [K/2][N][2] (bfloat16 everywhere,
+// float16 on AMX-FP16), or plain rows, [K][N] (float16 with AVX512-FP16 but
+// no AMX-FP16, whose kernels widen each value to float32); at most 64
+// columns to a block (oneDNN's packed kernels take leading dims 16..64).
 // K is packed once per head into blocks of 64 keys for Q·Kᵀ, V once per head
-// into column blocks over all keys for P·V; P is rounded to bfloat16 once per
-// tile for its product with V (as SDPA does); the scores, thresholds and sums
-// stay in float32.
+// into column blocks over all keys for P·V; P is rounded to the half type
+// once per tile for its product with V (as SDPA does); the scores,
+// thresholds and sums stay in float32.
 //
-// Only the AVX512 copy uses this, on CPUs with AVX512-BF16 or AMX-BF16 (on
-// the others oneDNN's bfloat16 kernels emulate the dot products and the
-// float32 path is faster); ATTNKERN_BF16_GEMM=0 turns it off, and
-// torch.backends.mkldnn's flag (oneDNN off) does too.
+// The operands are held as raw 16-bit patterns (h16): packing and
+// transposing move bits, and only the rounding from float32 and the brgemm
+// call depend on the type (HalfGemm::fp16); the packers place them by
+// HalfGemm::vnni.
+//
+// Only the AVX512 copy uses this, on CPUs with AVX512-BF16 or AMX-BF16 for
+// bfloat16 and AVX512-FP16 or AMX-FP16 for float16 (on the others oneDNN
+// emulates the bfloat16 dot products, slower than the float32 path, and has
+// no float16 kernel at all); ATTNKERN_BF16_GEMM=0 / ATTNKERN_FP16_GEMM=0 turn
+// them off, and torch.backends.mkldnn's flag (oneDNN off) does too.
+// ATTNKERN_HALF_GEMM_EMULATE=1 (VNNI layout) or =plain (plain rows) runs the
+// path at every level with the products summed by a plain loop instead of
+// oneDNN (brgemm_emulated), so the tests check the packing, rounding and
+// bookkeeping of both half types and both layouts on CPUs whose oneDNN
+// cannot run them; it is slow and only for testing.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,6 +41,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) && !defined(_MSC_VER)
@@ -37,35 +53,97 @@ namespace cpu {
 inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 namespace attn {
 
-using bf16 = c10::BFloat16;
+// A bfloat16 or float16 value's bits.
+using h16 = uint16_t;
+
+// How the half-type GEMMs of one call run.
+struct HalfGemm {
+  bool fp16 = false;      // float16 operands (else bfloat16)
+  bool vnni = true;       // B operands in VNNI layout (else plain rows)
+  bool emulated = false;  // brgemm_emulated instead of oneDNN
+};
+
+// Where B[k][n] of a B operand with leading dim ldb is in either layout.
+inline int64_t b_at(bool vnni, int64_t k, int64_t n, int64_t ldb) {
+  return vnni ? (k / 2) * 2 * ldb + 2 * n + (k & 1) : k * ldb + n;
+}
 
 // Keys per packed block of K; columns per packed block of V.
 constexpr int64_t kVnniBlock = 64;
 
 inline int64_t round_up_vnni(int64_t n) { return (n + kVnniBlock - 1) / kVnniBlock * kVnniBlock; }
 
+// Scalar conversions, to nearest even (c10's portable bit arithmetic: no
+// instructions of the copy's level in them).
+inline float half_to_float(h16 b, bool fp16) {
+  return fp16 ? c10::detail::fp16_ieee_to_fp32_value(b)
+              : static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits()));
+}
+
+inline h16 float_to_half(float x, bool fp16) {
+  return fp16 ? c10::detail::fp16_ieee_from_fp32_value(x) : c10::BFloat16(x).x;
+}
+
 namespace detail {
 
-// Whether oneDNN's bfloat16 brgemm runs here with B in the layout packed
-// below and gives exact products: small integer products (exact in float32)
-// in two shapes, one with N below the leading dim and an odd number of row
-// pairs, as the attention's last blocks have. A CPU whose kernels expected
-// another layout would fail this and keep the float32 GEMMs.
-inline bool brgemm_probe_shape(int64_t M, int64_t N, int64_t K, int64_t ldb) {
-  std::vector<bf16> a(M * K), b(K * ldb);
+// C (M x N, row stride ldc) = A (M x K, row stride lda) · B, or += with
+// add_C, B[k][n] at b_at(vnni, k, n, ldb) (K even), the products summed in
+// float32 in order of k: what oneDNN's brgemm computes, up to the order of
+// the sums.
+inline void brgemm_emulated(const HalfGemm& g, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                            int64_t ldc, bool add_C, const h16* A, const h16* B, float* C) {
+  // (Not std::vector: its out-of-line members are shared by every copy, and
+  // the linker would keep one level's.)
+  std::unique_ptr<float[]> a(new float[K]), acc(new float[N]);
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t k = 0; k < K; ++k) a[k] = half_to_float(A[i * lda + k], g.fp16);
+    for (int64_t n = 0; n < N; ++n) acc[n] = 0.f;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) acc[n] += a[k] * half_to_float(B[b_at(g.vnni, k, n, ldb)], g.fp16);
+    float* c = C + i * ldc;
+    for (int64_t n = 0; n < N; ++n) c[n] = add_C ? c[n] + acc[n] : acc[n];
+  }
+}
+
+}  // namespace detail
+
+// One brgemm of the half type g names (detail::brgemm_emulated's contract).
+inline void brgemm16(const HalfGemm& g, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
+                     bool add_C, const h16* A, const h16* B, float* C) {
+  if (g.emulated) {
+    detail::brgemm_emulated(g, M, N, K, lda, ldb, ldc, add_C, A, B, C);
+  } else if (g.fp16) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, reinterpret_cast<const c10::Half*>(A),
+                                reinterpret_cast<const c10::Half*>(B), C, true);
+  } else {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, reinterpret_cast<const c10::BFloat16*>(A),
+                                reinterpret_cast<const c10::BFloat16*>(B), C, true);
+  }
+}
+
+namespace detail {
+
+// Whether oneDNN's brgemm of the half type runs here with B in g's layout
+// and gives exact products: small integer products (exact in float32) in two
+// shapes, one with N below the leading dim and an odd number of row pairs,
+// as the attention's last blocks have. A kernel that expects the other
+// layout fails this.
+inline bool brgemm_probe_shape(const HalfGemm& g, int64_t M, int64_t N, int64_t K, int64_t ldb) {
+  const bool fp16 = g.fp16;
+  std::vector<h16> a(M * K), b(K * ldb);
   std::vector<float> c(M * ldb, -1.f), want(M * ldb, -1.f);
   auto bval = [](int64_t k, int64_t n) { return static_cast<float>((k * 5 + n * 3) % 7 - 3); };
-  for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<float>(i % 5 - 2);
+  for (int64_t i = 0; i < M * K; ++i) a[i] = float_to_half(static_cast<float>(i % 5 - 2), fp16);
   for (int64_t k = 0; k < K; ++k)
-    for (int64_t n = 0; n < ldb; ++n) b[(k / 2) * ldb * 2 + n * 2 + k % 2] = bval(k, n);
+    for (int64_t n = 0; n < ldb; ++n) b[b_at(g.vnni, k, n, ldb)] = float_to_half(bval(k, n), fp16);
   for (int64_t i = 0; i < M; ++i)
     for (int64_t n = 0; n < N; ++n) {
       float s = 0;
-      for (int64_t k = 0; k < K; ++k) s += static_cast<float>(a[i * K + k]) * bval(k, n);
+      for (int64_t k = 0; k < K; ++k) s += half_to_float(a[i * K + k], fp16) * bval(k, n);
       want[i * ldb + n] = s;
     }
   try {
-    at::native::cpublas::brgemm(M, N, K, K, ldb, ldb, false, a.data(), b.data(), c.data(), true);
+    brgemm16(g, M, N, K, K, ldb, ldb, false, a.data(), b.data(), c.data());
     at::native::cpublas::brgemm_release(true);
   } catch (const std::exception&) {
     return false;
@@ -73,56 +151,91 @@ inline bool brgemm_probe_shape(int64_t M, int64_t N, int64_t K, int64_t ldb) {
   return std::memcmp(c.data(), want.data(), c.size() * sizeof(float)) == 0;
 }
 
-inline bool brgemm_probe() { return brgemm_probe_shape(3, 16, 4, 16) && brgemm_probe_shape(7, 48, 34, 64); }
+inline bool brgemm_probe(const HalfGemm& g) {
+  return brgemm_probe_shape(g, 3, 16, 4, 16) && brgemm_probe_shape(g, 7, 48, 34, 64);
+}
 
-inline bool bf16_hardware() {
-#if defined(CPU_CAPABILITY_AVX512) && defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(__GNUC__) && \
-    (defined(__x86_64__) || defined(__i386__))
+// How oneDNN runs the half type's GEMMs here: *g's layout set to the one its
+// kernels pass the probe with; false when the CPU lacks the type's dot
+// products or neither layout passes.
+inline bool half_hardware(bool fp16, HalfGemm* g) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32) && \
+    defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512bf16") && !__builtin_cpu_supports("amx-bf16")) return false;
-  return brgemm_probe();
+  // (Every CPU with AMX-FP16 has AVX512-FP16.)
+  if (fp16 ? !__builtin_cpu_supports("avx512fp16")
+           : !__builtin_cpu_supports("avx512bf16") && !__builtin_cpu_supports("amx-bf16"))
+    return false;
+  for (bool vnni : {true, false}) {
+    *g = HalfGemm{fp16, vnni, false};
+    if (brgemm_probe(*g)) return true;
+  }
+  return false;
 #else
+  (void)fp16, (void)g;
   return false;
 #endif
 }
 
+inline bool env_off(const char* name) {
+  const char* s = std::getenv(name);
+  return s != nullptr && std::strcmp(s, "0") == 0;
+}
+
 }  // namespace detail
 
-// Whether the GEMMs of bfloat16 attention run in bfloat16 here.
-inline bool bf16_gemm_enabled() {
-  static const bool hardware = detail::bf16_hardware();
-  if (!hardware || !at::globalContext().userEnabledMkldnn()) return false;
-  const char* s = std::getenv("ATTNKERN_BF16_GEMM");
-  return s == nullptr || std::strcmp(s, "0") != 0;
+// How the GEMMs of attention in dtype run now: in the half type (true, with
+// *g set), or in float32 (false: not a half type, no hardware for it, or
+// turned off).
+inline bool half_gemm_enabled(at::ScalarType dtype, HalfGemm* g = nullptr) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  const bool fp16 = dtype == at::kHalf;
+  if (detail::env_off(fp16 ? "ATTNKERN_FP16_GEMM" : "ATTNKERN_BF16_GEMM")) return false;
+  const char* emulate = std::getenv("ATTNKERN_HALF_GEMM_EMULATE");
+  const bool plain = emulate != nullptr && std::strcmp(emulate, "plain") == 0;
+  HalfGemm how{fp16, !plain, plain || (emulate != nullptr && std::strcmp(emulate, "1") == 0)};
+  if (!how.emulated) {
+    struct Hardware {
+      HalfGemm g;
+      bool on;
+    };
+    static const Hardware bf16_hw = [] { Hardware h; h.on = detail::half_hardware(false, &h.g); return h; }();
+    static const Hardware fp16_hw = [] { Hardware h; h.on = detail::half_hardware(true, &h.g); return h; }();
+    const Hardware& hw = fp16 ? fp16_hw : bf16_hw;
+    if (!hw.on || !at::globalContext().userEnabledMkldnn()) return false;
+    how = hw.g;
+  }
+  if (g != nullptr) *g = how;
+  return true;
 }
 
 // K of one head (S rows of E values, row stride ld; E even) as blocks of 64
-// keys in VNNI layout, zero keys past S: block t is the B operand (E x 64) of
-// the scores against keys [64t, 64t + 64), dst[t·64·E + (e/2)·128 + jj·2 + e%2]
-// = K[64t + jj, e]. dst has round_up_vnni(S) · E entries.
-inline void pack_keys_vnni(const bf16* src, int64_t S, int64_t E, int64_t ld, bf16* dst) {
+// keys, zero keys past S: block t is the B operand (E x 64, leading dim 64)
+// of the scores against keys [64t, 64t + 64), dst[t·64·E + b_at(vnni, e, jj,
+// 64)] = K[64t + jj, e]. dst has round_up_vnni(S) · E entries.
+inline void pack_keys(bool vnni, const h16* src, int64_t S, int64_t E, int64_t ld, h16* dst) {
   const int64_t Sk = round_up_vnni(S);
   for (int64_t t = 0; t < Sk / kVnniBlock; ++t) {
-    bf16* blk = dst + t * kVnniBlock * E;
+    h16* blk = dst + t * kVnniBlock * E;
     for (int64_t jj = 0; jj < kVnniBlock; ++jj) {
       const int64_t j = t * kVnniBlock + jj;
-      for (int64_t e = 0; e < E; ++e) blk[(e / 2) * 2 * kVnniBlock + jj * 2 + e % 2] = j < S ? src[j * ld + e] : bf16(0.f);
+      for (int64_t e = 0; e < E; ++e) blk[b_at(vnni, e, jj, kVnniBlock)] = j < S ? src[j * ld + e] : 0;
     }
   }
 }
 
 // V of one head (S rows of Ev values, row stride ld; Ev a multiple of 16) as
-// column blocks of up to 64 values, each over all keys in VNNI layout, zero
-// keys past S: block u (width bw) holds dst[u·64·Sk + (j/2)·2·bw + c·2 + j%2] =
-// V[j, 64u + c], Sk = round_up_vnni(S). Keys [j0, j0 + w) of block u (j0
-// even) are the B operand at dst + u·64·Sk + j0·bw, leading dim bw.
-inline void pack_values_vnni(const bf16* src, int64_t S, int64_t Ev, int64_t ld, bf16* dst) {
+// column blocks of up to 64 values, each over all keys, zero keys past S:
+// block u (width bw) holds dst[u·64·Sk + b_at(vnni, j, c, bw)] = V[j, 64u + c],
+// Sk = round_up_vnni(S). Keys [j0, j0 + w) of block u (j0 even) are the B
+// operand at dst + u·64·Sk + j0·bw, leading dim bw.
+inline void pack_values(bool vnni, const h16* src, int64_t S, int64_t Ev, int64_t ld, h16* dst) {
   const int64_t Sk = round_up_vnni(S);
   for (int64_t u = 0; u * kVnniBlock < Ev; ++u) {
     const int64_t c0 = u * kVnniBlock, bw = std::min(kVnniBlock, Ev - c0);
-    bf16* blk = dst + c0 * Sk;
+    h16* blk = dst + c0 * Sk;
     for (int64_t j = 0; j < Sk; ++j)
-      for (int64_t c = 0; c < bw; ++c) blk[(j / 2) * 2 * bw + c * 2 + j % 2] = j < S ? src[j * ld + c0 + c] : bf16(0.f);
+      for (int64_t c = 0; c < bw; ++c) blk[b_at(vnni, j, c, bw)] = j < S ? src[j * ld + c0 + c] : 0;
   }
 }
 
@@ -130,69 +243,77 @@ inline void pack_values_vnni(const bf16* src, int64_t S, int64_t Ev, int64_t ld,
 // [j0, j0 + w), j0 a multiple of 64, from the head's packed keys. Columns
 // [w, round_up(w, 16)) are written too (products with zero keys) when ldy
 // has room for them; otherwise the last block goes through a scratch.
-inline void scores_bf16(int64_t m, int64_t w, int64_t j0, int64_t E, const bf16* q, const bf16* kpack, float* y,
-                        int64_t ldy) {
+inline void scores_half(const HalfGemm& g, int64_t m, int64_t w, int64_t j0, int64_t E, const h16* q,
+                        const h16* kpack, float* y, int64_t ldy) {
   for (int64_t jb = 0; jb < w; jb += kVnniBlock) {
     const int64_t rest = std::min(kVnniBlock, w - jb), nb = (rest + 15) / 16 * 16;
-    const bf16* b = kpack + (j0 + jb) * E;
+    const h16* b = kpack + (j0 + jb) * E;
     if (jb + nb <= ldy) {
-      at::native::cpublas::brgemm(m, nb, E, E, kVnniBlock, ldy, false, q, b, y + jb, true);
+      brgemm16(g, m, nb, E, E, kVnniBlock, ldy, false, q, b, y + jb);
     } else {
       thread_local std::vector<float> tail;
       tail.resize(m * nb);
-      at::native::cpublas::brgemm(m, nb, E, E, kVnniBlock, nb, false, q, b, tail.data(), true);
+      brgemm16(g, m, nb, E, E, kVnniBlock, nb, false, q, b, tail.data());
       for (int64_t r = 0; r < m; ++r) std::copy_n(tail.data() + r * nb, rest, y + r * ldy + jb);
     }
   }
 }
 
-// The rows of y (m x w floats, row stride ldy) rounded to bfloat16 into dst
-// (m x wk, wk = w rounded up to even; the odd column's pad is 0).
-inline void rows_to_bf16(const float* y, int64_t m, int64_t w, int64_t ldy, bf16* dst, int64_t wk) {
+// The rows of y (m x w floats, row stride ldy) rounded to the half type into
+// dst (m x wk, wk = w rounded up to even; the odd column's pad is 0).
+template <typename T>
+void rows_to_half_as(const float* y, int64_t m, int64_t w, int64_t ldy, h16* dst, int64_t wk) {
   using Vf = at::vec::Vectorized<float>;
-  using Vh = at::vec::Vectorized<bf16>;
+  using Vh = at::vec::Vectorized<T>;
   for (int64_t r = 0; r < m; ++r) {
     const float* src = y + r * ldy;
-    bf16* out = dst + r * wk;
+    T* out = reinterpret_cast<T*>(dst + r * wk);
     int64_t j = 0;
     for (; j + Vh::size() <= w; j += Vh::size())
-      at::vec::convert_from_float<bf16>(Vf::loadu(src + j), Vf::loadu(src + j + Vf::size())).store(out + j);
+      at::vec::convert_from_float<T>(Vf::loadu(src + j), Vf::loadu(src + j + Vf::size())).store(out + j);
     for (; j < w; ++j) out[j] = src[j];
-    if (wk > w) out[w] = bf16(0.f);
+    if (wk > w) out[w] = T(0.f);
   }
+}
+
+inline void rows_to_half(bool fp16, const float* y, int64_t m, int64_t w, int64_t ldy, h16* dst, int64_t wk) {
+  if (fp16)
+    rows_to_half_as<c10::Half>(y, m, w, ldy, dst, wk);
+  else
+    rows_to_half_as<c10::BFloat16>(y, m, w, ldy, dst, wk);
 }
 
 // o (m x Ev, row stride Ev; Ev a multiple of 16) = P · V[j0:j0 + w], or +=
-// with `accumulate`, for P (m x w floats, row stride ldy) rounded to
-// bfloat16, j0 even; vpack: the head's packed values (pack_values_vnni).
-inline void pv_bf16(int64_t m, int64_t w, int64_t j0, const float* y, int64_t ldy, const bf16* vpack, int64_t S,
-                    int64_t Ev, float* o, bool accumulate) {
+// with `accumulate`, for P (m x w floats, row stride ldy) rounded to the
+// half type, j0 even; vpack: the head's packed values (pack_values).
+inline void pv_half(const HalfGemm& g, int64_t m, int64_t w, int64_t j0, const float* y, int64_t ldy,
+                    const h16* vpack, int64_t S, int64_t Ev, float* o, bool accumulate) {
   const int64_t wk = w + (w & 1), Sk = round_up_vnni(S);
-  thread_local std::vector<bf16> ph;
+  thread_local std::vector<h16> ph;
   ph.resize(m * wk);
-  rows_to_bf16(y, m, w, ldy, ph.data(), wk);
+  rows_to_half(g.fp16, y, m, w, ldy, ph.data(), wk);
   for (int64_t c0 = 0; c0 < Ev; c0 += kVnniBlock) {
     const int64_t bw = std::min(kVnniBlock, Ev - c0);
-    at::native::cpublas::brgemm(m, bw, wk, wk, bw, Ev, accumulate, ph.data(), vpack + c0 * Sk + j0 * bw, o + c0,
-                                true);
+    brgemm16(g, m, bw, wk, wk, bw, Ev, accumulate, ph.data(), vpack + c0 * Sk + j0 * bw, o + c0);
   }
 }
 
-// x (m x d bfloat16, row stride ld) transposed into dst (d x mk, mk = m
+// x (m x d half values, row stride ld) transposed into dst (d x mk, mk = m
 // rounded up to even; the pad column is 0): the A operand of a product that
 // sums over the m rows.
-inline void transpose_bf16(const bf16* x, int64_t m, int64_t d, int64_t ld, bf16* dst, int64_t mk) {
+inline void transpose_half(const h16* x, int64_t m, int64_t d, int64_t ld, h16* dst, int64_t mk) {
   for (int64_t e = 0; e < d; ++e) {
-    bf16* row = dst + e * mk;
+    h16* row = dst + e * mk;
     for (int64_t i = 0; i < m; ++i) row[i] = x[i * ld + e];
-    if (mk > m) row[m] = bf16(0.f);
+    if (mk > m) row[m] = 0;
   }
 }
 
-// The bits of x rounded to bfloat16 (to nearest even; NaN stays NaN), in the
-// low half of each 32-bit lane.
 #if defined(CPU_CAPABILITY_AVX512)
-inline __m512i bf16_bits(__m512 x) {
+// The bits of x rounded to bfloat16 or float16 (to nearest even; NaN stays
+// NaN), in the low half of each 32-bit lane.
+inline __m512i half_bits(__m512 x, bool fp16) {
+  if (fp16) return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
@@ -200,60 +321,66 @@ inline __m512i bf16_bits(__m512 x) {
 }
 #endif
 
-// y (m x w floats, row stride ldy) rounded to bfloat16 as the B operand of a
-// product that sums over its m rows (VNNI layout over rows), in blocks of 64
-// columns: block u (width bw = min(64, round_up(w - 64u, 16))) at
-// dst + u·64·mk holds [mk/2][bw][2] (mk = m rounded up to even); zero past
-// row m and column w.
-inline void pack_rows_vnni(const float* y, int64_t m, int64_t w, int64_t ldy, bf16* dst) {
+// y (m x w floats, row stride ldy) rounded to the half type as the B operand
+// of a product that sums over its m rows, in blocks of 64 columns: block u
+// (width bw = min(64, round_up(w - 64u, 16))) at dst + u·64·mk holds rows
+// [0, mk) of it, Y[i][c] at b_at(g.vnni, i, c, bw) (mk = m rounded up to
+// even); zero past row m and column w.
+inline void pack_rows(const HalfGemm& g, const float* y, int64_t m, int64_t w, int64_t ldy, h16* dst) {
+  const bool fp16 = g.fp16;
   const int64_t mk = m + (m & 1);
   for (int64_t c0 = 0; c0 < w; c0 += kVnniBlock) {
     const int64_t rest = std::min(kVnniBlock, w - c0), bw = (rest + 15) / 16 * 16;
-    bf16* blk = dst + c0 * mk;
+    h16* blk = dst + c0 * mk;
     for (int64_t i = 0; i < mk; i += 2) {
       const float* a = y + i * ldy + c0;
       const float* b = i + 1 < m ? a + ldy : nullptr;
-      bf16* out = blk + i * bw;
+      h16* out = blk + i * bw;  // the pair's, or row i's and then row i + 1's
       int64_t c = 0;
 #if defined(CPU_CAPABILITY_AVX512)
       for (; c + 16 <= rest; c += 16) {
-        const __m512i lo = bf16_bits(_mm512_loadu_ps(a + c));
-        const __m512i hi = b ? bf16_bits(_mm512_loadu_ps(b + c)) : _mm512_setzero_si512();
-        _mm512_storeu_si512(out + 2 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        const __m512i lo = half_bits(_mm512_loadu_ps(a + c), fp16);
+        const __m512i hi = b ? half_bits(_mm512_loadu_ps(b + c), fp16) : _mm512_setzero_si512();
+        if (g.vnni) {
+          _mm512_storeu_si512(out + 2 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), _mm512_cvtepi32_epi16(lo));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + bw + c), _mm512_cvtepi32_epi16(hi));
+        }
       }
 #endif
       for (; c < bw; ++c) {
-        out[2 * c] = c < rest ? bf16(a[c]) : bf16(0.f);
-        out[2 * c + 1] = c < rest && b ? bf16(b[c]) : bf16(0.f);
+        out[b_at(g.vnni, 0, c, bw)] = c < rest ? float_to_half(a[c], fp16) : 0;
+        out[b_at(g.vnni, 1, c, bw)] = c < rest && b ? float_to_half(b[c], fp16) : 0;
       }
     }
   }
 }
 
-// Cᵀ (d x w, row stride ldc) += Aᵀ · Y for Aᵀ (d x mk bfloat16: a block of m
-// rows transposed, transpose_bf16) and Y (m x w, packed by pack_rows_vnni):
-// the key-side gradients dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS of a tile, with the
-// accumulators transposed (keys along the rows of C). Columns up to
-// round_up(w, 16) are added to (zeros past w).
-inline void rows_product_bf16(int64_t d, int64_t m, int64_t w, const bf16* at_, const bf16* ypack, float* ct,
-                              int64_t ldc) {
+// Cᵀ (d x w, row stride ldc) += Aᵀ · Y for Aᵀ (d x mk half values: a block
+// of m rows transposed, transpose_half) and Y (m x w, packed by
+// pack_rows): the key-side gradients dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS of a
+// tile, with the accumulators transposed (keys along the rows of C). Columns
+// up to round_up(w, 16) are added to (zeros past w).
+inline void rows_product_half(const HalfGemm& g, int64_t d, int64_t m, int64_t w, const h16* at_, const h16* ypack,
+                              float* ct, int64_t ldc) {
   const int64_t mk = m + (m & 1);
   for (int64_t c0 = 0; c0 < w; c0 += kVnniBlock) {
     const int64_t bw = (std::min(kVnniBlock, w - c0) + 15) / 16 * 16;
-    at::native::cpublas::brgemm(d, bw, mk, mk, bw, ldc, true, at_, ypack + c0 * mk, ct + c0, true);
+    brgemm16(g, d, bw, mk, mk, bw, ldc, true, at_, ypack + c0 * mk, ct + c0);
   }
 }
 
 // Releases the brgemm hardware state (AMX tile configuration) of the calling
-// thread at the end of a scope that used the bfloat16 GEMMs.
-struct Bf16GemmScope {
+// thread at the end of a scope that used oneDNN's half-type GEMMs.
+struct HalfGemmScope {
   bool used;
-  explicit Bf16GemmScope(bool u) : used(u) {}
-  ~Bf16GemmScope() {
+  explicit HalfGemmScope(bool u) : used(u) {}
+  ~HalfGemmScope() {
     if (used) at::native::cpublas::brgemm_release(true);
   }
-  Bf16GemmScope(const Bf16GemmScope&) = delete;
-  Bf16GemmScope& operator=(const Bf16GemmScope&) = delete;
+  HalfGemmScope(const HalfGemmScope&) = delete;
+  HalfGemmScope& operator=(const HalfGemmScope&) = delete;
 };
 
 }  // namespace attn

@@ -126,7 +126,7 @@ const char* active_reason() {
   return forced.load() >= 0 ? "forced by attnkern.isa.force_level" : chosen_by_default().reason.c_str();
 }
 
-bool active_bf16_gemm() { return table().bf16_gemm(); }
+bool active_half_gemm(at::ScalarType dtype) { return table().half_gemm(dtype); }
 
 void force_level(int level) {
   if (level < 0) {

@@ -51,9 +51,9 @@ struct KernelTable {
       const Tensor& shift, bool alpha_grad, double dropout_p, const OptTensor& dropout_seed);
   Tensor (*attention_dropout_mask)(int64_t B, int64_t H, int64_t L, int64_t S, double dropout_p,
                                    const Tensor& dropout_seed);
-  // Whether bfloat16 attention's GEMMs run in bfloat16 now
-  // (csrc/cpu/half_gemm.h); false in the copies that never do.
-  bool (*bf16_gemm)();
+  // Whether attention in dtype (bfloat16 or float16) runs its GEMMs in that
+  // type now (csrc/cpu/half_gemm.h); false in the copies that never do.
+  bool (*half_gemm)(at::ScalarType dtype);
 };
 
 // The instruction-set levels, lowest first; names as ATen spells them.
@@ -79,7 +79,7 @@ Level machine_level();        // the highest level this CPU (and OS) can run
 Level compiled_level();       // the highest level this build carries
 Level active_level();         // the level the ops run at now
 const char* active_reason();  // why: torch's choice, a cap, or a forced level
-bool active_bf16_gemm();      // the active table's bf16_gemm()
+bool active_half_gemm(at::ScalarType dtype);  // the active table's half_gemm(dtype)
 // Force a level (tests, benchmarks); a negative value returns to the default.
 // Throws if the CPU cannot run it or the build lacks it.
 void force_level(int level);

@@ -1,9 +1,17 @@
-"""bfloat16 attention whose forward GEMMs run in bfloat16 (oneDNN brgemm, on
-CPUs with AVX512-BF16 or AMX-BF16; csrc/cpu/half_gemm.h) against the float64
-reference by the half-type rule, against the float32-GEMM path, and at 1 and
-2 threads."""
+"""bfloat16 and float16 attention whose GEMMs run in the half type
+(csrc/cpu/half_gemm.h) against the float64 reference by the half-type rule,
+against the float32-GEMM path, and at 1 and 2 threads.
+
+Each half type runs three ways: on oneDNN's brgemm (only on CPUs with the
+type's dot products: AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16), and
+with ATTNKERN_HALF_GEMM_EMULATE=1 / =plain (the products summed by a plain
+loop, on every CPU, with B operands in the VNNI layout / in plain rows),
+which checks the packing, rounding and bookkeeping around oneDNN's kernels
+where the CPU cannot run them."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,6 +23,10 @@ from attnkern.backends import reference
 from attnkern.testing import half_rule_bound
 
 pytestmark = pytest.mark.skipif(not _extension.LOADED, reason="attnkern._C did not load")
+
+_OFF = {torch.bfloat16: "ATTNKERN_BF16_GEMM", torch.float16: "ATTNKERN_FP16_GEMM"}
+_KEY = {torch.bfloat16: "bf16_gemm", torch.float16: "fp16_gemm"}
+_EMULATE = "ATTNKERN_HALF_GEMM_EMULATE"
 
 
 def _cpu_flags() -> set[str]:
@@ -28,28 +40,94 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _bf16_gemm_on() -> bool:
-    return bool(isa.dispatch().get("bf16_gemm"))
+def _on_hardware(dtype) -> bool:
+    """Whether oneDNN runs dtype's GEMMs here (emulation aside)."""
+    saved = os.environ.pop(_EMULATE, None)
+    try:
+        return bool(isa.dispatch().get(_KEY[dtype]))
+    finally:
+        if saved is not None:
+            os.environ[_EMULATE] = saved
 
 
-def test_dispatch_says_when_bf16_gemms_run(monkeypatch):
+_WAYS = [pytest.param((dt, way), id=f"{str(dt)[6:]}-{way}",
+                      marks=pytest.mark.skipif(way == "onednn" and not _on_hardware(dt),
+                                               reason=f"no {str(dt)[6:]} dot products on this CPU"))
+         for dt in (torch.bfloat16, torch.float16) for way in ("onednn", "emulated", "emulated_plain")]
+
+
+@pytest.fixture(params=_WAYS)
+def half(request, monkeypatch):
+    """(dtype, float32_gemms): the half type, its GEMMs running the
+    parametrized way; float32_gemms() turns them off for the rest of the test."""
+    dtype, way = request.param
+    if way.startswith("emulated"):
+        monkeypatch.setenv(_EMULATE, "plain" if way == "emulated_plain" else "1")
+    else:
+        monkeypatch.delenv(_EMULATE, raising=False)
+    monkeypatch.delenv(_OFF[dtype], raising=False)
+    assert isa.dispatch()[_KEY[dtype]]
+
+    def float32_gemms():
+        monkeypatch.setenv(_OFF[dtype], "0")
+        assert not isa.dispatch()[_KEY[dtype]]
+
+    return dtype, float32_gemms
+
+
+def test_dispatch_says_when_half_gemms_run(monkeypatch):
+    monkeypatch.delenv(_EMULATE, raising=False)
     d = isa.dispatch()
-    assert isinstance(d["bf16_gemm"], bool)
+    assert isinstance(d["bf16_gemm"], bool) and isinstance(d["fp16_gemm"], bool)
     flags = _cpu_flags()
-    capable = bool(flags & {"avx512_bf16", "amx_bf16"}) and d["active"] == "AVX512"
-    if capable and torch.backends.mkldnn.enabled:
-        assert d["bf16_gemm"], "this CPU has bfloat16 dot products, but the bfloat16 GEMMs are off"
-    if not capable:
-        assert not d["bf16_gemm"]
+    for key, want in (("bf16_gemm", {"avx512_bf16", "amx_bf16"}), ("fp16_gemm", {"avx512_fp16"})):
+        capable = bool(flags & want) and d["active"] == "AVX512"
+        if capable and torch.backends.mkldnn.enabled:
+            assert d[key], f"this CPU has the dot products, but {key} is off"
+        if not capable:
+            assert not d[key]
     monkeypatch.setenv("ATTNKERN_BF16_GEMM", "0")
-    assert not isa.dispatch()["bf16_gemm"]
+    monkeypatch.setenv("ATTNKERN_FP16_GEMM", "0")
+    d = isa.dispatch()
+    assert not d["bf16_gemm"] and not d["fp16_gemm"]
+    monkeypatch.setenv(_EMULATE, "1")
+    d = isa.dispatch()
+    assert not d["bf16_gemm"] and not d["fp16_gemm"], "the off switches win over emulation"
+    monkeypatch.delenv("ATTNKERN_BF16_GEMM")
+    monkeypatch.delenv("ATTNKERN_FP16_GEMM")
+    for mode in ("1", "plain"):
+        monkeypatch.setenv(_EMULATE, mode)
+        d = isa.dispatch()
+        assert d["bf16_gemm"] and d["fp16_gemm"]
+    monkeypatch.delenv(_EMULATE)
     if "AVX2" in isa.runnable_levels():
-        monkeypatch.delenv("ATTNKERN_BF16_GEMM")
         with isa.force_level("AVX2"):
-            assert not isa.dispatch()["bf16_gemm"]
+            d = isa.dispatch()
+            assert not d["bf16_gemm"] and not d["fp16_gemm"]
 
 
-needs_bf16_gemm = pytest.mark.skipif(not _bf16_gemm_on(), reason="no bfloat16 GEMMs on this CPU")
+@pytest.mark.skipif(not _on_hardware(torch.bfloat16), reason="no bfloat16 dot products on this CPU")
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
+def test_emulated_products_match_onednn(normalizer, monkeypatch):
+    """The emulation computes what oneDNN's kernels do, up to the order of
+    the float32 sums: outputs and gradients round to the same bfloat16 but
+    for a few entries (sums near a rounding boundary, or cancelling)."""
+    q, k, v = make_qkv(1, 2, 1, 150, 333, 64, 48, dtype=torch.bfloat16)
+    go = torch.randn(1, 2, 150, 48, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+
+    def run():
+        xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attnkern.attention(*xs, normalizer=normalizer, enable_gqa=True, backend="cpu")
+        return (out, *torch.autograd.grad(out, xs, go))
+
+    real = run()
+    monkeypatch.setenv(_EMULATE, "1")
+    emulated = run()
+    for a, b in zip(real, emulated, strict=True):
+        diff = (a.float() - b.float()).abs()
+        assert diff.max() <= a.float().abs().max() * 2**-8
+        assert (diff > 0).float().mean() < 0.01
+
 
 CASES = {
     # name: (B, H, Hk, L, S, E, Ev), mask kind, input spread
@@ -76,19 +154,19 @@ def _plain_error(q, k, v, mask, causal, normalizer, alpha, exact):
     return (plain.double() - exact).abs().max().item()
 
 
-@needs_bf16_gemm
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("normalizer", NORMALIZERS)
-def test_bf16_gemms_by_the_half_rule(normalizer, case, monkeypatch):
+def test_half_gemms_by_the_half_rule(normalizer, case, half):
+    dtype, float32_gemms = half
     (B, H, Hk, L, S, E, Ev), mask_kind, spread = CASES[case]
-    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=torch.bfloat16, spread=spread)
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, spread=spread)
     mask, causal = attention_mask(mask_kind, B, H, L, S)
     alpha = alpha_for(normalizer, H)
     kw = dict(is_causal=causal, normalizer=normalizer, alpha=alpha, enable_gqa=True, backend="cpu")
     out = attnkern.attention(q, k, v, mask, **kw)
-    monkeypatch.setenv("ATTNKERN_BF16_GEMM", "0")
+    float32_gemms()
     out32 = attnkern.attention(q, k, v, mask, **kw)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert out.dtype == dtype and torch.isfinite(out).all()
     G = H // Hk
     kx, vx = (t.double().repeat_interleave(G, 1) for t in (k, v))
     exact = ref_attention(q.double(), kx, vx, mask, causal, normalizer, alpha)
@@ -96,29 +174,29 @@ def test_bf16_gemms_by_the_half_rule(normalizer, case, monkeypatch):
     err32 = (out32.double() - exact).abs().max().item()
     err_plain = _plain_error(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), mask, causal, normalizer,
                              alpha, exact)
-    assert half_rule_bound(err, err_plain, torch.bfloat16), (err, err_plain)
+    assert half_rule_bound(err, err_plain, dtype), (err, err_plain)
     # Neither path is worse than the other by more than the rule allows.
-    assert half_rule_bound(err, err32, torch.bfloat16) and half_rule_bound(err32, err, torch.bfloat16), (err, err32)
+    assert half_rule_bound(err, err32, dtype) and half_rule_bound(err32, err, dtype), (err, err32)
 
 
-@needs_bf16_gemm
 @pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax15"])
-def test_bf16_gemms_with_ties(normalizer):
+def test_half_gemms_with_ties(normalizer, half):
     """Integer-valued inputs: many equal scores (ties at the support's edge),
-    every product exact in bfloat16."""
+    every product exact in the half type."""
+    dtype, _ = half
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randint(-2, 3, (1, 2, n, 16), generator=g).to(torch.bfloat16) for n in (70, 130, 130))
+    q, k, v = (torch.randint(-2, 3, (1, 2, n, 16), generator=g).to(dtype) for n in (70, 130, 130))
     out = attnkern.attention(q, k, v, normalizer=normalizer, scale=0.25, backend="cpu")
     exact = ref_attention(q.double(), k.double(), v.double(), None, False, normalizer, None, scale=0.25)
     torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=1e-2)
 
 
-@needs_bf16_gemm
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15", "entmax"])
-def test_bf16_gemms_thread_count_and_dropout(normalizer, monkeypatch):
+def test_half_gemms_thread_count_and_dropout(normalizer, half):
     """The same bits at 1 and 2 threads; dropout drops the same weights as the
     float32-GEMM path does."""
-    q, k, v = make_qkv(1, 2, 2, 200, 333, 64, 64, dtype=torch.bfloat16)
+    dtype, float32_gemms = half
+    q, k, v = make_qkv(1, 2, 2, 200, 333, 64, 64, dtype=dtype)
     alpha = alpha_for(normalizer, 2)
     kw = dict(normalizer=normalizer, alpha=alpha, backend="cpu")
     threads = torch.get_num_threads()
@@ -132,7 +210,7 @@ def test_bf16_gemms_thread_count_and_dropout(normalizer, monkeypatch):
     assert torch.equal(one, two)
     torch.manual_seed(11)
     dropped = attnkern.attention(q, k, v, dropout_p=0.3, **kw)
-    monkeypatch.setenv("ATTNKERN_BF16_GEMM", "0")
+    float32_gemms()
     torch.manual_seed(11)
     dropped32 = attnkern.attention(q, k, v, dropout_p=0.3, **kw)
     torch.testing.assert_close(dropped.float(), dropped32.float(), atol=3e-2, rtol=2e-2)
@@ -143,15 +221,15 @@ def _grads(fn, inputs, go):
     return torch.autograd.grad(fn(*xs), xs, go)
 
 
-@needs_bf16_gemm
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax_at_one"])
-def test_bf16_gemm_gradients_by_the_half_rule(normalizer, case, monkeypatch):
-    """The softmax backward's GEMMs in bfloat16 (dK and dV accumulated
+def test_half_gemm_gradients_by_the_half_rule(normalizer, case, half):
+    """The softmax backward's GEMMs in the half type (dK and dV accumulated
     transposed): dq, dk, dv against float64 by the half-type rule, and against
     the float32-GEMM path. α-entmax with every α = 1 takes it too."""
+    dtype, float32_gemms = half
     (B, H, Hk, L, S, E, Ev), mask_kind, spread = CASES[case]
-    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=torch.bfloat16, spread=spread)
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, spread=spread)
     go = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     mask, causal = attention_mask(mask_kind, B, H, L, S)
     norm, alpha = ("softmax", None) if normalizer == "softmax" else ("entmax", torch.ones(H))
@@ -169,24 +247,24 @@ def test_bf16_gemm_gradients_by_the_half_rule(normalizer, case, monkeypatch):
     def exact(q, k, v):
         return ref_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), mask, causal, "softmax", None)
 
-    g16 = _grads(kern, (q, k, v), go.to(torch.bfloat16))
-    gp = _grads(plain, (q, k, v), go.to(torch.bfloat16))
+    g16 = _grads(kern, (q, k, v), go.to(dtype))
+    gp = _grads(plain, (q, k, v), go.to(dtype))
     gx = _grads(exact, [t.double() for t in (q, k, v)], go)
-    monkeypatch.setenv("ATTNKERN_BF16_GEMM", "0")
-    g32 = _grads(kern, (q, k, v), go.to(torch.bfloat16))
+    float32_gemms()
+    g32 = _grads(kern, (q, k, v), go.to(dtype))
     for name, a, p_, x, b in zip(("dq", "dk", "dv"), g16, gp, gx, g32, strict=True):
-        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all()
+        assert a.dtype == dtype and torch.isfinite(a).all()
         err = (a.double() - x).abs().max().item()
         err_plain = (p_.double() - x).abs().max().item()
         err32 = (b.double() - x).abs().max().item()
-        assert half_rule_bound(err, err_plain, torch.bfloat16), (name, err, err_plain)
-        assert half_rule_bound(err, err32, torch.bfloat16), (name, err, err32)
+        assert half_rule_bound(err, err_plain, dtype), (name, err, err_plain)
+        assert half_rule_bound(err, err32, dtype), (name, err, err32)
 
 
-@needs_bf16_gemm
-def test_bf16_gemm_gradients_thread_count_and_dropout(monkeypatch):
-    q, k, v = make_qkv(1, 2, 1, 200, 333, 64, 48, dtype=torch.bfloat16)
-    go = torch.randn(1, 2, 200, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+def test_half_gemm_gradients_thread_count_and_dropout(half):
+    dtype, float32_gemms = half
+    q, k, v = make_qkv(1, 2, 1, 200, 333, 64, 48, dtype=dtype)
+    go = torch.randn(1, 2, 200, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
 
     def kern(p):
         def f(q, k, v):
@@ -204,23 +282,24 @@ def test_bf16_gemm_gradients_thread_count_and_dropout(monkeypatch):
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
     dropped = _grads(kern(0.25), (q, k, v), go)
-    monkeypatch.setenv("ATTNKERN_BF16_GEMM", "0")
+    float32_gemms()
     dropped32 = _grads(kern(0.25), (q, k, v), go)
     for a, b in zip(dropped, dropped32, strict=True):
         scale = b.float().abs().max().item()
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2 * scale, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
-def test_bf16_ops_opcheck_and_compile(normalizer):
-    """The ops take bfloat16 as it is (on every CPU): opcheck, and
-    torch.compile against eager."""
-    q, k, v = make_qkv(1, 4, 2, 9, 13, 8, 6, dtype=torch.bfloat16, noncontig=True)
+def test_half_ops_opcheck_and_compile(normalizer, dtype):
+    """The ops take bfloat16 and float16 as they are (on every CPU): opcheck,
+    and torch.compile against eager."""
+    q, k, v = make_qkv(1, 4, 2, 9, 13, 8, 6, dtype=dtype, noncontig=True)
     mask = torch.randn(1, 1, 9, 13).expand(1, 4, 9, 13)
     args = (q, k, v, mask, False, 0.35, normalizer, None)
     torch.library.opcheck(torch.ops.attnkern.attention_fwd, args)
     out, shift = torch.ops.attnkern.attention_fwd(*args)
-    assert out.dtype == torch.bfloat16 and shift.dtype == torch.float32
+    assert out.dtype == dtype and shift.dtype == torch.float32
     go = torch.randn_like(out)
     torch.library.opcheck(torch.ops.attnkern.attention_bwd, (go, *args[:-1], None, out, shift, False))
 
