@@ -284,6 +284,28 @@ def test_softmax_decoding_half_types_read_in_place(case, dtype):
     torch.testing.assert_close(out.float(), wide.to(dtype).float(), rtol=ulp, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_decoding_with_gradients(dtype):
+    """A few query rows in a half type with gradients go to the CPU kernel as
+    they are (no widening in Python): output and gradients in dtype, within
+    a few roundings of the float32 computation on the widened inputs."""
+    q, k, v = make_qkv(1, 2, 1, 3, 257, 64, 40, dtype=dtype, seed=5)
+    go = torch.randn(1, 2, 3, 40, generator=torch.Generator().manual_seed(6))
+
+    def grads(q, k, v):
+        xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attnkern.attention(*xs, enable_gqa=True, backend="cpu")
+        return (out, *torch.autograd.grad(out, xs, go.to(out.dtype)))
+
+    half = grads(q, k, v)
+    wide = grads(q.float(), k.float(), v.float())
+    for a, b in zip(half, wide, strict=True):
+        assert a.dtype == dtype and torch.isfinite(a).all()
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a.float(), b.to(dtype).float(), rtol=4 * torch.finfo(dtype).eps,
+                                   atol=4 * torch.finfo(dtype).eps * scale)
+
+
 def test_softmax_decoding_large_scores_and_thread_count():
     q, k, v = make_qkv(1, 1, 1, 1, 2000, 16, 16, spread=30.0, seed=3)
     k[0, 0, 1700] = q[0, 0, 0] * 40  # one key far above the rest, in the last chunk

@@ -108,6 +108,9 @@ inline void brgemm_emulated(const HalfGemm& g, int64_t M, int64_t N, int64_t K, 
 }  // namespace detail
 
 // One brgemm of the half type g names (detail::brgemm_emulated's contract).
+// (cpublas::brgemm's is_vnni = true asks for oneDNN's kernel, false for a
+// slow generic fallback; B must be in the layout that kernel takes, which
+// the probe found: VNNI pairs, or plain rows for float16 on AVX512-FP16.)
 inline void brgemm16(const HalfGemm& g, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
                      bool add_C, const h16* A, const h16* B, float* C) {
   if (g.emulated) {
