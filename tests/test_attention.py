@@ -183,6 +183,10 @@ GRAD_CASES = {
     "bool": ((2, 2, 2, 33, 97, 16, 8), "bool"),
     "fully_masked": ((1, 2, 1, 17, 40, 16, 16), "fully_masked"),
     "float_causal": ((1, 2, 2, 65, 65, 32, 32), "causal_float"),
+    # At most kPackRows (16) query rows: K and V are not packed into panels.
+    "1_gqa_float": ((2, 4, 2, 1, 97, 16, 16), "float"),
+    "5_causal_e59": ((1, 2, 2, 5, 300, 59, 24), "causal"),
+    "16_fully_masked": ((2, 2, 1, 16, 40, 16, 16), "fully_masked"),
 }
 
 
@@ -217,6 +221,21 @@ def test_gradients_match_reference(normalizer, case, dtype):
             # A sum over every row: scale the tolerance with the row count.
             tol = (tol[0] * B * L, max(tol[1], 1e-4))
         assert_close_tol(g, w, tol, f"{normalizer} {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("L", [5, 16, 17])
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_few_query_rows_forward_matches_reference(normalizer, L, dtype):
+    """The forward on either side of kPackRows (K read as it is up to 16 query
+    rows, from key panels beyond), with a float mask and a key tile boundary."""
+    B, H, Hk, S, E, Ev = 1, 4, 2, 300, 59, 40
+    q, k, v = make_qkv(B, H, Hk, L, S, E, Ev, dtype=dtype, seed=9)
+    mask, causal = attention_mask("float", B, H, L, S)
+    alpha = alpha_for(normalizer, H)
+    out = attnkern.attention(q, k, v, mask, enable_gqa=True, normalizer=normalizer, alpha=alpha, backend="cpu")
+    want = ref_attention(q, k, v, mask, causal, normalizer, alpha)
+    assert_close_tol(out, want, TOL[dtype], normalizer)
 
 
 # Shapes that span several query blocks (128 rows) and key tiles (256 keys) of

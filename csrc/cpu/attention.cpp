@@ -392,8 +392,9 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
         P.half_is_bf16 = k_in.scalar_type() == at::kBFloat16;
         P.e_half = c.E, P.ev_half = c.Ev;
       }
-      // Key panels for the score GEMMs of every normalizer (decoding reads K as it is).
-      Tensor kpack = !decodes(P) && !gemm16 ? pack_heads<scalar_t>(k) : Tensor();
+      // Key panels for the score GEMMs of every normalizer (a few query rows,
+      // decoding among them, read K as it is: kPackRows).
+      Tensor kpack = !gemm16 && c.L > kPackRows ? pack_heads<scalar_t>(k) : Tensor();
       if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();
       forward_kernel<scalar_t>(P, out_p.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
     }
@@ -467,8 +468,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
         auto bits = [](const Tensor& t) { return static_cast<const h16*>(t.const_data_ptr()); };
         P.hg = hg;
         P.q16 = bits(q16), P.k16 = bits(k16), P.do16 = bits(do16), P.vk16 = bits(vk16), P.kv16 = bits(kv16);
-      } else {
-        // Key and value panels for the S and dP GEMMs of every normalizer.
+      } else if (c.L > kPackRows) {
+        // Key and value panels for the S and dP GEMMs of every normalizer (a
+        // few query rows read K and V as they are).
         kpack = pack_heads<scalar_t>(k), vpack = pack_heads<scalar_t>(v);
         P.kp = kpack.const_data_ptr<scalar_t>();
         P.vp = vpack.const_data_ptr<scalar_t>();

@@ -456,6 +456,16 @@ inline int64_t softmax_block_keys() {
 constexpr int64_t kDecodeRows = 4;
 constexpr int64_t kDecodeKeys = 512;
 
+// K (and in the backward V) are packed into key panels only for problems with
+// more query rows than this: each head's panels are a copy of S·E values (and
+// fresh memory), which a few query rows do not repay; those run their GEMMs
+// on K and V as they are (BLAS). Zen 4, 1 thread, forward and backward of
+// softmax and sparsemax at L = 1..16 with (B, H, S, E) = (32, 1, 20, 128),
+// (1, 8, 2048, 64), (4, 8, 512, 64): unpacked faster in every case (backward
+// at L = 1, S = 2048: 3.8 -> 0.33 ms sparsemax, 4.7 -> 1.5 softmax), about
+// even at L = 64.
+constexpr int64_t kPackRows = 16;
+
 using Runs = std::vector<std::pair<int64_t, int64_t>>;
 
 // Per-thread scratch of the block functions (sized by the schedulers in

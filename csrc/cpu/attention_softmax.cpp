@@ -16,15 +16,21 @@ namespace attn {
 
 
 // Scores of a tile: y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys
-// [j0, j0 + w) through the packed key panels (or in the half type: P.q16), plus
-// the mask, -inf above the causal diagonal. Columns [w, ldy) hold scores
-// against zero padding keys.
+// [j0, j0 + w) through the packed key panels (or in the half type: P.q16; or,
+// for a few query rows, from K as it is), plus the mask, -inf above the
+// causal diagonal. Columns [w, ldy) hold scores against zero padding keys.
 template <typename acc_t>
 void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
                 acc_t* y, int64_t ldy) {
   if (scores_half_masked(P, bi, h, i0, m, j0, w, y, ldy)) return;
-  tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
-                   kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
+  if (P.kp) {
+    tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
+                     kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
+  } else {  // (a few query rows: K unpacked, BLAS)
+    gemm<acc_t>(false, true, m, w, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, h / P.group()) + j0 * P.E,
+                P.E, acc_t(0), y, ldy);
+    for (int64_t r = 0; r < m; ++r) std::fill(y + r * ldy + w, y + (r + 1) * ldy, acc_t(0));
+  }
   mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
 }
 
@@ -165,9 +171,14 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
         dp_done = true;
       }
     }
-    if (!dp_done)
+    if (!dp_done && vp) {
       tile_gemm<acc_t>(m, ldy, P.Ev, acc_t(1), dob, P.Ev, 1, vp + j0 * P.Ev, kPanel<acc_t>, P.Ev * kPanel<acc_t>,
                        d, ldy, false);
+    } else if (!dp_done) {  // (a few query rows: V unpacked, BLAS)
+      gemm<acc_t>(false, true, m, w, P.Ev, acc_t(1), dob, P.Ev, P.v_head(bi, hk) + j0 * P.Ev, P.Ev, acc_t(0), d,
+                  ldy);
+      for (int64_t r = 0; r < m; ++r) std::fill(d + r * ldy + w, d + (r + 1) * ldy, acc_t(0));
+    }
     if (P.drop.on) {
       // dP of the kept weights, times 1 / (1 - p); the same flags drop P for dV below.
       keep.resize(static_cast<size_t>(m * w));
