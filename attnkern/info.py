@@ -38,8 +38,8 @@ def report() -> str:
         d = isa.dispatch()
         lines.append(f"           CPU kernels run at {d['active']} ({d['reason']}); this CPU runs up to "
                      f"{d['machine']}, this build carries up to {d['compiled']}")
-        how = ("products emulated for testing (ATTNKERN_HALF_GEMM_EMULATE=1)"
-               if os.environ.get("ATTNKERN_HALF_GEMM_EMULATE") == "1" else "oneDNN brgemm")
+        how = ("products emulated for testing (ATTNKERN_HALF_GEMM_EMULATE)"
+               if os.environ.get("ATTNKERN_HALF_GEMM_EMULATE") in ("1", "plain") else "oneDNN brgemm")
         for name, key, isa_name in (("bfloat16", "bf16_gemm", "AVX512-BF16 / AMX-BF16"),
                                     ("float16", "fp16_gemm", "AVX512-FP16")):
             lines.append(f"           {name} attention GEMMs: "

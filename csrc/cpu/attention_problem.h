@@ -214,6 +214,16 @@ inline bool scores_half_masked(const Problem<acc_t>& P, int64_t bi, int64_t h, i
   return false;
 }
 
+// y (m x w, row stride ldy) = alpha · a · bᵀ for a (m x K) and keys b (w x K)
+// as they are, both of row stride K (BLAS), columns [w, ldy) zero: a tile's
+// product with unpacked K or V (a few query rows, kPackRows).
+template <typename acc_t>
+inline void gemm_unpacked_keys(int64_t m, int64_t w, int64_t K, acc_t alpha, const acc_t* a, const acc_t* b, acc_t* y,
+                               int64_t ldy) {
+  gemm<acc_t>(false, true, m, w, K, alpha, a, K, b, K, acc_t(0), y, ldy);
+  for (int64_t r = 0; r < m; ++r) std::fill(y + r * ldy + w, y + (r + 1) * ldy, acc_t(0));
+}
+
 // y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
 // diagonal: in the half type (P.q16), over the packed key panels (P.kp) when there
 // are, else BLAS.

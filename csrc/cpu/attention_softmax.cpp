@@ -26,10 +26,9 @@ void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int6
   if (P.kp) {
     tile_gemm<acc_t>(m, ldy, P.E, P.scale, P.q_rows(bi, h, i0), P.E, 1, P.kp_head(bi, h / P.group()) + j0 * P.E,
                      kPanel<acc_t>, P.E * kPanel<acc_t>, y, ldy, false);
-  } else {  // (a few query rows: K unpacked, BLAS)
-    gemm<acc_t>(false, true, m, w, P.E, P.scale, P.q_rows(bi, h, i0), P.E, P.k_head(bi, h / P.group()) + j0 * P.E,
-                P.E, acc_t(0), y, ldy);
-    for (int64_t r = 0; r < m; ++r) std::fill(y + r * ldy + w, y + (r + 1) * ldy, acc_t(0));
+  } else {  // (a few query rows: K unpacked)
+    gemm_unpacked_keys<acc_t>(m, w, P.E, P.scale, P.q_rows(bi, h, i0), P.k_head(bi, h / P.group()) + j0 * P.E, y,
+                              ldy);
   }
   mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
 }
@@ -174,10 +173,8 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     if (!dp_done && vp) {
       tile_gemm<acc_t>(m, ldy, P.Ev, acc_t(1), dob, P.Ev, 1, vp + j0 * P.Ev, kPanel<acc_t>, P.Ev * kPanel<acc_t>,
                        d, ldy, false);
-    } else if (!dp_done) {  // (a few query rows: V unpacked, BLAS)
-      gemm<acc_t>(false, true, m, w, P.Ev, acc_t(1), dob, P.Ev, P.v_head(bi, hk) + j0 * P.Ev, P.Ev, acc_t(0), d,
-                  ldy);
-      for (int64_t r = 0; r < m; ++r) std::fill(d + r * ldy + w, d + (r + 1) * ldy, acc_t(0));
+    } else if (!dp_done) {  // (a few query rows: V unpacked)
+      gemm_unpacked_keys<acc_t>(m, w, P.Ev, acc_t(1), dob, P.v_head(bi, hk) + j0 * P.Ev, d, ldy);
     }
     if (P.drop.on) {
       // dP of the kept weights, times 1 / (1 - p); the same flags drop P for dV below.

@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) && !defined(_MSC_VER)
@@ -158,25 +159,23 @@ inline bool brgemm_probe(const HalfGemm& g) {
   return brgemm_probe_shape(g, 3, 16, 4, 16) && brgemm_probe_shape(g, 7, 48, 34, 64);
 }
 
-// How oneDNN runs the half type's GEMMs here: *g's layout set to the one its
-// kernels pass the probe with; false when the CPU lacks the type's dot
-// products or neither layout passes.
-inline bool half_hardware(bool fp16, HalfGemm* g) {
+// How oneDNN runs the half type's GEMMs here: in the layout its kernels pass
+// the probe with; none when the CPU lacks the type's dot products or neither
+// layout passes.
+inline std::optional<HalfGemm> half_hardware(bool fp16) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32) && \
     defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   __builtin_cpu_init();
   // (Every CPU with AMX-FP16 has AVX512-FP16.)
   if (fp16 ? !__builtin_cpu_supports("avx512fp16")
            : !__builtin_cpu_supports("avx512bf16") && !__builtin_cpu_supports("amx-bf16"))
-    return false;
-  for (bool vnni : {true, false}) {
-    *g = HalfGemm{fp16, vnni, false};
-    if (brgemm_probe(*g)) return true;
-  }
-  return false;
+    return std::nullopt;
+  for (bool vnni : {true, false})
+    if (brgemm_probe(HalfGemm{fp16, vnni, false})) return HalfGemm{fp16, vnni, false};
+  return std::nullopt;
 #else
-  (void)fp16, (void)g;
-  return false;
+  (void)fp16;
+  return std::nullopt;
 #endif
 }
 
@@ -198,15 +197,11 @@ inline bool half_gemm_enabled(at::ScalarType dtype, HalfGemm* g = nullptr) {
   const bool plain = emulate != nullptr && std::strcmp(emulate, "plain") == 0;
   HalfGemm how{fp16, !plain, plain || (emulate != nullptr && std::strcmp(emulate, "1") == 0)};
   if (!how.emulated) {
-    struct Hardware {
-      HalfGemm g;
-      bool on;
-    };
-    static const Hardware bf16_hw = [] { Hardware h; h.on = detail::half_hardware(false, &h.g); return h; }();
-    static const Hardware fp16_hw = [] { Hardware h; h.on = detail::half_hardware(true, &h.g); return h; }();
-    const Hardware& hw = fp16 ? fp16_hw : bf16_hw;
-    if (!hw.on || !at::globalContext().userEnabledMkldnn()) return false;
-    how = hw.g;
+    static const std::optional<HalfGemm> bf16_hw = detail::half_hardware(false);
+    static const std::optional<HalfGemm> fp16_hw = detail::half_hardware(true);
+    const std::optional<HalfGemm>& hw = fp16 ? fp16_hw : bf16_hw;
+    if (!hw || !at::globalContext().userEnabledMkldnn()) return false;
+    how = *hw;
   }
   if (g != nullptr) *g = how;
   return true;
