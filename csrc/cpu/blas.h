@@ -6,6 +6,14 @@
 // directly; they are declared weak so that a torch built without an exported
 // BLAS still loads this library and falls back to at::mm (slower per call on
 // small blocks, same results).
+//
+// The calls come from inside at::parallel_for and must give the same bits
+// whatever the thread count. MKL threads a call by its own counts (on the
+// calling thread the one torch.set_num_threads set, on torch's workers its
+// global one), and its sums' order follows its thread count, so every call
+// runs with MKL's thread-local count set to 1 (MKL_Set_Num_Threads_Local, the
+// C entry, which takes its int by value) and restored afterwards: the
+// parallelism is ours, and MKL's process-wide settings stay the user's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,6 +27,7 @@ void sgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc) __attribute__((weak));
+int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));
 }
 
 namespace attnkern {
@@ -26,6 +35,19 @@ namespace cpu {
 inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
 namespace detail {
+
+// MKL's thread-local thread count set to 1 for a scope (no-op without MKL).
+struct SingleThreadedBlas {
+  int saved = 0;
+  SingleThreadedBlas() {
+    if (MKL_Set_Num_Threads_Local != nullptr) saved = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SingleThreadedBlas() {
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(saved);
+  }
+  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
+  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+};
 
 template <typename T>
 at::Tensor wrap(const T* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
@@ -53,6 +75,7 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
   const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  detail::SingleThreadedBlas one_thread;
   if constexpr (std::is_same_v<T, float>) {
     if (sgemm_ != nullptr) {
       sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
