@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 
@@ -38,12 +37,11 @@ def report() -> str:
         d = isa.dispatch()
         lines.append(f"           CPU kernels run at {d['active']} ({d['reason']}); this CPU runs up to "
                      f"{d['machine']}, this build carries up to {d['compiled']}")
-        how = ("products emulated for testing (ATTNKERN_HALF_GEMM_EMULATE)"
-               if os.environ.get("ATTNKERN_HALF_GEMM_EMULATE") in ("1", "plain") else "oneDNN brgemm")
-        for name, key, isa_name in (("bfloat16", "bf16_gemm", "AVX512-BF16 / AMX-BF16"),
-                                    ("float16", "fp16_gemm", "AVX512-FP16")):
+        for name, key in (("bfloat16", "bf16_gemm"), ("float16", "fp16_gemm")):
+            unit = d[f"{key}_unit"]
             lines.append(f"           {name} attention GEMMs: "
-                         + (f"{name} ({how})" if d[key] else f"float32 (no {isa_name} at this level, or turned off)"))
+                         + (f"{name} on {unit} (oneDNN brgemm)" if d[key] and not unit.startswith("emulated")
+                            else f"{name}, {unit}" if d[key] else unit))
     lines.append("")
     lines.append("backends:")
     for name, (ok, why) in backends().items():

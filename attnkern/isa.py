@@ -23,13 +23,15 @@ LEVELS = ("DEFAULT", "AVX2", "AVX512")
 
 
 def dispatch() -> dict[str, str | bool]:
-    """{"active", "reason", "machine", "compiled", "bf16_gemm", "fp16_gemm"}: the
-    level the CPU ops run at now and why, the highest this CPU runs, the
-    highest this build carries, and whether bfloat16 / float16 attention's
-    GEMMs run in that type (at the AVX512 level on CPUs with AVX512-BF16 or
-    AMX-BF16 / with AVX512-FP16, unless ATTNKERN_BF16_GEMM=0 /
-    ATTNKERN_FP16_GEMM=0 or torch.backends.mkldnn is off; at every level with
-    the test switch ATTNKERN_HALF_GEMM_EMULATE=1).
+    """{"active", "reason", "machine", "compiled", "bf16_gemm", "bf16_gemm_unit",
+    "fp16_gemm", "fp16_gemm_unit"}: the level the CPU ops run at now and why,
+    the highest this CPU runs, the highest this build carries, whether
+    bfloat16 / float16 attention's GEMMs run in that type (at the AVX512 level
+    on CPUs with AVX512-BF16 or AMX-BF16 / with AMX-FP16, unless
+    ATTNKERN_BF16_GEMM=0 / ATTNKERN_FP16_GEMM=0 or torch.backends.mkldnn is
+    off; at every level with the test switch ATTNKERN_HALF_GEMM_EMULATE), and
+    the unit that runs them ("AMX-BF16", "AVX512-BF16", "AMX-FP16") or why
+    float32 GEMMs do ("float32: no float16 matrix unit (AMX-FP16)", ...).
     Empty when the compiled extension did not load."""
     if not _extension.LOADED:
         return {}

@@ -16,9 +16,17 @@ Cases (B = 1, H = 8, E = 64 unless said):
   attention   N = 2048, 8192; softmax, sparsemax, entmax15, entmax α = 1.3;
               fwd and fwd+bwd; against SDPA (softmax) in the same dtype
   causal      softmax, is_causal=True, against SDPA causal
+  vs float32  (bfloat16 and float16 only) the attention and causal cases
+              against attnkern's own float32 attention on the same shapes
   decode      one query against S = 8192 keys, H = 8 and H = 1 (fwd)
+  few rows    16 query rows against S = 2048 keys (the BLAS path), fwd and
+              fwd+bwd, against SDPA
   row-wise    [4096, 1024] and [256, 32768], fwd+bwd against torch.softmax;
               attnkern.softmax also fwd
+
+The attention targets depend on the CPU: bfloat16 on AMX tiles (attnkern's
+bfloat16 GEMMs on "AMX-BF16", attnkern.isa.dispatch()) has targets of its
+own, AMX_BF16_TARGET.
 
 The process's heap keeps the memory it frees (conftest.steady_heap), so that
 neither contender pays page faults for fresh tensors in some cases and not in
@@ -61,7 +69,28 @@ ATTN_TARGET = {
     ("entmax15", "fwd"): 0.7, ("entmax15", "fwd+bwd"): 0.5,
     ("entmax α=1.3", "fwd"): 1.3, ("entmax α=1.3", "fwd+bwd"): 1.0,
 }
+# bfloat16 attention where attnkern's bfloat16 GEMMs run on AMX tiles (SDPA's
+# do too): the matrix units leave the vector work to set the speed. The
+# causal case has softmax's targets.
+AMX_BF16_TARGET = {
+    ("softmax", "fwd"): 0.8, ("softmax", "fwd+bwd"): 0.6,
+    ("sparsemax", "fwd"): 0.7, ("sparsemax", "fwd+bwd"): 0.45,
+    ("entmax15", "fwd"): 0.7, ("entmax15", "fwd+bwd"): 0.45,
+    ("entmax α=1.3", "fwd"): 1.0, ("entmax α=1.3", "fwd+bwd"): 0.8,
+}
+# A half type against attnkern's own float32 attention (5% for noise).
+OWN_FLOAT32_TARGET = 1.05
 ROW_TARGET = {"softmax": 1.05, "sparsemax": 1.0, "entmax15": 1.2, "entmax_bisect α=1.3": 2.0}
+
+
+def attention_target(dtype, name: str, mode: str) -> float:
+    """The largest passing ratio against SDPA for a normalizer ("causal" for
+    causal softmax) in dtype on this CPU."""
+    amx = dtype == torch.bfloat16 and attnkern.isa.dispatch().get("bf16_gemm_unit") == "AMX-BF16"
+    table = AMX_BF16_TARGET if amx else ATTN_TARGET
+    if name == "causal":
+        return table[("softmax", mode)] if amx else 1.0
+    return table[(name, mode)]
 
 
 def cpu_model() -> str:
@@ -78,6 +107,39 @@ def cpu_model() -> str:
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"
     return name
+
+
+# The instruction-set extensions a table names (those the kernels' speed
+# turns on), as /proc/cpuinfo spells them.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+             "amx_bf16", "amx_fp16")
+
+
+def cpu_flags() -> list[str]:
+    """The ISA_FLAGS this CPU has."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.partition(":")[2].split())
+                return [f for f in ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def machine_meta() -> dict:
+    return dict(cpu=cpu_model(), isa_flags=cpu_flags(), attnkern_level=attnkern.isa.dispatch(),
+                torch=torch.__version__, torch_capability=torch.backends.cpu.get_cpu_capability())
+
+
+def describe(meta: dict) -> str:
+    """The CPU, its instruction sets, attnkern's level and half-type GEMM units, torch's."""
+    level = meta["attnkern_level"]
+    return (f"CPU: {meta['cpu']}; instruction sets: {' '.join(meta.get('isa_flags') or ['?'])}; "
+            f"attnkern CPU kernels at {level.get('active', '?')} (this CPU runs up to {level.get('machine', '?')}), "
+            f"bfloat16 attention GEMMs: {level.get('bf16_gemm_unit', '?')}, "
+            f"float16: {level.get('fp16_gemm_unit', '?')}; torch {meta['torch']} "
+            f"CPU capability {meta['torch_capability']}.")
 
 
 # Seconds a case may take: slower cases get fewer rounds (at least one after the warm-up).
@@ -156,27 +218,60 @@ def qkv(L: int, S: int, heads: int, dtype, seed: int = 0):
     return q, k, v, torch.randn(B, heads, L, E, generator=g).to(dtype)
 
 
+NORMALIZER_KW = {"softmax": {"normalizer": "softmax"}, "sparsemax": {"normalizer": "sparsemax"},
+                 "entmax15": {"normalizer": "entmax15"}, "entmax α=1.3": {"normalizer": "entmax", "alpha": 1.3}}
+
+
+def attnkern_fn(kw):
+    def fn(a, b, c):
+        return attnkern.attention(a, b, c, **kw)
+    return fn
+
+
 def attention_cases(sizes, dtype, rounds_for):
-    normalizers = [("softmax", {}), ("sparsemax", {}), ("entmax15", {}),
-                   ("entmax α=1.3", {"normalizer": "entmax", "alpha": 1.3})]
     for n in sizes:
         q, k, v, dout = qkv(n, n, H, dtype)
         for mode in ("fwd", "fwd+bwd"):
             sdpa = attention_call(F.scaled_dot_product_attention, q, k, v, mode, dout)
-            for name, kw in normalizers:
-                kw = kw or {"normalizer": name}
-
-                def ours_fn(a, b, c, kw=kw):
-                    return attnkern.attention(a, b, c, **kw)
-
-                ours = attention_call(ours_fn, q, k, v, mode, dout)
-                yield (f"attention N={n}", name, mode, ATTN_TARGET[(name, mode)],
+            for name, kw in NORMALIZER_KW.items():
+                ours = attention_call(attnkern_fn(kw), q, k, v, mode, dout)
+                yield (f"attention N={n}", name, mode, attention_target(dtype, name, mode),
                        interleaved(ours, sdpa, rounds_for(n)))
             # causal softmax
-            ours = attention_call(lambda a, b, c: attnkern.attention(a, b, c, is_causal=True), q, k, v, mode, dout)
+            ours = attention_call(attnkern_fn({"is_causal": True}), q, k, v, mode, dout)
             theirs = attention_call(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
                                     q, k, v, mode, dout)
-            yield (f"causal N={n}", "softmax", mode, 1.0, interleaved(ours, theirs, rounds_for(n)))
+            yield (f"causal N={n}", "softmax", mode, attention_target(dtype, "causal", mode),
+                   interleaved(ours, theirs, rounds_for(n)))
+
+
+def own_float32_cases(sizes, dtype, rounds_for):
+    """A half type's attention against attnkern's own float32 attention on the
+    same inputs (the half-type values widened): the half type must not be
+    the slower choice."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+    for n in sizes:
+        q, k, v, dout = qkv(n, n, H, dtype)
+        q32, k32, v32, dout32 = (t.float() for t in (q, k, v, dout))
+        cases = [(name, kw) for name, kw in NORMALIZER_KW.items()] + [("causal softmax", {"is_causal": True})]
+        for mode in ("fwd", "fwd+bwd"):
+            for name, kw in cases:
+                ours = attention_call(attnkern_fn(kw), q, k, v, mode, dout)
+                own32 = attention_call(attnkern_fn(kw), q32, k32, v32, mode, dout32)
+                yield (f"vs attnkern float32 N={n}", name, mode, OWN_FLOAT32_TARGET,
+                       interleaved(ours, own32, rounds_for(n)))
+
+
+def few_rows_cases(dtype, rounds):
+    """16 query rows against 2048 keys: K and V read as they are, the products
+    by the BLAS (float32, float64) or the half-type GEMMs."""
+    q, k, v, dout = qkv(16, 2048, H, dtype)
+    for mode in ("fwd", "fwd+bwd"):
+        sdpa = attention_call(F.scaled_dot_product_attention, q, k, v, mode, dout)
+        for name in ("softmax", "sparsemax"):
+            ours = attention_call(attnkern_fn(NORMALIZER_KW[name]), q, k, v, mode, dout)
+            yield "few rows L=16 S=2048", name, mode, 1.0, interleaved(ours, sdpa, rounds * 4)
 
 
 def decode_cases(dtype, rounds):
@@ -223,8 +318,9 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds per case (N = 8192: half, at least 3; cut further to fit CASE_BUDGET_S)")
-    ap.add_argument("--cases", nargs="+", choices=["attention", "decode", "rowwise"],
-                    default=["attention", "decode", "rowwise"], help="which groups of cases to run")
+    ap.add_argument("--cases", nargs="+", choices=["attention", "own32", "decode", "fewrows", "rowwise"],
+                    default=["attention", "own32", "decode", "fewrows", "rowwise"],
+                    help="which groups of cases to run")
     ap.add_argument("--out", default="results/bench/ratios", help="prefix of the .md and .json written")
     ap.add_argument("--processes", type=int, default=1,
                     help="repeat the run in this many fresh processes; report the median ratio and the range")
@@ -239,11 +335,10 @@ def main() -> None:
     def rounds_for(n):
         return max(3, args.rounds // 2) if n >= 8192 else args.rounds
 
-    level = attnkern.isa.dispatch()
-    head = (f"CPU: {cpu_model()}; attnkern CPU kernels at {level.get('active', '?')} "
-            f"(this CPU runs up to {level.get('machine', '?')}); torch {torch.__version__} "
-            f"CPU capability {torch.backends.cpu.get_cpu_capability()}.\n"
-            f"Ratio = attnkern time / PyTorch time, median of interleaved rounds (< 1: attnkern faster); "
+    meta = machine_meta()
+    head = (f"{describe(meta)}\n"
+            f"Ratio = attnkern time / baseline time (PyTorch's op; in the \"vs attnkern float32\" cases "
+            f"attnkern's float32 attention), median of interleaved rounds (< 1: attnkern faster); "
             f"heap: {heap}.")
     print(head, flush=True)
     results, lines = [], [head, ""]
@@ -253,10 +348,12 @@ def main() -> None:
             torch.set_num_threads(threads)
             title = f"### {dtype_name}, {threads} thread{'s' if threads > 1 else ''}"
             print(title, flush=True)
-            lines += [title, "", "| case | normalizer | mode | ratio | target | attnkern ms | PyTorch ms | rounds |",
+            lines += [title, "", "| case | normalizer | mode | ratio | target | attnkern ms | baseline ms | rounds |",
                       "|---|---|---|---:|---:|---:|---:|---:|"]
             groups = {"attention": lambda dt=dtype: attention_cases(sizes, dt, rounds_for),
+                      "own32": lambda dt=dtype: own_float32_cases(sizes, dt, rounds_for),
                       "decode": lambda dt=dtype: decode_cases(dt, args.rounds),
+                      "fewrows": lambda dt=dtype: few_rows_cases(dt, args.rounds),
                       "rowwise": lambda dt=dtype: rowwise_cases(dt, args.rounds)}
             cases = [groups[name]() for name in args.cases]
             table = []
@@ -275,8 +372,6 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    meta = dict(cpu=cpu_model(), attnkern_level=level, torch=torch.__version__,
-                torch_capability=torch.backends.cpu.get_cpu_capability())
     out.with_suffix(".json").write_text(json.dumps(dict(machine=meta, results=results), indent=1))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
 
@@ -331,10 +426,9 @@ def repeat_in_processes(args) -> None:
                 order.append(key)
             merged[key].append(r)
     meta = runs[0]["machine"]
-    head = (f"CPU: {meta['cpu']}; attnkern CPU kernels at {meta['attnkern_level'].get('active', '?')} "
-            f"(this CPU runs up to {meta['attnkern_level'].get('machine', '?')}); torch {meta['torch']} "
-            f"CPU capability {meta['torch_capability']}.\n"
-            f"Ratio = attnkern time / PyTorch time: in each of {args.processes} processes the median of "
+    head = (f"{describe(meta)}\n"
+            f"Ratio = attnkern time / baseline time (PyTorch's op; in the \"vs attnkern float32\" cases "
+            f"attnkern's float32 attention): in each of {args.processes} processes the median of "
             f"interleaved rounds; here the median over the processes, with their range.")
     lines, results, title, table_from = [head, ""], [], None, 0
     for key in order:
@@ -347,7 +441,7 @@ def repeat_in_processes(args) -> None:
                 table_from = len(results)
             title = t
             lines += [t, "",
-                      "| case | normalizer | mode | ratio | range | target | attnkern ms | PyTorch ms | rounds |",
+                      "| case | normalizer | mode | ratio | range | target | attnkern ms | baseline ms | rounds |",
                       "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         ratios = [r["ratio"] for r in rs]
         ratio, target = statistics.median(ratios), rs[0]["target"]

@@ -77,16 +77,19 @@ using attnkern::cpu::Level;
 const char* level_name(Level level) { return kLevelNames[static_cast<int>(level)]; }
 
 // cpu_dispatch() -> {"active", "reason", "machine", "compiled", "bf16_gemm",
-// "fp16_gemm"}: the CPU kernels' instruction-set levels
-// (attnkern/cpu_kernels.h), and whether bfloat16 / float16 attention's GEMMs
-// run in their own type at the active level.
+// "bf16_gemm_unit", "fp16_gemm", "fp16_gemm_unit"}: the CPU kernels'
+// instruction-set levels (attnkern/cpu_kernels.h), whether bfloat16 /
+// float16 attention's GEMMs run in their own type at the active level, and
+// the unit that runs them (or why float32 does).
 PyObject* cpu_dispatch(PyObject*, PyObject*) {
   namespace c = attnkern::cpu;
-  return Py_BuildValue("{s:s,s:s,s:s,s:s,s:O,s:O}", "active", level_name(c::active_level()), "reason",
+  const char *bf16_unit = "", *fp16_unit = "";
+  const bool bf16 = c::active_half_gemm(at::kBFloat16, &bf16_unit);
+  const bool fp16 = c::active_half_gemm(at::kHalf, &fp16_unit);
+  return Py_BuildValue("{s:s,s:s,s:s,s:s,s:O,s:s,s:O,s:s}", "active", level_name(c::active_level()), "reason",
                        c::active_reason(), "machine", level_name(c::machine_level()), "compiled",
-                       level_name(c::compiled_level()), "bf16_gemm",
-                       c::active_half_gemm(at::kBFloat16) ? Py_True : Py_False, "fp16_gemm",
-                       c::active_half_gemm(at::kHalf) ? Py_True : Py_False);
+                       level_name(c::compiled_level()), "bf16_gemm", bf16 ? Py_True : Py_False, "bf16_gemm_unit",
+                       bf16_unit, "fp16_gemm", fp16 ? Py_True : Py_False, "fp16_gemm_unit", fp16_unit);
 }
 
 // force_cpu_level(name or None): run the CPU kernels at that level (None: the

@@ -80,16 +80,24 @@ def test_dispatch_says_when_half_gemms_run(monkeypatch):
     d = isa.dispatch()
     assert isinstance(d["bf16_gemm"], bool) and isinstance(d["fp16_gemm"], bool)
     flags = _cpu_flags()
-    for key, want in (("bf16_gemm", {"avx512_bf16", "amx_bf16"}), ("fp16_gemm", {"avx512_fp16"})):
+    # bfloat16 on its dot products or AMX tiles; float16 only on AMX-FP16
+    # tiles (AVX512-FP16 alone is no faster than float32).
+    for key, want in (("bf16_gemm", {"avx512_bf16", "amx_bf16"}), ("fp16_gemm", {"amx_fp16"})):
         capable = bool(flags & want) and d["active"] == "AVX512"
         if capable and torch.backends.mkldnn.enabled:
-            assert d[key], f"this CPU has the dot products, but {key} is off"
+            assert d[key], f"this CPU has the unit, but {key} is off: {d[key + '_unit']}"
         if not capable:
             assert not d[key]
+            assert d[key + "_unit"].startswith("float32: "), d[key + "_unit"]
+    if d["bf16_gemm"]:
+        assert d["bf16_gemm_unit"] == ("AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16")
+    if d["active"] == "AVX512" and "avx512_fp16" in flags and "amx_fp16" not in flags:
+        assert d["fp16_gemm_unit"] == "float32: no float16 matrix unit (AMX-FP16)"
     monkeypatch.setenv("ATTNKERN_BF16_GEMM", "0")
     monkeypatch.setenv("ATTNKERN_FP16_GEMM", "0")
     d = isa.dispatch()
     assert not d["bf16_gemm"] and not d["fp16_gemm"]
+    assert d["bf16_gemm_unit"] == "float32: turned off (ATTNKERN_BF16_GEMM=0)"
     monkeypatch.setenv(_EMULATE, "1")
     d = isa.dispatch()
     assert not d["bf16_gemm"] and not d["fp16_gemm"], "the off switches win over emulation"
@@ -99,6 +107,7 @@ def test_dispatch_says_when_half_gemms_run(monkeypatch):
         monkeypatch.setenv(_EMULATE, mode)
         d = isa.dispatch()
         assert d["bf16_gemm"] and d["fp16_gemm"]
+        assert d["fp16_gemm_unit"].startswith("emulated"), d["fp16_gemm_unit"]
     monkeypatch.delenv(_EMULATE)
     if "AVX2" in isa.runnable_levels():
         with isa.force_level("AVX2"):

@@ -28,7 +28,8 @@ TORCH_LEVEL = {"AVX512": "AVX512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cp
 
 def test_default_choice_follows_torch_capped_by_cpu_and_build():
     d = isa.dispatch()
-    assert set(d) == {"active", "reason", "machine", "compiled", "bf16_gemm", "fp16_gemm"}
+    assert set(d) == {"active", "reason", "machine", "compiled", "bf16_gemm", "bf16_gemm_unit", "fp16_gemm",
+                      "fp16_gemm_unit"}
     want = min(isa.LEVELS.index(TORCH_LEVEL), isa.LEVELS.index(d["machine"]), isa.LEVELS.index(d["compiled"]))
     assert d["active"] == isa.LEVELS[want]
     assert torch.backends.cpu.get_cpu_capability() in d["reason"]

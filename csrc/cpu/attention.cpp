@@ -72,8 +72,9 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   // softmax_block_keys() of scores; the sparse normalizers need whole rows.
   if (decodes(P)) return decode_forward(P, out, shift);
   const bool all_softmax = all_softmax_heads(P);
-  const int64_t BM = all_softmax ? softmax_block_rows(P.L) : block_rows(P.S, P.L, sizeof(acc_t));
-  const int64_t tile = std::min(softmax_block_keys(), round_up_panel<acc_t>(P.S));
+  const bool half = P.q16 != nullptr;
+  const int64_t BM = all_softmax ? softmax_block_rows(P.L, half) : block_rows(P.S, P.L, sizeof(acc_t));
+  const int64_t tile = std::min(softmax_block_keys(half), round_up_panel<acc_t>(P.S));
   const int64_t nb = (P.L + BM - 1) / BM;
   const int64_t tasks = P.B * P.H * nb;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -108,7 +109,8 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
                      acc_t* dk_acc, acc_t* dv_acc, int64_t nchunks, double* dalpha_acc) {
   const int64_t BM = block_rows(P.S, P.L, sizeof(acc_t));
   const int64_t nb = (P.L + BM - 1) / BM;
-  const int64_t BMs = softmax_block_rows(P.L);
+  const bool half = P.q16 != nullptr;
+  const int64_t BMs = softmax_block_rows(P.L, half);
   const int64_t nbs = (P.L + BMs - 1) / BMs;
   const int64_t G = P.group();
   const int64_t tasks = P.B * P.Hk * nchunks;
@@ -121,7 +123,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
   bool any_tiled = false, any_rows = false;
   for (int64_t h = 0; h < P.H; ++h) (tiled(h) ? any_tiled : any_rows) = true;
   const int64_t buf = std::max<int64_t>(
-      {any_rows ? BM * P.S : 0, any_tiled ? BMs * std::min(softmax_block_keys(), round_up_panel<acc_t>(P.S)) : 0, 1});
+      {any_rows ? BM * P.S : 0, any_tiled ? BMs * std::min(softmax_block_keys(half), round_up_panel<acc_t>(P.S)) : 0, 1});
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Workspace<acc_t> ws;
     ws.y.resize(buf);
@@ -539,7 +541,7 @@ void add_attention_kernels(KernelTable& t) {
   t.attention_fwd = &attention_fwd;
   t.attention_bwd = &attention_bwd;
   t.attention_dropout_mask = &attention_dropout_mask;
-  t.half_gemm = [](at::ScalarType dtype) { return half_gemm_enabled(dtype); };
+  t.half_gemm = [](at::ScalarType dtype, const char** unit) { return half_gemm_enabled(dtype, nullptr, unit); };
 }
 
 }  // namespace CPU_CAPABILITY

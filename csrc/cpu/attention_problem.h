@@ -445,19 +445,24 @@ inline float dot(const float* x, const half_t* y, int64_t n) {
   return r;
 }
 
-// Keys per tile of the softmax forward and backward (a multiple of
-// kPanel). ATTNKERN_ATTN_SOFTMAX_BLOCK_N overrides it (for tuning).
-// Query rows per softmax block, forward and backward.
-// ATTNKERN_ATTN_SOFTMAX_BLOCK_M overrides it (for tuning).
-inline int64_t softmax_block_rows(int64_t L) {
+// Query rows per softmax block and keys per tile (a multiple of kPanel),
+// forward and backward. With half-type GEMMs (half) both are larger: on AMX
+// tiles the products are fast enough that oneDNN's cost per brgemm call
+// (kernel look-up, tile configuration) matters, and fewer, larger calls pay
+// it less often (docs/benchmarks.md has the measurements).
+// ATTNKERN_ATTN_SOFTMAX_BLOCK_M / _N and ATTNKERN_ATTN_HALF_BLOCK_M / _N
+// override them (for tuning).
+inline int64_t softmax_block_rows(int64_t L, bool half) {
   static const int64_t bm = env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_M", 128);
-  return std::max<int64_t>(1, std::min(bm, L));
+  static const int64_t bm_half = env_int("ATTNKERN_ATTN_HALF_BLOCK_M", 256);
+  return std::max<int64_t>(1, std::min(half ? bm_half : bm, L));
 }
 
-inline int64_t softmax_block_keys() {
+inline int64_t softmax_block_keys(bool half) {
   // A float panel is a whole number of double panels.
   static const int64_t bn = round_up_panel<float>(env_int("ATTNKERN_ATTN_SOFTMAX_BLOCK_N", 256));
-  return bn;
+  static const int64_t bn_half = round_up_panel<float>(env_int("ATTNKERN_ATTN_HALF_BLOCK_N", 512));
+  return half ? bn_half : bn;
 }
 
 // Decoding: softmax problems with at most this many query rows run split over

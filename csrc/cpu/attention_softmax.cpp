@@ -33,20 +33,150 @@ void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int6
   mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
 }
 
+// 2^(a · y[j] + b) for j < wr, rounded to the half type T into dst[0:wk]
+// (zeros from wr on); returns the sum of the unrounded values. -inf scores
+// give exactly 0.
+template <typename T>
+float exp2_row_to_half_as(const float* y, int64_t wr, int64_t wk, float a, float b, h16* dst) {
+  using Vf = Vec<float>;
+  using Vh = at::vec::Vectorized<T>;
+  const Vf va(a), vb(b);
+  Vf s0(0.f), s1(0.f);
+  T* out = reinterpret_cast<T*>(dst);
+  int64_t j = 0;
+  for (; j + Vh::size() <= wr; j += Vh::size()) {
+    const Vf lo = exp2_fast(at::vec::fmadd(Vf::loadu(y + j), va, vb));
+    const Vf hi = exp2_fast(at::vec::fmadd(Vf::loadu(y + j + Vf::size()), va, vb));
+    s0 += lo, s1 += hi;
+    at::vec::convert_from_float<T>(lo, hi).store(out + j);
+  }
+  float sum = hsum(s0 + s1);
+  for (; j < wr; ++j) {
+    const float e = std::exp2(std::fma(y[j], a, b));
+    sum += e;
+    out[j] = T(e);
+  }
+  for (; j < wk; ++j) out[j] = T(0.f);
+  return sum;
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+// exp2_row_to_half_as for bfloat16 on CPUs with AVX512-BF16 (every AMX CPU):
+// vcvtne2ps2bf16 rounds two vectors in one instruction where the portable
+// rounding takes about ten (the same values: to nearest even, and denormals,
+// already flushed by FlushDenormals, to zero).
+__attribute__((target("avx512bf16"))) float exp2_row_to_bf16_native(const float* y, int64_t wr, int64_t wk, float a,
+                                                                     float b, h16* dst) {
+  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= wr; j += 32) {
+    const __m512 lo = exp2_fast(_mm512_fmadd_ps(_mm512_loadu_ps(y + j), va, vb));
+    const __m512 hi = exp2_fast(_mm512_fmadd_ps(_mm512_loadu_ps(y + j + 16), va, vb));
+    s0 = _mm512_add_ps(s0, lo), s1 = _mm512_add_ps(s1, hi);
+    _mm512_storeu_si512(dst + j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  for (; j < wr; ++j) {
+    const float e = std::exp2(std::fma(y[j], a, b));
+    sum += e;
+    dst[j] = c10::BFloat16(e).x;
+  }
+  for (; j < wk; ++j) dst[j] = 0;
+  return sum;
+}
+#endif
+
+inline float exp2_row_to_half(bool fp16, const float* y, int64_t wr, int64_t wk, float a, float b, h16* dst) {
+  if (fp16) return exp2_row_to_half_as<c10::Half>(y, wr, wk, a, b, dst);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+  static const bool native = __builtin_cpu_supports("avx512bf16");
+  if (native) return exp2_row_to_bf16_native(y, wr, wk, a, b, dst);
+#endif
+  return exp2_row_to_half_as<c10::BFloat16>(y, wr, wk, a, b, dst);
+}
+
+// softmax_forward_block with half-type GEMMs and no dropout: each tile's
+// scores go through two passes, the row max, and the exponentials rounded
+// straight into the A operand of P·V (the scale folded into them, and
+// causal tiles cut at the diagonal), where a scale pass, a max pass, an
+// exponential pass and a rounding pass each read the tile (on an AMX Xeon
+// they, not the GEMMs, set the speed).
+template <typename acc_t>
+void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                                acc_t* y, acc_t* o, acc_t* mrow, acc_t* lrow) {
+  static_assert(std::is_same_v<acc_t, float>, "half-type GEMMs accumulate in float32");
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  const int64_t hk = h / P.group();
+  const int64_t BN = softmax_block_keys(P.q16 != nullptr);
+  // A mask, or a scale that does not keep the order of the scores, is
+  // applied in a pass of its own (scores_half_masked); else the max is taken
+  // of the raw products and the scale applied in the exponentials.
+  const bool raw = P.mask == nullptr && P.scale > 0.f;
+  const float sc = raw ? P.scale : 1.f;
+  constexpr float kLog2e = 1.4426950408889634f;
+  thread_local std::vector<h16> ph;
+  ph.resize(m * round_up_k(BN));
+  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+    const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w), wk = round_up_k(w);
+    if (raw) {
+      scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, hk), y, ldy);
+    } else {
+      scores_half_masked(P, bi, h, i0, m, j0, w, y, ldy);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const float* row = y + r * ldy;
+      h16* prow = ph.data() + r * wk;
+      // Keys of the tile the row may see (the causal diagonal cuts it).
+      const int64_t wr = P.causal ? std::clamp<int64_t>(i0 + r + 1 - j0, 0, w) : w;
+      const float bm = wr > 0 ? sc * row_max(row, wr) : -inf;
+      const float old = mrow[r];
+      float mx = std::max(old, bm);
+      if (bm != bm || old != old) mx = std::numeric_limits<float>::quiet_NaN();
+      if (mx == -inf || mx != mx) {  // nothing allowed yet, or NaN: zeros (NaN is set below)
+        std::fill(prow, prow + wk, h16(0));
+        if (mx != mx) mrow[r] = mx;
+        continue;
+      }
+      // exp(sc · y - mx) = 2^(sc·log2(e) · y - mx·log2(e))
+      const float sum = exp2_row_to_half(P.hg.fp16, row, wr, wk, sc * kLog2e, -mx * kLog2e, prow);
+      if (mx != old) {
+        const float corr = std::exp(old - mx);  // 0 when old = -inf
+        lrow[r] *= corr;
+        if (old != -inf) {
+          float* orow = o + r * P.Ev;
+          for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= corr;
+        }
+        mrow[r] = mx;
+      }
+      lrow[r] += sum;
+    }
+    // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
+    pv_half_rows(P.hg, m, wk, j0, ph.data(), P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
+  }
+}
+
 // Softmax forward of one block of query rows, online over key tiles (as
 // FlashAttention): the scores of a tile stay in L2 and the output is
 // rescaled when the running max grows; o (m x Ev) accumulates P·V in place.
-// y: m x softmax_block_keys() scratch; mrow, lrow: m entries.
+// y: m x softmax_block_keys(half) scratch; mrow, lrow: m entries.
 template <typename acc_t>
 void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                            acc_t* y, acc_t* o, float* c, acc_t* mrow, acc_t* lrow) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
   const int64_t hk = h / P.group();
-  const int64_t BN = softmax_block_keys();
+  const int64_t BN = softmax_block_keys(P.q16 != nullptr);
   std::fill(mrow, mrow + m, -inf);
   std::fill(lrow, lrow + m, acc_t(0));
-  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+  bool done = false;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (P.v16 && !P.drop.on) {
+      softmax_forward_block_half(P, bi, h, i0, m, n, y, o, mrow, lrow);
+      done = true;
+    }
+  }
+  for (int64_t j0 = 0; j0 < n && !done; j0 += BN) {
     const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
     score_tile(P, bi, h, i0, m, j0, w, y, ldy);
     for (int64_t r = 0; r < m; ++r) {
@@ -102,12 +232,93 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
   }
 }
 
+// The three B / A operands of a backward tile with half-type GEMMs, from its
+// scores y and dP = dO·Vᵀ (d), both m x w with row stride ldy: P =
+// 2^(a·y + b[r]) and dS = scale · P ⊙ (dP − δ[r]) on the first lim[r] keys
+// of row r (zero past them), rounded to the half type and packed as
+// pack_rows packs (P into ppack for dVᵀ += dOᵀ·P, dS into dspack for
+// dKᵀ += Qᵀ·dS; round_up_k(m) rows) and, for dQ = dS·K, as rows of wk =
+// round_up_k(w) (dsrows). One pass over the tile, where the exponentials, dS, two
+// pack_rows and a rounding of dS each read it.
+void backward_half_operands(const HalfGemm& g, const float* y, const float* d, int64_t m, int64_t w, int64_t ldy,
+                            const int64_t* lim, float a, const float* b, const float* delta, float scale,
+                            h16* ppack, h16* dspack, h16* dsrows) {
+  const int64_t wk = round_up_k(w);
+#if defined(CPU_CAPABILITY_AVX512)
+  const int64_t mk = round_up_k(m);
+  const bool fp16 = g.fp16;
+  const __m512 va = _mm512_set1_ps(a), vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < mk; i += 2) {
+    for (int64_t c0 = 0; c0 < w; c0 += kVnniBlock) {
+      const int64_t bw = (std::min(kVnniBlock, w - c0) + 15) / 16 * 16;
+      h16* pp = ppack + c0 * mk + i * bw;
+      h16* dp = dspack + c0 * mk + i * bw;
+      for (int64_t c = 0; c < bw; c += 16) {
+        const int64_t j = c0 + c;
+        __m512i pb[2], sb[2];
+        for (int64_t q = 0; q < 2; ++q) {
+          const int64_t r = i + q;
+          const int64_t live_n = r < m ? std::clamp<int64_t>(lim[r] - j, 0, 16) : 0;
+          pb[q] = sb[q] = _mm512_setzero_si512();
+          if (live_n > 0) {
+            const __mmask16 live = static_cast<__mmask16>((1u << live_n) - 1);
+            const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(y + r * ldy + j), va, _mm512_set1_ps(b[r]));
+            const __m512 p = _mm512_maskz_mov_ps(live, exp2_fast(t));
+            const __m512 dpv = _mm512_sub_ps(_mm512_loadu_ps(d + r * ldy + j), _mm512_set1_ps(delta[r]));
+            const __m512 ds = _mm512_maskz_mul_ps(live, _mm512_mul_ps(vscale, p), dpv);
+            pb[q] = half_bits(p, fp16);
+            sb[q] = half_bits(ds, fp16);
+          }
+          if (r < m && j < wk) {  // (zeros too: the row's stale scratch must not reach dQ)
+            const int64_t n = std::min<int64_t>(16, wk - j);
+            _mm256_mask_storeu_epi16(dsrows + r * wk + j, static_cast<__mmask16>((1u << n) - 1),
+                                     _mm512_cvtepi32_epi16(sb[q]));
+          }
+        }
+        if (g.vnni) {
+          _mm512_storeu_si512(pp + 2 * c, _mm512_or_si512(pb[0], _mm512_slli_epi32(pb[1], 16)));
+          _mm512_storeu_si512(dp + 2 * c, _mm512_or_si512(sb[0], _mm512_slli_epi32(sb[1], 16)));
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + c), _mm512_cvtepi32_epi16(pb[0]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + bw + c), _mm512_cvtepi32_epi16(pb[1]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dp + c), _mm512_cvtepi32_epi16(sb[0]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dp + bw + c), _mm512_cvtepi32_epi16(sb[1]));
+        }
+      }
+    }
+  }
+  const int64_t written = (w + 15) / 16 * 16;  // dsrows' columns the vectors reached
+  for (int64_t r = 0; r < m && written < wk; ++r) std::fill(dsrows + r * wk + written, dsrows + (r + 1) * wk, h16(0));
+#else
+  // (Below AVX512 only the test emulation runs half-type GEMMs: the same
+  // values in float first, then packed and rounded as the separate passes do.)
+  using Vf = Vec<float>;
+  thread_local std::vector<float> pf, sf;
+  pf.assign(m * ldy, 0.f);
+  sf.assign(m * ldy, 0.f);
+  const Vf va(a), vscale(scale);
+  for (int64_t r = 0; r < m; ++r) {
+    const Vf vb(b[r]), vdelta(delta[r]);
+    for (int64_t j = 0; j < lim[r]; j += Vf::size()) {
+      const int64_t n = std::min<int64_t>(Vf::size(), lim[r] - j);
+      const Vf p = exp2_fast(at::vec::fmadd(Vf::loadu(y + r * ldy + j), va, vb));
+      const Vf ds = vscale * p * (Vf::loadu(d + r * ldy + j) - vdelta);
+      p.store(pf.data() + r * ldy + j, n);
+      ds.store(sf.data() + r * ldy + j, n);
+    }
+  }
+  pack_rows(g, pf.data(), m, w, ldy, ppack);
+  pack_rows(g, sf.data(), m, w, ldy, dspack);
+  rows_to_half(g.fp16, sf.data(), m, w, ldy, dsrows, wk);
+#endif
+}
+
 // Softmax backward of one block of query rows over its key tiles, as
 // FlashAttention: P is recomputed from the saved log-sum-exp c, δ = dO·O per
 // row (delta) replaces Σ_j p_j dp_j, and dS = scale · P ⊙ (dO·Vᵀ − δ).
 // dQ (dqb, m x E) = Σ over tiles of dS·K; dK += dSᵀ·Q and dV += Pᵀ·dO go
 // into the chunk's accumulators dk, dv (S x E, S x Ev of this kv-head).
-// y, d: m x softmax_block_keys() scratch; lse: m entries.
+// y, d: m x softmax_block_keys(half) scratch; lse: m entries.
 template <typename acc_t>
 void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                             const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
@@ -119,13 +330,13 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
   const acc_t* qb = P.q ? P.q_rows(bi, h, i0) : nullptr;
   const acc_t* kh = P.k ? P.k_head(bi, hk) : nullptr;
   const acc_t* vp = P.vp ? P.vp_head(bi, hk) : nullptr;
-  const int64_t BN = softmax_block_keys();
+  const int64_t BN = softmax_block_keys(P.q16 != nullptr);
   for (int64_t r = 0; r < m; ++r) lse[r] = static_cast<acc_t>(c[r]);
   // Half-type GEMMs (P.do16): Qᵀ and dOᵀ of the block, the A operands of
   // dKᵀ += Qᵀ·dS and dVᵀ += dOᵀ·P; P and dS of a tile packed as their B
   // operands (pack_rows) in yk.
   const bool b16 = P.do16 != nullptr;
-  const int64_t mk = m + (m & 1);
+  const int64_t mk = round_up_k(m);
   const h16* do16 = b16 ? P.do16 + P.row_id(bi, h, i0) * P.Ev : nullptr;  // the block's dO rows
   thread_local std::vector<h16> qt, dot_t, yk;
   if (b16) {
@@ -136,6 +347,42 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     transpose_half(do16, m, P.Ev, P.Ev, dot_t.data(), mk);
   }
   const int64_t ldt = round_up_vnni(P.S);  // row stride of the transposed dK, dV accumulators
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (b16 && !P.drop.on) {
+      // Per tile: the scores (raw, the scale applied with the exponentials,
+      // as in softmax_forward_block_half, unless a mask or the scale's sign
+      // needs a pass of its own) and dP, then backward_half_operands makes
+      // the three GEMMs' operands in one pass.
+      const bool raw = P.mask == nullptr && P.scale > 0.f;
+      constexpr float kLog2e = 1.4426950408889634f;
+      const float a = (raw ? P.scale : 1.f) * kLog2e;
+      thread_local std::vector<h16> dsk, dsa;
+      thread_local std::vector<int64_t> lim;
+      thread_local std::vector<float> shift2;
+      dsk.resize(mk * round_up_vnni(BN));
+      dsa.resize(m * round_up_k(BN));
+      lim.resize(m);
+      shift2.resize(m);
+      for (int64_t r = 0; r < m; ++r) shift2[r] = -lse[r] * kLog2e;  // (+inf: no allowed key, P = 0)
+      for (int64_t j0 = 0; j0 < n; j0 += BN) {
+        const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+        if (raw) {
+          scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, hk), y, ldy);
+        } else {
+          scores_half_masked(P, bi, h, i0, m, j0, w, y, ldy);
+        }
+        scores_half(P.hg, m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
+        for (int64_t r = 0; r < m; ++r) lim[r] = P.causal ? std::clamp<int64_t>(i0 + r + 1 - j0, 0, w) : w;
+        backward_half_operands(P.hg, y, d, m, w, ldy, lim.data(), a, shift2.data(), delta, P.scale, yk.data(),
+                               dsk.data(), dsa.data());
+        // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS, dQ (+)= dS·K.
+        rows_product_half(P.hg, P.Ev, m, w, dot_t.data(), yk.data(), dv + j0, ldt);
+        rows_product_half(P.hg, P.E, m, w, qt.data(), dsk.data(), dk + j0, ldt);
+        pv_half_rows(P.hg, m, round_up_k(w), j0, dsa.data(), P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);
+      }
+      return;
+    }
+  }
   if constexpr (std::is_same_v<acc_t, double>) {
     // The shift is stored in float32: one pass over the row's tiles sums
     // exp(s - c) and corrects c to double precision.

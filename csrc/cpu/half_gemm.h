@@ -22,10 +22,11 @@
 // HalfGemm::vnni.
 //
 // Only the AVX512 copy uses this, on CPUs with AVX512-BF16 or AMX-BF16 for
-// bfloat16 and AVX512-FP16 or AMX-FP16 for float16 (on the others oneDNN
-// emulates the bfloat16 dot products, slower than the float32 path, and has
-// no float16 kernel at all); ATTNKERN_BF16_GEMM=0 / ATTNKERN_FP16_GEMM=0 turn
-// them off, and torch.backends.mkldnn's flag (oneDNN off) does too.
+// bfloat16 (on the others oneDNN emulates the bfloat16 dot products, slower
+// than the float32 path) and AMX-FP16 for float16 (AVX512-FP16 alone buys
+// nothing over float32: see half_hardware); ATTNKERN_BF16_GEMM=0 /
+// ATTNKERN_FP16_GEMM=0 turn them off, and torch.backends.mkldnn's flag
+// (oneDNN off) does too. half_gemm_enabled names the unit, or why float32.
 // ATTNKERN_HALF_GEMM_EMULATE=1 (VNNI layout) or =plain (plain rows) runs the
 // path at every level with the products summed by a plain loop instead of
 // oneDNN (brgemm_emulated), so the tests check the packing, rounding and
@@ -47,6 +48,9 @@
 
 #if defined(CPU_CAPABILITY_AVX512) && !defined(_MSC_VER)
 #include <immintrin.h>
+#endif
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
 #endif
 
 namespace attnkern {
@@ -73,6 +77,13 @@ inline int64_t b_at(bool vnni, int64_t k, int64_t n, int64_t ldb) {
 constexpr int64_t kVnniBlock = 64;
 
 inline int64_t round_up_vnni(int64_t n) { return (n + kVnniBlock - 1) / kVnniBlock * kVnniBlock; }
+
+// The reduction dim of every brgemm here is a multiple of 32, zero-padded,
+// so that no AMX tile is loaded with a K tail: oneDNN issue 5717 reports
+// bfloat16 NaNs leaking into unrelated rows when K is not a multiple of 32.
+constexpr int64_t kHalfK = 32;
+
+inline int64_t round_up_k(int64_t n) { return (n + kHalfK - 1) / kHalfK * kHalfK; }
 
 // Scalar conversions, to nearest even (c10's portable bit arithmetic: no
 // instructions of the copy's level in them).
@@ -159,23 +170,50 @@ inline bool brgemm_probe(const HalfGemm& g) {
   return brgemm_probe_shape(g, 3, 16, 4, 16) && brgemm_probe_shape(g, 7, 48, 34, 64);
 }
 
-// How oneDNN runs the half type's GEMMs here: in the layout its kernels pass
-// the probe with; none when the CPU lacks the type's dot products or neither
-// layout passes.
-inline std::optional<HalfGemm> half_hardware(bool fp16) {
+// Whether the CPU has AMX-FP16 tiles (CPUID leaf 7, sub-leaf 1, EAX bit 21).
+inline bool cpu_has_amx_fp16() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 1, a, b, c, d);
+  return (a >> 21) & 1u;
+#else
+  return false;
+#endif
+}
+
+// How the half type's GEMMs can run here: oneDNN's kernels in the layout
+// they pass the probe with (how), and the unit that runs them; or none, and
+// why float32 GEMMs run instead.
+struct HalfHardware {
+  std::optional<HalfGemm> how;
+  const char* unit;
+};
+
+inline HalfHardware half_hardware(bool fp16) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32) && \
     defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   __builtin_cpu_init();
-  // (Every CPU with AMX-FP16 has AVX512-FP16.)
-  if (fp16 ? !__builtin_cpu_supports("avx512fp16")
-           : !__builtin_cpu_supports("avx512bf16") && !__builtin_cpu_supports("amx-bf16"))
-    return std::nullopt;
+  // AMX as oneDNN sees it (its ISA detection, ONEDNN_MAX_CPU_ISA included).
+  const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+  const char* unit;
+  if (fp16) {
+    // Without AMX-FP16, oneDNN's float16 kernels (AVX512-FP16) widen every
+    // value to float32 and run no faster than the float32 GEMMs, which keep
+    // the products exact.
+    if (!amx || !cpu_has_amx_fp16()) return {std::nullopt, "float32: no float16 matrix unit (AMX-FP16)"};
+    unit = "AMX-FP16";
+  } else {
+    if (!__builtin_cpu_supports("avx512bf16") && !__builtin_cpu_supports("amx-bf16"))
+      return {std::nullopt, "float32: no bfloat16 dot products (AVX512-BF16 or AMX-BF16)"};
+    unit = amx ? "AMX-BF16" : "AVX512-BF16";
+  }
   for (bool vnni : {true, false})
-    if (brgemm_probe(HalfGemm{fp16, vnni, false})) return HalfGemm{fp16, vnni, false};
-  return std::nullopt;
+    if (brgemm_probe(HalfGemm{fp16, vnni, false})) return {HalfGemm{fp16, vnni, false}, unit};
+  return {std::nullopt, "float32: oneDNN's half-type kernel failed the start-up probe"};
 #else
   (void)fp16;
-  return std::nullopt;
+  return {std::nullopt, "float32: no oneDNN half-type GEMMs at this instruction-set level"};
 #endif
 }
 
@@ -187,21 +225,33 @@ inline bool env_off(const char* name) {
 }  // namespace detail
 
 // How the GEMMs of attention in dtype run now: in the half type (true, with
-// *g set), or in float32 (false: not a half type, no hardware for it, or
-// turned off).
-inline bool half_gemm_enabled(at::ScalarType dtype, HalfGemm* g = nullptr) {
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+// *g set), or in float32 (false: not a half type, no unit for it, or turned
+// off). *unit, when given, names the unit, or says why float32.
+inline bool half_gemm_enabled(at::ScalarType dtype, HalfGemm* g = nullptr, const char** unit = nullptr) {
+  const char* why = "float32: not a half type";
+  auto say = [&](const char* u) {
+    if (unit != nullptr) *unit = u;
+  };
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return say(why), false;
   const bool fp16 = dtype == at::kHalf;
-  if (detail::env_off(fp16 ? "ATTNKERN_FP16_GEMM" : "ATTNKERN_BF16_GEMM")) return false;
+  if (detail::env_off(fp16 ? "ATTNKERN_FP16_GEMM" : "ATTNKERN_BF16_GEMM"))
+    return say(fp16 ? "float32: turned off (ATTNKERN_FP16_GEMM=0)" : "float32: turned off (ATTNKERN_BF16_GEMM=0)"),
+           false;
   const char* emulate = std::getenv("ATTNKERN_HALF_GEMM_EMULATE");
   const bool plain = emulate != nullptr && std::strcmp(emulate, "plain") == 0;
   HalfGemm how{fp16, !plain, plain || (emulate != nullptr && std::strcmp(emulate, "1") == 0)};
-  if (!how.emulated) {
-    static const std::optional<HalfGemm> bf16_hw = detail::half_hardware(false);
-    static const std::optional<HalfGemm> fp16_hw = detail::half_hardware(true);
-    const std::optional<HalfGemm>& hw = fp16 ? fp16_hw : bf16_hw;
-    if (!hw || !at::globalContext().userEnabledMkldnn()) return false;
-    how = *hw;
+  if (how.emulated) {
+    say(plain ? "emulated, plain rows (ATTNKERN_HALF_GEMM_EMULATE=plain)"
+              : "emulated, VNNI layout (ATTNKERN_HALF_GEMM_EMULATE=1)");
+  } else {
+    static const detail::HalfHardware bf16_hw = detail::half_hardware(false);
+    static const detail::HalfHardware fp16_hw = detail::half_hardware(true);
+    const detail::HalfHardware& hw = fp16 ? fp16_hw : bf16_hw;
+    if (!hw.how) return say(hw.unit), false;
+    if (!at::globalContext().userEnabledMkldnn())
+      return say("float32: oneDNN turned off (torch.backends.mkldnn.enabled = False)"), false;
+    how = *hw.how;
+    say(hw.unit);
   }
   if (g != nullptr) *g = how;
   return true;
@@ -215,6 +265,19 @@ inline void pack_keys(bool vnni, const h16* src, int64_t S, int64_t E, int64_t l
   const int64_t Sk = round_up_vnni(S);
   for (int64_t t = 0; t < Sk / kVnniBlock; ++t) {
     h16* blk = dst + t * kVnniBlock * E;
+    if (vnni) {
+      // A pair of values of a key row is one 32-bit word of the pair's row:
+      // a transpose of 32-bit words (memcpy: h16 rows need not be 4-aligned).
+      for (int64_t jj = 0; jj < kVnniBlock; ++jj) {
+        const int64_t j = t * kVnniBlock + jj;
+        for (int64_t e2 = 0; e2 < E / 2; ++e2) {
+          uint32_t word = 0;
+          if (j < S) std::memcpy(&word, src + j * ld + 2 * e2, sizeof(word));
+          std::memcpy(blk + (e2 * kVnniBlock + jj) * 2, &word, sizeof(word));
+        }
+      }
+      continue;
+    }
     for (int64_t jj = 0; jj < kVnniBlock; ++jj) {
       const int64_t j = t * kVnniBlock + jj;
       for (int64_t e = 0; e < E; ++e) blk[b_at(vnni, e, jj, kVnniBlock)] = j < S ? src[j * ld + e] : 0;
@@ -232,6 +295,18 @@ inline void pack_values(bool vnni, const h16* src, int64_t S, int64_t Ev, int64_
   for (int64_t u = 0; u * kVnniBlock < Ev; ++u) {
     const int64_t c0 = u * kVnniBlock, bw = std::min(kVnniBlock, Ev - c0);
     h16* blk = dst + c0 * Sk;
+    if (vnni) {  // rows j and j + 1 interleaved, a pair at a time
+      for (int64_t j = 0; j < Sk; j += 2) {
+        const h16* a = j < S ? src + j * ld + c0 : nullptr;
+        const h16* b = j + 1 < S ? src + (j + 1) * ld + c0 : nullptr;
+        h16* out = blk + j * bw;
+        for (int64_t c = 0; c < bw; ++c) {
+          out[2 * c] = a ? a[c] : 0;
+          out[2 * c + 1] = b ? b[c] : 0;
+        }
+      }
+      continue;
+    }
     for (int64_t j = 0; j < Sk; ++j)
       for (int64_t c = 0; c < bw; ++c) blk[b_at(vnni, j, c, bw)] = j < S ? src[j * ld + c0 + c] : 0;
   }
@@ -258,7 +333,7 @@ inline void scores_half(const HalfGemm& g, int64_t m, int64_t w, int64_t j0, int
 }
 
 // The rows of y (m x w floats, row stride ldy) rounded to the half type into
-// dst (m x wk, wk = w rounded up to even; the odd column's pad is 0).
+// dst (m x wk, wk >= w; zeros past w).
 template <typename T>
 void rows_to_half_as(const float* y, int64_t m, int64_t w, int64_t ldy, h16* dst, int64_t wk) {
   using Vf = at::vec::Vectorized<float>;
@@ -270,7 +345,7 @@ void rows_to_half_as(const float* y, int64_t m, int64_t w, int64_t ldy, h16* dst
     for (; j + Vh::size() <= w; j += Vh::size())
       at::vec::convert_from_float<T>(Vf::loadu(src + j), Vf::loadu(src + j + Vf::size())).store(out + j);
     for (; j < w; ++j) out[j] = src[j];
-    if (wk > w) out[w] = T(0.f);
+    for (; j < wk; ++j) out[j] = T(0.f);
   }
 }
 
@@ -284,26 +359,36 @@ inline void rows_to_half(bool fp16, const float* y, int64_t m, int64_t w, int64_
 // o (m x Ev, row stride Ev; Ev a multiple of 16) = P · V[j0:j0 + w], or +=
 // with `accumulate`, for P (m x w floats, row stride ldy) rounded to the
 // half type, j0 even; vpack: the head's packed values (pack_values).
-inline void pv_half(const HalfGemm& g, int64_t m, int64_t w, int64_t j0, const float* y, int64_t ldy,
-                    const h16* vpack, int64_t S, int64_t Ev, float* o, bool accumulate) {
-  const int64_t wk = w + (w & 1), Sk = round_up_vnni(S);
-  thread_local std::vector<h16> ph;
-  ph.resize(m * wk);
-  rows_to_half(g.fp16, y, m, w, ldy, ph.data(), wk);
+// o (m x Ev, row stride Ev; Ev a multiple of 16) = P · V[j0:j0 + wk], or +=
+// with `accumulate`, for P already in the half type (m x wk, row stride wk,
+// wk = round_up_k(w) for the tile's w keys, zeros past them; j0 even);
+// vpack: the head's packed values (pack_values).
+inline void pv_half_rows(const HalfGemm& g, int64_t m, int64_t wk, int64_t j0, const h16* ph, const h16* vpack,
+                         int64_t S, int64_t Ev, float* o, bool accumulate) {
+  const int64_t Sk = round_up_vnni(S);
   for (int64_t c0 = 0; c0 < Ev; c0 += kVnniBlock) {
     const int64_t bw = std::min(kVnniBlock, Ev - c0);
-    brgemm16(g, m, bw, wk, wk, bw, Ev, accumulate, ph.data(), vpack + c0 * Sk + j0 * bw, o + c0);
+    brgemm16(g, m, bw, wk, wk, bw, Ev, accumulate, ph, vpack + c0 * Sk + j0 * bw, o + c0);
   }
 }
 
-// x (m x d half values, row stride ld) transposed into dst (d x mk, mk = m
-// rounded up to even; the pad column is 0): the A operand of a product that
-// sums over the m rows.
+inline void pv_half(const HalfGemm& g, int64_t m, int64_t w, int64_t j0, const float* y, int64_t ldy,
+                    const h16* vpack, int64_t S, int64_t Ev, float* o, bool accumulate) {
+  const int64_t wk = round_up_k(w);
+  thread_local std::vector<h16> ph;
+  ph.resize(m * wk);
+  rows_to_half(g.fp16, y, m, w, ldy, ph.data(), wk);
+  pv_half_rows(g, m, wk, j0, ph.data(), vpack, S, Ev, o, accumulate);
+}
+
+// x (m x d half values, row stride ld) transposed into dst (d x mk, mk =
+// round_up_k(m); zeros past m): the A operand of a product that sums over
+// the m rows.
 inline void transpose_half(const h16* x, int64_t m, int64_t d, int64_t ld, h16* dst, int64_t mk) {
   for (int64_t e = 0; e < d; ++e) {
     h16* row = dst + e * mk;
     for (int64_t i = 0; i < m; ++i) row[i] = x[i * ld + e];
-    if (mk > m) row[m] = 0;
+    std::fill(row + m, row + mk, h16(0));
   }
 }
 
@@ -322,18 +407,22 @@ inline __m512i half_bits(__m512 x, bool fp16) {
 // y (m x w floats, row stride ldy) rounded to the half type as the B operand
 // of a product that sums over its m rows, in blocks of 64 columns: block u
 // (width bw = min(64, round_up(w - 64u, 16))) at dst + u·64·mk holds rows
-// [0, mk) of it, Y[i][c] at b_at(g.vnni, i, c, bw) (mk = m rounded up to
-// even); zero past row m and column w.
+// [0, mk) of it, Y[i][c] at b_at(g.vnni, i, c, bw) (mk = round_up_k(m));
+// zero past row m and column w.
 inline void pack_rows(const HalfGemm& g, const float* y, int64_t m, int64_t w, int64_t ldy, h16* dst) {
   const bool fp16 = g.fp16;
-  const int64_t mk = m + (m & 1);
+  const int64_t mk = round_up_k(m);
   for (int64_t c0 = 0; c0 < w; c0 += kVnniBlock) {
     const int64_t rest = std::min(kVnniBlock, w - c0), bw = (rest + 15) / 16 * 16;
     h16* blk = dst + c0 * mk;
     for (int64_t i = 0; i < mk; i += 2) {
+      h16* out = blk + i * bw;  // the pair's, or row i's and then row i + 1's
+      if (i >= m) {
+        std::fill(out, out + 2 * bw, h16(0));
+        continue;
+      }
       const float* a = y + i * ldy + c0;
       const float* b = i + 1 < m ? a + ldy : nullptr;
-      h16* out = blk + i * bw;  // the pair's, or row i's and then row i + 1's
       int64_t c = 0;
 #if defined(CPU_CAPABILITY_AVX512)
       for (; c + 16 <= rest; c += 16) {
@@ -355,14 +444,14 @@ inline void pack_rows(const HalfGemm& g, const float* y, int64_t m, int64_t w, i
   }
 }
 
-// Cᵀ (d x w, row stride ldc) += Aᵀ · Y for Aᵀ (d x mk half values: a block
-// of m rows transposed, transpose_half) and Y (m x w, packed by
+// Cᵀ (d x w, row stride ldc) += Aᵀ · Y for Aᵀ (d x mk half values, mk =
+// round_up_k(m): a block of m rows transposed, transpose_half) and Y (m x w, packed by
 // pack_rows): the key-side gradients dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS of a
 // tile, with the accumulators transposed (keys along the rows of C). Columns
 // up to round_up(w, 16) are added to (zeros past w).
 inline void rows_product_half(const HalfGemm& g, int64_t d, int64_t m, int64_t w, const h16* at_, const h16* ypack,
                               float* ct, int64_t ldc) {
-  const int64_t mk = m + (m & 1);
+  const int64_t mk = round_up_k(m);
   for (int64_t c0 = 0; c0 < w; c0 += kVnniBlock) {
     const int64_t bw = (std::min(kVnniBlock, w - c0) + 15) / 16 * 16;
     brgemm16(g, d, bw, mk, mk, bw, ldc, true, at_, ypack + c0 * mk, ct + c0);

@@ -126,7 +126,7 @@ const char* active_reason() {
   return forced.load() >= 0 ? "forced by attnkern.isa.force_level" : chosen_by_default().reason.c_str();
 }
 
-bool active_half_gemm(at::ScalarType dtype) { return table().half_gemm(dtype); }
+bool active_half_gemm(at::ScalarType dtype, const char** unit) { return table().half_gemm(dtype, unit); }
 
 void force_level(int level) {
   if (level < 0) {

@@ -53,7 +53,8 @@ struct KernelTable {
                                    const Tensor& dropout_seed);
   // Whether attention in dtype (bfloat16 or float16) runs its GEMMs in that
   // type now (csrc/cpu/half_gemm.h); false in the copies that never do.
-  bool (*half_gemm)(at::ScalarType dtype);
+  // *unit names the unit that runs them, or says why float32 does.
+  bool (*half_gemm)(at::ScalarType dtype, const char** unit);
 };
 
 // The instruction-set levels, lowest first; names as ATen spells them.
@@ -79,7 +80,7 @@ Level machine_level();        // the highest level this CPU (and OS) can run
 Level compiled_level();       // the highest level this build carries
 Level active_level();         // the level the ops run at now
 const char* active_reason();  // why: torch's choice, a cap, or a forced level
-bool active_half_gemm(at::ScalarType dtype);  // the active table's half_gemm(dtype)
+bool active_half_gemm(at::ScalarType dtype, const char** unit);  // the active table's half_gemm
 // Force a level (tests, benchmarks); a negative value returns to the default.
 // Throws if the CPU cannot run it or the build lacks it.
 void force_level(int level);
