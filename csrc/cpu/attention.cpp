@@ -299,6 +299,25 @@ Tensor padded(const Tensor& t, at::ScalarType acc, int64_t width) {
   return at::constant_pad_nd(x, {0, width - x.size(-1)}, 0).contiguous();
 }
 
+// The dtype attention's GEMMs take for inputs of dtype dt: dt itself, except
+// that float32 inputs take bfloat16 where the user allows it for oneDNN's
+// float32 matmuls (torch.backends.mkldnn.matmul.fp32_precision = "bf16",
+// inherited from torch.backends.mkldnn.fp32_precision and
+// torch.backends.fp32_precision when "none"; set_float32_matmul_precision
+// ("medium") sets it) and AMX tiles run bfloat16 (or the test emulation
+// stands in for them): bfloat16 operands with float32 sums, float32
+// outputs and gradients. "tf32" has no x86 unit and means float32.
+at::ScalarType gemm_dtype(at::ScalarType dt) {
+  if (dt != at::kFloat) return dt;
+  if (at::globalContext().float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL) !=
+      at::Float32Precision::BF16)
+    return dt;
+  HalfGemm g;
+  const char* unit = "";
+  if (!half_gemm_enabled(at::kBFloat16, &g, &unit)) return dt;
+  return g.emulated || std::string(unit) == "AMX-BF16" ? at::kBFloat16 : dt;
+}
+
 // One packed copy (pack_keys, or pack_values with `values`, in g's layout) of
 // each (batch, kv-head) of x (B, Hk, S, d), bfloat16 or float16.
 Tensor pack_heads16(const HalfGemm& g, const Tensor& x, bool values) {
@@ -360,9 +379,9 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
                          (k_in.scalar_type() == at::kBFloat16 || k_in.scalar_type() == at::kHalf) &&
                          v_in.scalar_type() == k_in.scalar_type() && std::is_same_v<scalar_t, float>;
     // Half-type GEMMs (half_gemm.h) beyond decoding: q and K in the input's
-    // half type, V in it for the softmax heads' P·V and in float32 for the
-    // others'.
-    const at::ScalarType dt = q_in.scalar_type();
+    // half type (or bfloat16 for float32: gemm_dtype), V in it for the
+    // softmax heads' P·V and in float32 for the others'.
+    const at::ScalarType dt = gemm_dtype(q_in.scalar_type());
     HalfGemm hg;
     const bool gemm16 = std::is_same_v<scalar_t, float> && c.L > kDecodeRows && c.S > 0 && half_gemm_enabled(dt, &hg);
     Tensor q = gemm16 ? Tensor() : padded(q_in, c.acc, Ep);
@@ -442,12 +461,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     // Half-type GEMMs when every head takes the tiled softmax backward (its
     // dK, dV accumulators are then transposed, which the row-buffer path's
     // are not).
-    const at::ScalarType dt = q_in.scalar_type();
+    const at::ScalarType dt = gemm_dtype(q_in.scalar_type());
     HalfGemm hg;
     const bool gemm16 = std::is_same_v<scalar_t, float> && c.S > 0 && !want_alpha && all_softmax_family(fam, alpha) &&
                         half_gemm_enabled(dt, &hg);
     const int64_t Sa = gemm16 ? round_up_vnni(c.S) : c.S;
-    Tensor q = gemm16 ? Tensor() : padded(q_in, c.acc, Ep), k = gemm16 ? Tensor() : padded(k_in, c.acc, Ep);
+    // float32 inputs whose forward took its scores in bfloat16 (gemm_dtype;
+    // beyond decoding) and whose backward runs in float32 get q and k rounded
+    // as the forward had them: the scores it recomputes must be the ones the
+    // forward's shifts were found on.
+    const bool rounded_qk = !gemm16 && dt != q_in.scalar_type() && c.L > kDecodeRows && c.S > 0;
+    auto score_operand = [&](const Tensor& x) { return padded(rounded_qk ? x.to(dt) : x, c.acc, Ep); };
+    Tensor q = gemm16 ? Tensor() : score_operand(q_in), k = gemm16 ? Tensor() : score_operand(k_in);
     Tensor v = gemm16 ? Tensor() : padded(v_in, c.acc, Evp);
     Tensor dout = gemm16 ? Tensor() : padded(grad_out, c.acc, Evp);
     auto opts = q_in.options().dtype(c.acc);

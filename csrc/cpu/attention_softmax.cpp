@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "attention_problem.h"
+#include "attnkern/reduced_store.h"
 
 namespace attnkern {
 namespace cpu {
@@ -61,10 +62,9 @@ float exp2_row_to_half_as(const float* y, int64_t wr, int64_t wk, float a, float
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
-// exp2_row_to_half_as for bfloat16 on CPUs with AVX512-BF16 (every AMX CPU):
-// vcvtne2ps2bf16 rounds two vectors in one instruction where the portable
-// rounding takes about ten (the same values: to nearest even, and denormals,
-// already flushed by FlushDenormals, to zero).
+// exp2_row_to_half_as for bfloat16 where cpu_has_avx512_bf16() (every AMX
+// CPU has the extension): vcvtne2ps2bf16 rounds two vectors in one
+// instruction (reduced_store.h says why the values are the same).
 __attribute__((target("avx512bf16"))) float exp2_row_to_bf16_native(const float* y, int64_t wr, int64_t wk, float a,
                                                                      float b, h16* dst) {
   const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
@@ -90,8 +90,7 @@ __attribute__((target("avx512bf16"))) float exp2_row_to_bf16_native(const float*
 inline float exp2_row_to_half(bool fp16, const float* y, int64_t wr, int64_t wk, float a, float b, h16* dst) {
   if (fp16) return exp2_row_to_half_as<c10::Half>(y, wr, wk, a, b, dst);
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
-  static const bool native = __builtin_cpu_supports("avx512bf16");
-  if (native) return exp2_row_to_bf16_native(y, wr, wk, a, b, dst);
+  if (cpu_has_avx512_bf16()) return exp2_row_to_bf16_native(y, wr, wk, a, b, dst);
 #endif
   return exp2_row_to_half_as<c10::BFloat16>(y, wr, wk, a, b, dst);
 }
