@@ -316,3 +316,29 @@ def test_half_ops_opcheck_and_compile(normalizer, dtype):
         return attnkern.attention(q, k, v, normalizer=normalizer, is_causal=True, enable_gqa=True, backend="cpu")
 
     torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
+def test_half_gemm_nan_row_stays_in_its_row(normalizer, causal, half):
+    """A NaN in one query row makes that row's output NaN (and softmax's dq
+    row) and leaves every other row's output and dq bit for bit as without it
+    (S and E not multiples of 32: no AMX tile's K tail may carry it
+    elsewhere)."""
+    dtype, _ = half
+    q, k, v, go = make_qkv(1, 2, 2, 70, 97, 59, 40, dtype=dtype, grad_out=True)
+    bad = q.clone()
+    bad[0, 1, 37, 5] = float("nan")
+
+    def run(q):
+        qa = q.clone().requires_grad_()
+        out = attnkern.attention(qa, k, v, is_causal=causal, normalizer=normalizer, backend="cpu")
+        return out.detach(), torch.autograd.grad(out, qa, go)[0]
+
+    (out, dq), (out_bad, dq_bad) = run(q), run(bad)
+    assert out_bad[0, 1, 37].isnan().all()
+    assert dq_bad[0, 1, 37].isnan().all() or normalizer != "softmax"
+    keep = torch.ones(70, dtype=torch.bool)
+    keep[37] = False
+    assert torch.equal(out_bad[0, 0], out[0, 0]) and torch.equal(dq_bad[0, 0], dq[0, 0])
+    assert torch.equal(out_bad[0, 1, keep], out[0, 1, keep]) and torch.equal(dq_bad[0, 1, keep], dq[0, 1, keep])

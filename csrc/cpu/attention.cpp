@@ -79,7 +79,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   const int64_t tasks = P.B * P.H * nb;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Workspace<acc_t> ws;
-    ws.y.resize(BM * std::max<int64_t>({all_softmax ? 0 : P.S, tile, 1}));
+    ws.y.resize(BM * std::max<int64_t>({all_softmax ? 0 : P.S, half ? half_tile_ld(tile) : tile, 1}));
     ws.work.resize(std::max<int64_t>(2 * P.S, 1));  // normalize_scores: candidates + scratch
     ws.pidx.resize(std::max<int64_t>(P.S, 1));
     ws.mrow.resize(BM);
@@ -122,8 +122,9 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
   auto tiled = [&](int64_t h) { return P.fam[h] == Family::kSoftmax && dalpha_acc == nullptr; };
   bool any_tiled = false, any_rows = false;
   for (int64_t h = 0; h < P.H; ++h) (tiled(h) ? any_tiled : any_rows) = true;
-  const int64_t buf = std::max<int64_t>(
-      {any_rows ? BM * P.S : 0, any_tiled ? BMs * std::min(softmax_block_keys(half), round_up_panel<acc_t>(P.S)) : 0, 1});
+  const int64_t tile = std::min(softmax_block_keys(half), round_up_panel<acc_t>(P.S));
+  const int64_t buf =
+      std::max<int64_t>({any_rows ? BM * P.S : 0, any_tiled ? BMs * (half ? half_tile_ld(tile) : tile) : 0, 1});
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Workspace<acc_t> ws;
     ws.y.resize(buf);

@@ -465,6 +465,11 @@ inline int64_t softmax_block_keys(bool half) {
   return half ? bn_half : bn;
 }
 
+// Row stride of a tile's scores with half-type GEMMs (w keys): w rounded up
+// to a panel, plus 16 floats, so that the rows of a tile are not a power of
+// two apart (1, 2 or 4 KiB strides put a tile's 16 rows in a few L1 sets).
+inline int64_t half_tile_ld(int64_t w) { return round_up_panel<float>(w) + 16; }
+
 // Decoding: softmax problems with at most this many query rows run split over
 // chunks of kDecodeKeys keys (a fixed partition: results do not depend on the
 // thread count), so that even one head keeps every core busy.

@@ -34,6 +34,28 @@ void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int6
   mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
 }
 
+// The max of y[0:n] (n > 0) for the half-type path, without at::vec's NaN
+// propagation (a compare and a blend a vector): a NaN may be lost here, and
+// the sum of the exponentials, NaN then, reports it.
+inline float row_max_loose(const float* y, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n >= 64) {
+    __m512 a = _mm512_loadu_ps(y), b = _mm512_loadu_ps(y + 16), c = _mm512_loadu_ps(y + 32),
+           d = _mm512_loadu_ps(y + 48);
+    int64_t j = 64;
+    for (; j + 64 <= n; j += 64) {
+      a = _mm512_max_ps(a, _mm512_loadu_ps(y + j)), b = _mm512_max_ps(b, _mm512_loadu_ps(y + j + 16));
+      c = _mm512_max_ps(c, _mm512_loadu_ps(y + j + 32)), d = _mm512_max_ps(d, _mm512_loadu_ps(y + j + 48));
+    }
+    for (; j + 16 <= n; j += 16) a = _mm512_max_ps(a, _mm512_loadu_ps(y + j));
+    float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
+    for (; j < n; ++j) m = std::max(m, y[j]);
+    return m;
+  }
+#endif
+  return row_max(y, n);
+}
+
 // 2^(a · y[j] + b) for j < wr, rounded to the half type T into dst[0:wk]
 // (zeros from wr on); returns the sum of the unrounded values. -inf scores
 // give exactly 0.
@@ -117,7 +139,7 @@ void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, 
   thread_local std::vector<h16> ph;
   ph.resize(m * round_up_k(BN));
   for (int64_t j0 = 0; j0 < n; j0 += BN) {
-    const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w), wk = round_up_k(w);
+    const int64_t w = std::min(BN, n - j0), ldy = half_tile_ld(w), wk = round_up_k(w);
     if (raw) {
       scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, hk), y, ldy);
     } else {
@@ -128,7 +150,7 @@ void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, 
       h16* prow = ph.data() + r * wk;
       // Keys of the tile the row may see (the causal diagonal cuts it).
       const int64_t wr = P.causal ? std::clamp<int64_t>(i0 + r + 1 - j0, 0, w) : w;
-      const float bm = wr > 0 ? sc * row_max(row, wr) : -inf;
+      const float bm = wr > 0 ? sc * row_max_loose(row, wr) : -inf;
       const float old = mrow[r];
       float mx = std::max(old, bm);
       if (bm != bm || old != old) mx = std::numeric_limits<float>::quiet_NaN();
@@ -139,6 +161,11 @@ void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, 
       }
       // exp(sc · y - mx) = 2^(sc·log2(e) · y - mx·log2(e))
       const float sum = exp2_row_to_half(P.hg.fp16, row, wr, wk, sc * kLog2e, -mx * kLog2e, prow);
+      if (sum != sum) {  // a NaN score
+        std::fill(prow, prow + wk, h16(0));
+        mrow[r] = sum;
+        continue;
+      }
       if (mx != old) {
         const float corr = std::exp(old - mx);  // 0 when old = -inf
         lrow[r] *= corr;
@@ -364,7 +391,7 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       shift2.resize(m);
       for (int64_t r = 0; r < m; ++r) shift2[r] = -lse[r] * kLog2e;  // (+inf: no allowed key, P = 0)
       for (int64_t j0 = 0; j0 < n; j0 += BN) {
-        const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+        const int64_t w = std::min(BN, n - j0), ldy = half_tile_ld(w);
         if (raw) {
           scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, hk), y, ldy);
         } else {
