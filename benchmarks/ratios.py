@@ -127,15 +127,30 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def code_commit() -> str:
+    """The checkout's commit (with "+changes" when the tracked files differ from it), or "unknown"."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "csrc", "attnkern", "benchmarks"],
+                               cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def machine_meta() -> dict:
     return dict(cpu=cpu_model(), isa_flags=cpu_flags(), attnkern_level=attnkern.isa.dispatch(),
-                torch=torch.__version__, torch_capability=torch.backends.cpu.get_cpu_capability())
+                torch=torch.__version__, torch_capability=torch.backends.cpu.get_cpu_capability(),
+                commit=code_commit(), command=" ".join(["benchmarks/ratios.py", *sys.argv[1:]]))
 
 
 def describe(meta: dict) -> str:
     """The CPU, its instruction sets, attnkern's level and half-type GEMM units, torch's."""
     level = meta["attnkern_level"]
-    return (f"CPU: {meta['cpu']}; instruction sets: {' '.join(meta.get('isa_flags') or ['?'])}; "
+    return (f"Code: commit {meta.get('commit', '?')}; command: {meta.get('command', '?')}.\n"
+            f"CPU: {meta['cpu']}; instruction sets: {' '.join(meta.get('isa_flags') or ['?'])}; "
             f"attnkern CPU kernels at {level.get('active', '?')} (this CPU runs up to {level.get('machine', '?')}), "
             f"bfloat16 attention GEMMs: {level.get('bf16_gemm_unit', '?')}, "
             f"float16: {level.get('fp16_gemm_unit', '?')}; torch {meta['torch']} "
