@@ -342,3 +342,27 @@ def test_half_gemm_nan_row_stays_in_its_row(normalizer, causal, half):
     keep[37] = False
     assert torch.equal(out_bad[0, 0], out[0, 0]) and torch.equal(dq_bad[0, 0], dq[0, 0])
     assert torch.equal(out_bad[0, 1, keep], out[0, 1, keep]) and torch.equal(dq_bad[0, 1, keep], dq[0, 1, keep])
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax15", "entmax_at_one", "entmax"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("way", ["hardware", "emulated", "emulated_plain"])
+def test_no_value_columns_backward(way, dtype, normalizer, monkeypatch):
+    """Ev = 0 (the edges issue's crash: bfloat16 softmax backward died with
+    SIGSEGV): an empty output, and zero gradients for q, k and α, as SDPA."""
+    if way != "hardware":
+        monkeypatch.setenv(_EMULATE, "1" if way == "emulated" else "plain")
+    H = 2
+    q = torch.randn(2, H, 3, 4, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(2, H, 5, 4, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(2, H, 5, 0, dtype=torch.float64).to(dtype).requires_grad_()
+    kw = {"normalizer": normalizer}
+    if normalizer.startswith("entmax_at_one") or normalizer == "entmax":
+        kw = {"normalizer": "entmax",
+              "alpha": torch.full((H,), 1.0 if normalizer == "entmax_at_one" else 1.3).requires_grad_()}
+    out = attnkern.attention(q, k, v, backend="cpu", **kw)
+    assert out.shape == (2, H, 3, 0)
+    out.sum().backward()
+    assert q.grad is not None and not q.grad.any() and not k.grad.any() and v.grad.shape == v.shape
+    if "alpha" in kw:
+        assert kw["alpha"].grad is not None and not kw["alpha"].grad.any()

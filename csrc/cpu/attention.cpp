@@ -457,6 +457,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
 
   Tensor dq, dk, dv;
   Tensor dalpha_acc = want_alpha ? at::zeros({nchunks, c.B, c.H}, q_in.options().dtype(at::kDouble)) : Tensor();
+  if (c.Ev == 0) {
+    // No value columns: the output is empty and depends on nothing, so the
+    // gradients are zeros, as SDPA gives (the kernels' half-type path would
+    // find no dO rows to read).
+    auto opts = q_in.options().dtype(c.acc);
+    dq = at::zeros({c.B, c.H, c.L, c.E}, opts), dk = at::zeros({c.B, c.Hk, c.S, c.E}, opts);
+    dv = at::zeros({c.B, c.Hk, c.S, 0}, opts);
+  } else {
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_bwd", [&] {
     const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
     // Half-type GEMMs when every head takes the tiled softmax backward (its
@@ -529,6 +537,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     dk = Ep == c.E ? dk_p : dk_p.narrow(3, 0, c.E);
     dv = Evp == c.Ev ? dv_p : dv_p.narrow(3, 0, c.Ev);
   });
+  }
   // (H,) whenever asked for (zeros for the normalizers without α), else empty.
   Tensor dalpha_h;
   if (want_alpha) {
