@@ -34,6 +34,21 @@ void score_tile(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int6
   mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
 }
 
+// One tile's step of the online softmax for a row whose running max goes
+// from old to mx (finite) and whose tile adds `sum`: the running sum and the
+// output row orow (ev values) rescaled by e^(old - mx), 0 when old = -inf.
+template <typename acc_t>
+inline void online_step(acc_t old, acc_t mx, acc_t sum, acc_t& m, acc_t& l, acc_t* orow, int64_t ev) {
+  if (mx != old) {
+    const acc_t corr = std::exp(old - mx);
+    l *= corr;
+    if (old != -std::numeric_limits<acc_t>::infinity())
+      for (int64_t e = 0; e < ev; ++e) orow[e] *= corr;
+    m = mx;
+  }
+  l += sum;
+}
+
 // The max of y[0:n] (n > 0) for the half-type path, without at::vec's NaN
 // propagation (a compare and a blend a vector): a NaN may be lost here, and
 // the sum of the exponentials, NaN then, reports it.
@@ -166,16 +181,7 @@ void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, 
         mrow[r] = sum;
         continue;
       }
-      if (mx != old) {
-        const float corr = std::exp(old - mx);  // 0 when old = -inf
-        lrow[r] *= corr;
-        if (old != -inf) {
-          float* orow = o + r * P.Ev;
-          for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= corr;
-        }
-        mrow[r] = mx;
-      }
-      lrow[r] += sum;
+      online_step(old, mx, sum, mrow[r], lrow[r], o + r * P.Ev, P.Ev);
     }
     // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
     pv_half_rows(P.hg, m, wk, j0, ph.data(), P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
@@ -220,16 +226,7 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
         continue;
       }
       const acc_t sum = exp_shifted(row, w, mx, row);  // exp_u20, in place
-      if (mx != old) {
-        const acc_t corr = std::exp(old - mx);  // 0 when old = -inf
-        lrow[r] *= corr;
-        if (old != -inf) {
-          acc_t* orow = o + r * P.Ev;
-          for (int64_t e = 0; e < P.Ev; ++e) orow[e] *= corr;
-        }
-        mrow[r] = mx;
-      }
-      lrow[r] += sum;
+      online_step(old, mx, sum, mrow[r], lrow[r], o + r * P.Ev, P.Ev);
     }
     if (P.drop.on) apply_dropout(P.drop, y, m, w, ldy, P.row_id(bi, h, i0), j0);
     // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
