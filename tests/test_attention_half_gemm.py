@@ -366,3 +366,23 @@ def test_no_value_columns_backward(way, dtype, normalizer, monkeypatch):
     assert q.grad is not None and not q.grad.any() and not k.grad.any() and v.grad.shape == v.shape
     if "alpha" in kw:
         assert kw["alpha"].grad is not None and not kw["alpha"].grad.any()
+
+
+def test_onednn_brgemm_two_threads_stress(half):
+    """Both threads call oneDNN's brgemm with the same shapes at once, over
+    and over (concurrent same-shape calls have crashed on AMX: PyTorch issue
+    187912): every call of forward and backward gives the first call's bits."""
+    dtype, _ = half
+    if os.environ.get(_EMULATE):
+        pytest.skip("oneDNN's kernels only")
+    q, k, v, go = make_qkv(1, 8, 8, 130, 333, 64, 64, dtype=dtype, grad_out=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first = None
+        for _ in range(20):
+            got = _grads(lambda a, b, c: attnkern.attention(a, b, c, is_causal=True, backend="cpu"), (q, k, v), go)
+            first = first or got
+            assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True))
+    finally:
+        torch.set_num_threads(threads)
