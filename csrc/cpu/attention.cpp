@@ -457,15 +457,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
 
   Tensor dq, dk, dv;
   Tensor dalpha_acc = want_alpha ? at::zeros({nchunks, c.B, c.H}, q_in.options().dtype(at::kDouble)) : Tensor();
-  if (c.Ev == 0) {
-    // No value columns: the output is empty and depends on nothing, so the
-    // gradients are zeros, as SDPA gives (the kernels' half-type path would
-    // find no dO rows to read).
-    auto opts = q_in.options().dtype(c.acc);
-    dq = at::zeros({c.B, c.H, c.L, c.E}, opts), dk = at::zeros({c.B, c.Hk, c.S, c.E}, opts);
-    dv = at::zeros({c.B, c.Hk, c.S, 0}, opts);
-  } else {
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_bwd", [&] {
+    if (c.Ev == 0) {
+      // No value columns: the output is empty and depends on nothing, so
+      // the gradients are zeros, as SDPA gives (the kernels' half-type path
+      // would find no dO rows to read).
+      auto opts = q_in.options().dtype(c.acc);
+      dq = at::zeros({c.B, c.H, c.L, c.E}, opts), dk = at::zeros({c.B, c.Hk, c.S, c.E}, opts);
+      dv = at::zeros({c.B, c.Hk, c.S, 0}, opts);
+      return;
+    }
     const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
     // Half-type GEMMs when every head takes the tiled softmax backward (its
     // dK, dV accumulators are then transposed, which the row-buffer path's
@@ -537,7 +538,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     dk = Ep == c.E ? dk_p : dk_p.narrow(3, 0, c.E);
     dv = Evp == c.Ev ? dv_p : dv_p.narrow(3, 0, c.Ev);
   });
-  }
   // (H,) whenever asked for (zeros for the normalizers without α), else empty.
   Tensor dalpha_h;
   if (want_alpha) {

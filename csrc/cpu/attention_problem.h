@@ -121,6 +121,10 @@ struct Problem {
   int64_t row_id(int64_t bi, int64_t h, int64_t i) const { return (bi * H + h) * L + i; }
   // Keys a block of rows [i0, i0 + m) can see.
   int64_t keys_for(int64_t i0, int64_t m) const { return causal ? std::min(S, i0 + m) : S; }
+  // How many of the tile's keys [j0, j0 + w) query row i sees (a prefix).
+  int64_t keys_seen(int64_t i, int64_t j0, int64_t w) const {
+    return causal ? std::clamp<int64_t>(i + 1 - j0, 0, w) : w;
+  }
   const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0) * E; }
   const acc_t* k_head(int64_t bi, int64_t hk) const { return k + (bi * Hk + hk) * S * E; }
   const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk) * S * Ev; }

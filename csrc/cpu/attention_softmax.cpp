@@ -132,12 +132,29 @@ inline float exp2_row_to_half(bool fp16, const float* y, int64_t wr, int64_t wk,
   return exp2_row_to_half_as<c10::BFloat16>(y, wr, wk, a, b, dst);
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The scores of a tile for the fused half-type passes, y (m x w, row stride
+// ldy): the raw products when there is no mask and the scale keeps the
+// scores' order, so that the exponentials apply the scale; else scaled and
+// masked in a pass of their own (scores_half_masked). Returns the factor the
+// exponentials still apply (the scale, or 1). Causal tiles are cut at the
+// diagonal by the caller (Problem::keys_seen).
+inline float half_tile_scores(const Problem<float>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
+                              int64_t w, float* y, int64_t ldy) {
+  if (P.mask == nullptr && P.scale > 0.f) {
+    scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
+    return P.scale;
+  }
+  scores_half_masked(P, bi, h, i0, m, j0, w, y, ldy);
+  return 1.f;
+}
+
 // softmax_forward_block with half-type GEMMs and no dropout: each tile's
 // scores go through two passes, the row max, and the exponentials rounded
-// straight into the A operand of P·V (the scale folded into them, and
-// causal tiles cut at the diagonal), where a scale pass, a max pass, an
-// exponential pass and a rounding pass each read the tile (on an AMX Xeon
-// they, not the GEMMs, set the speed).
+// straight into the A operand of P·V (the scale folded into them), where a
+// scale pass, a max pass, an exponential pass and a rounding pass each read
+// the tile: with the products on AMX tiles, those passes set the speed.
 template <typename acc_t>
 void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                                 acc_t* y, acc_t* o, acc_t* mrow, acc_t* lrow) {
@@ -145,26 +162,15 @@ void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, 
   constexpr float inf = std::numeric_limits<float>::infinity();
   const int64_t hk = h / P.group();
   const int64_t BN = softmax_block_keys(P.q16 != nullptr);
-  // A mask, or a scale that does not keep the order of the scores, is
-  // applied in a pass of its own (scores_half_masked); else the max is taken
-  // of the raw products and the scale applied in the exponentials.
-  const bool raw = P.mask == nullptr && P.scale > 0.f;
-  const float sc = raw ? P.scale : 1.f;
-  constexpr float kLog2e = 1.4426950408889634f;
   thread_local std::vector<h16> ph;
   ph.resize(m * round_up_k(BN));
   for (int64_t j0 = 0; j0 < n; j0 += BN) {
     const int64_t w = std::min(BN, n - j0), ldy = half_tile_ld(w), wk = round_up_k(w);
-    if (raw) {
-      scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, hk), y, ldy);
-    } else {
-      scores_half_masked(P, bi, h, i0, m, j0, w, y, ldy);
-    }
+    const float sc = half_tile_scores(P, bi, h, i0, m, j0, w, y, ldy);
     for (int64_t r = 0; r < m; ++r) {
       const float* row = y + r * ldy;
       h16* prow = ph.data() + r * wk;
-      // Keys of the tile the row may see (the causal diagonal cuts it).
-      const int64_t wr = P.causal ? std::clamp<int64_t>(i0 + r + 1 - j0, 0, w) : w;
+      const int64_t wr = P.keys_seen(i0 + r, j0, w);
       const float bm = wr > 0 ? sc * row_max_loose(row, wr) : -inf;
       const float old = mrow[r];
       float mx = std::max(old, bm);
@@ -372,13 +378,8 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
   const int64_t ldt = round_up_vnni(P.S);  // row stride of the transposed dK, dV accumulators
   if constexpr (std::is_same_v<acc_t, float>) {
     if (b16 && !P.drop.on) {
-      // Per tile: the scores (raw, the scale applied with the exponentials,
-      // as in softmax_forward_block_half, unless a mask or the scale's sign
-      // needs a pass of its own) and dP, then backward_half_operands makes
-      // the three GEMMs' operands in one pass.
-      const bool raw = P.mask == nullptr && P.scale > 0.f;
-      constexpr float kLog2e = 1.4426950408889634f;
-      const float a = (raw ? P.scale : 1.f) * kLog2e;
+      // Per tile: the scores (half_tile_scores) and dP, then
+      // backward_half_operands makes the three GEMMs' operands in one pass.
       thread_local std::vector<h16> dsk, dsa;
       thread_local std::vector<int64_t> lim;
       thread_local std::vector<float> shift2;
@@ -389,15 +390,11 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       for (int64_t r = 0; r < m; ++r) shift2[r] = -lse[r] * kLog2e;  // (+inf: no allowed key, P = 0)
       for (int64_t j0 = 0; j0 < n; j0 += BN) {
         const int64_t w = std::min(BN, n - j0), ldy = half_tile_ld(w);
-        if (raw) {
-          scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, hk), y, ldy);
-        } else {
-          scores_half_masked(P, bi, h, i0, m, j0, w, y, ldy);
-        }
+        const float sc = half_tile_scores(P, bi, h, i0, m, j0, w, y, ldy);
         scores_half(P.hg, m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
-        for (int64_t r = 0; r < m; ++r) lim[r] = P.causal ? std::clamp<int64_t>(i0 + r + 1 - j0, 0, w) : w;
-        backward_half_operands(P.hg, y, d, m, w, ldy, lim.data(), a, shift2.data(), delta, P.scale, yk.data(),
-                               dsk.data(), dsa.data());
+        for (int64_t r = 0; r < m; ++r) lim[r] = P.keys_seen(i0 + r, j0, w);
+        backward_half_operands(P.hg, y, d, m, w, ldy, lim.data(), sc * kLog2e, shift2.data(), delta, P.scale,
+                               yk.data(), dsk.data(), dsa.data());
         // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS, dQ (+)= dS·K.
         rows_product_half(P.hg, P.Ev, m, w, dot_t.data(), yk.data(), dv + j0, ldt);
         rows_product_half(P.hg, P.E, m, w, qt.data(), dsk.data(), dk + j0, ldt);
