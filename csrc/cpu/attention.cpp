@@ -257,6 +257,10 @@ Dropout prepare_dropout(double dropout_p, const c10::optional<Tensor>& seed, int
 template <typename scalar_t>
 void sum_chunks(const Tensor& acc, Tensor& out) {
   const int64_t n = acc.size(0), count = out.numel();
+  if (n == 0) {  // nothing to sum (e.g. dα of a batch of size 0)
+    out.zero_();
+    return;
+  }
   const scalar_t* a = acc.const_data_ptr<scalar_t>();
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
