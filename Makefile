@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet "torch==2.14.1" numpy ninja pybind11 setuptools wheel \
-	    pytest pytest-benchmark hypothesis ruff "entmax==1.3" matplotlib \
+	    pytest pytest-benchmark hypothesis mpmath ruff "entmax==1.3" matplotlib \
 	    joblib tqdm scipy "dask[distributed]" captum
 	touch $(STAMP)
 

@@ -3,8 +3,8 @@
 The one Python definition of: the normalizer names and their family codes
 (the C++ kernels' `math::Family` in csrc/include/attnkern/family.h, checked by
 tests/test_family.py, and the Triton kernels' FAMILY use the same numbers),
-the |α - 1| band below which
-α-entmax is computed as softmax, and the accumulation dtype of a computation.
+and the accumulation dtype of a computation. Only α = 1 exactly is computed
+as softmax: every other α gets its own map, however close to 1.
 It imports nothing from attnkern, so every layer (the public API, autograd,
 the reference and Triton backends) can use it.
 """
@@ -56,9 +56,6 @@ def takes_alpha(normalizer: str) -> bool:
     return normalizer == Family.ENTMAX.normalizer
 
 
-# |α - 1| below which α-entmax is computed as softmax (its forward):
-# kSoftmaxForwardBand of csrc/include/attnkern/family.h.
-SOFTMAX_BAND = 1e-6
 # |α - 1| below which the gradient in α is taken in its form without the
 # closed form's 1/(α - 1)² cancellation: kAlphaGradSeriesBand of
 # csrc/include/attnkern/entmax_math.h.

@@ -123,7 +123,7 @@ PyMethodDef methods[] = {
 }  // namespace
 
 // A Python module so that `import attnkern._C` loads the library and runs the
-// registrations above; it also carries FAMILIES and SOFTMAX_BAND (family.h)
+// registrations above; it also carries FAMILIES (family.h)
 // and the CPU dispatch functions above.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "attnkern compiled ops", -1, methods};
@@ -137,11 +137,6 @@ extern "C" PyObject* PyInit__C(void) {
     PyTuple_SET_ITEM(names, f, PyUnicode_FromString(attnkern::math::kFamilyNames[f]));
   if (PyModule_AddObject(m, "FAMILIES", names) < 0) {
     Py_DECREF(names);
-    Py_DECREF(m);
-    return nullptr;
-  }
-  // SOFTMAX_BAND: |α - 1| below which α-entmax runs as softmax.
-  if (PyModule_AddObject(m, "SOFTMAX_BAND", PyFloat_FromDouble(attnkern::math::kSoftmaxForwardBand)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -659,7 +659,7 @@ def test_opcheck(case):
 
 
 def test_shift_contract():
-    """p = φ_b(s - shift) reproduces the weights; softmax's shift is the log-sum-exp."""
+    """p = φ_b(s - shift) reproduces the weights; softmax's shift is the log-sum-exp, sparsemax's its threshold."""
     q, k, v = make_qkv(1, 2, 2, 7, 9, 8, 8, dtype=torch.float64)
     mask = torch.ones(7, 9, dtype=torch.bool)
     mask[2] = False
@@ -669,8 +669,9 @@ def test_shift_contract():
     lse = torch.logsumexp(s, -1)
     assert torch.isinf(shift[..., 2]).all() and (shift[..., 2] > 0).all()
     torch.testing.assert_close(shift[..., [0, 1, 3]].double(), lse[..., [0, 1, 3]], atol=1e-6, rtol=1e-6)
+    # (sparsemax: the threshold θ, p = [s - θ]_+)
     _, shift = torch.ops.attnkern.attention_fwd(q, k, v, fmask, False, 0.5, "sparsemax", None)
-    p = (1 + s - shift.double().unsqueeze(-1)).clamp_min(0)
+    p = (s - shift.double().unsqueeze(-1)).clamp_min(0)
     sums = p[..., [0, 1, 3], :].sum(-1)
     torch.testing.assert_close(sums, torch.ones(1, 2, 3, dtype=torch.float64), atol=1e-5, rtol=0)
 

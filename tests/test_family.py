@@ -4,7 +4,7 @@
 import pytest
 
 from attnkern import _extension
-from attnkern.family import NORMALIZERS, SOFTMAX_BAND, Family
+from attnkern.family import NORMALIZERS, Family
 
 pytestmark = pytest.mark.skipif(not _extension.LOADED, reason=f"attnkern._C not built: {_extension.LOAD_ERROR}")
 
@@ -16,10 +16,22 @@ def test_cpp_family_codes_match_python():
     assert _C.FAMILIES == tuple(Family(code).normalizer for code in range(len(_C.FAMILIES)))
 
 
-def test_cpp_softmax_band_matches_python():
+def test_only_alpha_one_is_softmax():
+    """No band around α = 1: the kernels compute the map of every α ≠ 1, so the
+    output moves off softmax continuously (tests/test_edges_oracle.py checks
+    the values against an extended-precision oracle)."""
+    import torch
+
+    import attnkern
     from attnkern import _C
 
-    assert _C.SOFTMAX_BAND == SOFTMAX_BAND
+    assert not hasattr(_C, "SOFTMAX_BAND")
+    x = 3 * torch.randn(4, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    soft = torch.softmax(x, -1)
+    assert torch.equal(attnkern.entmax(x, 1.0), attnkern.softmax(x))
+    gaps = [(attnkern.entmax(x, 1 + d) - soft).abs().max().item() for d in (1e-9, 1e-8, 1e-7)]
+    assert 0 < gaps[0] < gaps[1] < gaps[2]
+    assert 5 < gaps[1] / gaps[0] < 20 and 5 < gaps[2] / gaps[1] < 20  # O(|α - 1|)
 
 
 @pytest.mark.parametrize("name", NORMALIZERS)

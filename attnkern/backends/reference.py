@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from attnkern.family import SOFTMAX_BAND, Family
+from attnkern.family import Family
 from attnkern.validation import any_true
 
 # Bisection steps: the bracket is at most ln(n) + 1 wide, so 100 halvings
@@ -155,6 +155,65 @@ def _map_dense(y: torch.Tensor, s: torch.Tensor, beta: torch.Tensor):
     return torch.exp(-s - torch.log1p(w) / beta), 1 + w
 
 
+def _edge_probs(z: torch.Tensor, valid: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """α > 2 (b > 1) in p-space: p of every row of scores z (float64, -inf
+    where not valid), differentiable in z and b.
+
+    The shift form needs 1 + b(y - c) = p^b at the edge of the support, below
+    float64 resolution for small p at large α (1e-36 for p = 1e-4 at α = 10).
+    Measured from the support's smallest score z_r, each other support entry
+    is p_i = (q^b + b(z_i - z_r))^(1/b), accurate to the rounding of z_i - z_r,
+    and q = p_r solves the well-conditioned F(q) = q + Σ_(i ≠ r) p_i(q) = 1
+    (convex and increasing, F' >= 1). The support is chosen by the sort-based
+    rule: z_j is inside iff Σ_(z_i > z_j) (b(z_i - z_j))^(1/b) < 1. q is found
+    by bisection without gradient, then made differentiable by two Newton
+    steps, as the shift is in `entmax`.
+    """
+    n = z.shape[-1]
+    zv = torch.where(valid, z, torch.full_like(z, -math.inf))
+    with torch.no_grad():
+        zd, bd = zv.detach(), b.detach()
+        zs, order = torch.sort(zd, dim=-1, descending=True)
+        count = valid.sum(-1, keepdim=True)
+        lo = torch.zeros_like(count)  # a sorted position inside the support
+        hi = count  # one outside it (or past the valid entries)
+        for _ in range(max(1, n).bit_length() + 1):
+            mid = (lo + hi) // 2
+            zj = zs.gather(-1, mid.clamp(max=n - 1))
+            mass = (torch.clamp(bd * (zd - zj), min=0) ** (1 / bd)).sum(-1, keepdim=True)
+            move = hi - lo > 1
+            lo = torch.where(move & (mass < 1), mid, lo)
+            hi = torch.where(move & ~(mass < 1), mid, hi)
+        r = order.gather(-1, lo)  # the support's smallest score (the last of its ties)
+        zr = zd.gather(-1, r)
+        others = (zd >= zr) & (torch.arange(n, device=z.device) != r)
+        terms = torch.where(others, bd * (zd - zr), torch.zeros_like(zd))
+
+        def mass_d(q):
+            return q + torch.where(others, (q ** bd + terms) ** (1 / bd), torch.zeros_like(zd)).sum(-1, keepdim=True)
+
+        qlo, qhi = torch.zeros_like(zr), torch.ones_like(zr)
+        for _ in range(_BISECT_STEPS):
+            qm = 0.5 * (qlo + qhi)
+            big = mass_d(qm) >= 1
+            qlo, qhi = torch.where(big, qlo, qm), torch.where(big, qm, qhi)
+        q = 0.5 * (qlo + qhi)
+    zr = z.gather(-1, r)
+    diff = torch.where(others, z - zr, torch.zeros_like(z))
+
+    def others_p(q):
+        u = torch.where(others, q ** b + b * diff, torch.ones_like(z))
+        return torch.where(others, u ** (1 / b), torch.zeros_like(z)), u
+
+    for _ in range(2):
+        po, u = others_p(q)
+        slope = 1 + (q ** (b - 1) * torch.where(others, po / u, torch.zeros_like(z))).sum(-1, keepdim=True)
+        q = q - (q + po.sum(-1, keepdim=True) - 1) / slope
+    po, _ = others_p(q)
+    is_r = torch.arange(n, device=z.device) == r
+    return torch.where(is_r, q.expand_as(z), po) * valid
+
+
 def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     """α-entmax, argmax_{p in Δ} <p, x> + H^T_α(p) (Tsallis entropy), any finite α.
 
@@ -169,7 +228,7 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     y, valid, empty, bad = _prepare(x, dim)
     a = _alpha_rows(alpha, x, dim)
     b = a - 1
-    soft = b.abs() < SOFTMAX_BAND
+    soft = b == 0
     b_safe = torch.where(soft, torch.full_like(b, 0.5), b)
     # Each row takes one of the two maps; the other is evaluated at a harmless
     # parameter (b = 1/2, β = 1) so that it stays finite and sends no NaN into
@@ -228,6 +287,15 @@ def entmax(x: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     t = t + (pt.sum(-1, keepdim=True) - 1) / torch.where(gt > 0, gt, torch.ones_like(gt))
     p = rows(y, y_dense, t, b_sparse, beta, slope=False)[0]
     p = p / p.sum(-1, keepdim=True).detach().clamp_min(1e-300)
+    edge = b > 1
+    if any_true(edge, under_vmap=True):
+        # (Rows that are empty, hold a NaN or +inf, or take the other map are
+        # evaluated on zeros at b = 2, finite, and not used.)
+        ok = edge & ~empty & ~bad
+        z = _rows_last(x, dim)
+        z = torch.where(valid & ok, z, torch.zeros_like(z))
+        p_edge = _edge_probs(z, valid | ~ok, torch.where(ok, b, torch.full_like(b, 2.0)))
+        p = torch.where(edge, p_edge * valid, p)
 
     # Rows at α = 1: softmax, with the α-derivative of the family at α = 1,
     # dp/dα = -p/2 ((ln p)² - Σ p (ln p)²), attached to α.

@@ -18,7 +18,8 @@ namespace attn {
 namespace {
 
 // Scores of one row in, probabilities out (sparse families; softmax goes
-// through softmax_forward_block); returns the shift c with p = φ_b(s - c).
+// through softmax_forward_block); returns the shift c with p = φ_b(s - c),
+// for sparsemax its threshold θ with p = [s - θ]_+ (solve_row).
 // No allowed key: zeros and c = +inf.
 template <typename acc_t, Family FAM>
 acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) {
@@ -38,9 +39,9 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) 
   return m + solve_row<acc_t, FAM>(y, n, m, b, y, work, work + n, idx, lanes);
 }
 
-// p = φ_b(s - c) for one row of scores (in place). In double, the float32
-// shift is refined by one Newton step so that p matches the forward to
-// double precision (c is stored in float32 by the contract).
+// p = φ_b(s - c) (sparsemax: [s - θ]_+) for one row of scores (in place). In
+// double, the float32 shift is refined by one Newton step so that p matches
+// the forward to double precision (c is stored in float32 by the contract).
 template <typename acc_t, Family FAM>
 void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t* idx) {
   if (!(c < std::numeric_limits<acc_t>::infinity())) {
@@ -53,6 +54,20 @@ void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t
   }
   if constexpr (FAM == Family::kSoftmax && std::is_same_v<acc_t, float>) {
     exp_shifted(y, n, c, y);
+    return;
+  }
+  if constexpr (FAM == Family::kSparsemax) {
+    // c is sparsemax's threshold θ (solve_row). In double, one step of
+    // Michelot's iteration from the float32 θ gives it to double precision.
+    double theta = static_cast<double>(c);
+    if constexpr (std::is_same_v<acc_t, double>) {
+      double sum = 0;
+      int64_t k = 0;
+      for (int64_t j = 0; j < n; ++j)
+        if (y[j] > theta) sum += y[j], ++k;
+      if (k > 0) theta = (sum - 1.0) / static_cast<double>(k);
+    }
+    write_sparsemax<acc_t>(y, n, theta, y);
     return;
   }
   if constexpr (FAM == Family::kGeneric) {
@@ -178,7 +193,7 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
   std::vector<acc_t>& pk = ws.kept;
   dps.resize(total);
   pk.resize(total);
-  std::vector<acc_t> gs;
+  std::vector<double> edge;
   for (int64_t r = 0; r < m; ++r) {
     const acc_t* prow = y + r * n;
     const acc_t* dor = dob + r * P.Ev;
@@ -203,20 +218,22 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
       if (dalpha) asums.add(static_cast<double>(prow[j]), static_cast<double>(dpj), b);
     }
     if (dalpha) *dalpha += asums.grad(static_cast<double>(b));
-    acc_t pivot = 0, mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
     if (FAM == Family::kGeneric && b > acc_t(1)) {
-      // α > 2: the mean measured from a pivot (entmax_pivoted_mean says why).
-      gs.resize(t1 - t0);
-      for (int64_t t = t0; t < t1; ++t) gs[t - t0] = math::entmax_g_from_p<acc_t>(prow[idx[t]], b, FAM);
-      const auto pm = math::entmax_pivoted_mean<acc_t>(gs.data(), dps.data() + t0, t1 - t0);
-      pivot = pm.pivot;
-      mean = pm.shift;
+      // α > 2: in double, relative to a pivot (math::entmax_edge_vjp says why).
+      const int64_t k = t1 - t0;
+      edge.resize(3 * k);
+      for (int64_t t = t0; t < t1; ++t) {
+        edge[t - t0] = static_cast<double>(prow[idx[t]]);
+        edge[k + t - t0] = static_cast<double>(dps[t]);
+      }
+      math::entmax_edge_vjp(edge.data(), edge.data() + k, edge.data() + 2 * k, k, static_cast<double>(b));
+      for (int64_t t = t0; t < t1; ++t) dps[t] = P.scale * static_cast<acc_t>(edge[2 * k + t - t0]);
+    } else {
+      const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
+      for (int64_t t = t0; t < t1; ++t)
+        dps[t] = P.scale * math::entmax_g_from_p<acc_t>(prow[idx[t]], b, FAM) * (dps[t] - mean);
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      const acc_t pj = prow[idx[t]];
-      dps[t] = P.scale * math::entmax_g_from_p<acc_t>(pj, b, FAM) * ((dps[t] - pivot) - mean);
-      pk[t] = pk[t] == acc_t(0) ? acc_t(0) : pj * pk[t];
-    }
+    for (int64_t t = t0; t < t1; ++t) pk[t] = pk[t] == acc_t(0) ? acc_t(0) : prow[idx[t]] * pk[t];
     // dq = Σ ds k_j, in registers.
     accumulate_listed(dps.data() + t0, idx.data() + t0, t1 - t0, kh, P.E, P.E, dqr);
   }

@@ -22,6 +22,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "attnkern/entmax_math.h"
 #include "simd.h"
@@ -173,6 +175,77 @@ inline acc_t sparsemax_shift(const acc_t* y, int64_t n, acc_t* work, int64_t* k_
   }
   *k_out = k;
   return c;
+}
+
+// Σ v[0:k] in double, whatever acc_t (eight partial sums, so that the loop
+// vectorizes without reassociating).
+template <typename acc_t>
+inline double sum_in_double(const acc_t* v, int64_t k) {
+  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8)
+    for (int l = 0; l < 8; ++l) part[l] += static_cast<double>(v[i + l]);
+  for (; i < k; ++i) part[0] += static_cast<double>(v[i]);
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+// The largest acc_t at or below t: x > t holds for an acc_t x exactly when
+// x > floor_to<acc_t>(t).
+template <typename acc_t>
+inline acc_t floor_to(double t) {
+  acc_t f = static_cast<acc_t>(t);
+  if (static_cast<double>(f) > t) f = std::nextafter(f, -std::numeric_limits<acc_t>::infinity());
+  return f;
+}
+
+// Sparsemax's threshold θ of a row x[0:n] with finite max m, p = [x - θ]_+,
+// by Michelot's iterations on the unshifted scores: θ = (Σ_A x - 1)/|A| over
+// the candidates A = {x > θ}, from A = {x > m - 1}, until A stops shrinking.
+// The sums are in double and θ is returned in double: written as 1 + (y - c)
+// with c = 1 + θ - m, every p would be rounded at the scale of 1, whatever its
+// size (a float32 row of 32768 near-equal scores then summed to 1 - 1e-4).
+// work: scratch of n entries (the candidates).
+template <typename acc_t>
+inline double sparsemax_threshold(const acc_t* x, int64_t n, acc_t m, acc_t* work) {
+  acc_t sum;
+  int64_t k = compact_above(x, n, floor_to<acc_t>(static_cast<double>(m) - 1.0), work, &sum);
+  // The iterations in acc_t first (their sums come with the compaction), to
+  // a candidate list that holds the support; then in double from there, which
+  // usually confirms the list in one step.
+  // (A cut at or above the max, by rounding at huge scores, would empty the
+  // list: the iterations stop before it.)
+  for (int it = 0; it < 2 * 64 + 8; ++it) {
+    const acc_t cut = (sum - acc_t(1)) / acc_t(k);
+    if (!(cut < m)) break;
+    const int64_t k_new = compact_above(work, k, cut, work, &sum);
+    if (k_new == k) break;
+    k = k_new;
+  }
+  double theta = (sum_in_double(work, k) - 1.0) / static_cast<double>(k);
+  for (int it = 0; it < 2 * 64 + 8; ++it) {
+    const acc_t cut = floor_to<acc_t>(theta);
+    if (!(cut < m)) break;
+    const int64_t k_new = compact_above(work, k, cut, work, static_cast<acc_t*>(nullptr));
+    if (k_new == k) break;
+    k = k_new;
+    theta = (sum_in_double(work, k) - 1.0) / static_cast<double>(k);
+  }
+  return theta;
+}
+
+// out[j] = [x[j] - θ]_+ (out may alias x), with θ as two acc_t terms so that
+// each p keeps its own relative resolution: x - θ_hi is exact near the edge of
+// the support (Sterbenz) and rounds at p's own scale elsewhere.
+template <typename acc_t>
+inline void write_sparsemax(const acc_t* x, int64_t n, double theta, acc_t* out) {
+  using V = Vec<acc_t>;
+  const acc_t hi = static_cast<acc_t>(theta);
+  const V vhi(hi), vlo(static_cast<acc_t>(theta - static_cast<double>(hi))), vzero(0);
+  // (clamp_min keeps a NaN score NaN.)
+  auto probs = [&](const V& v) { return at::vec::clamp_min((v - vhi) - vlo, vzero); };
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) probs(V::loadu(x + j)).store(out + j);
+  if (j < n) probs(load_tail(x + j, n - j, hi)).store(out + j, static_cast<int>(n - j));
 }
 
 // exp(y - m) into e (which may alias y), returns the sum. ATen's exp_u20
@@ -935,6 +1008,101 @@ inline acc_t solve_entmax15_from_lanes(const acc_t* x, int64_t n, acc_t m, acc_t
   return c;
 }
 
+// The generic family's probabilities for b > 1 (α > 2), where the shift form
+// cannot give them: p = (1 + b(y - c))^(1/b) at the edge of the support
+// needs 1 + b(y - c) = p^b, 1e-36 for p = 1e-4 at α = 10, beside terms of
+// order 1. Measured from the support's smallest score z_r instead, every
+// support entry is p_i = (q^b + b(z_i - z_r))^(1/b) with q = p_r: a sum of
+// two non-negative terms, accurate to the rounding of z_i - z_r, and q
+// itself solves F(q) = m_r q + Σ_(z_i > z_r) (q^b + b(z_i - z_r))^(1/b) = 1
+// (m_r entries tied at z_r), a convex increasing function with F' >= m_r:
+// well conditioned where the shift's equation is not. The support is chosen
+// by the sort-based rule (z_j is inside iff Σ_(z_i > z_j) (b(z_i - z_j))^(1/b)
+// < 1), among the entries with 1 + b(y - c) > -1/8 at the shift c found by
+// find_shift, which holds the support with a wide margin. All in double; out
+// may alias x; vals and idx are scratch of n entries.
+template <typename acc_t>
+inline void write_probs_edge(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, acc_t* out, acc_t* vals,
+                             int32_t* idx) {
+  thread_local std::vector<std::pair<double, int32_t>> cand;  // (score, position), by decreasing score
+  thread_local std::vector<double> terms;
+  const double bd = static_cast<double>(b), inv_b = 1.0 / bd;
+  // The entries above cut (positions_above, vectorized), sorted, and the
+  // largest one left out (-inf if none).
+  double left_out = -std::numeric_limits<double>::infinity();
+  auto gather = [&](acc_t cut) {
+    const int64_t k = positions_above(x, n, m, cut, vals, idx);
+    cand.resize(k);
+    for (int64_t t = 0; t < k; ++t) cand[t] = {static_cast<double>(x[idx[t]]), idx[t]};
+    std::sort(cand.begin(), cand.end(), [](const auto& u, const auto& v) { return u.first > v.first; });
+    using V = Vec<acc_t>;
+    // (The same test as positions_above's, (x - m) > cut, so that every entry is on one side.)
+    const V vm(m), vcut(cut), vninf(-std::numeric_limits<acc_t>::infinity());
+    V vmax = vninf;
+    int64_t j = 0;
+    for (; j + V::size() <= n; j += V::size()) {
+      const V v = V::loadu(x + j);
+      vmax = at::vec::maximum(vmax, V::blendv(v, vninf, (v - vm) > vcut));
+    }
+    acc_t rest = -std::numeric_limits<acc_t>::infinity();
+    for (; j < n; ++j)
+      if (!(x[j] - m > cut) && x[j] > rest) rest = x[j];
+    const acc_t most = std::max(rest, at::vec::vec_reduce_all<acc_t>(
+                                          [](V& a, V& c) { return at::vec::maximum(a, c); }, vmax));
+    left_out = static_cast<double>(most);
+  };
+  // Whether a score z would be inside the support, given the gathered entries above it.
+  auto inside_at = [&](double z, int64_t above_count) {
+    double s = 0;
+    for (int64_t i = 0; i < above_count && cand[i].first > z; ++i)
+      s += std::exp(std::log(bd * (cand[i].first - z)) * inv_b);
+    return s < 1.0;
+  };
+  gather(c - acc_t(1.125) / b);
+  int64_t k = static_cast<int64_t>(cand.size());
+  if (k == 0 || (left_out > -std::numeric_limits<double>::infinity() && inside_at(left_out, k))) {
+    // The margin did not hold the support (it always should): take the row.
+    gather(-std::numeric_limits<acc_t>::infinity());
+    k = static_cast<int64_t>(cand.size());
+  }
+  auto inside = [&](int64_t j) { return inside_at(cand[j].first, j); };
+  // The last inside position: inside(0) holds, and inside is monotone.
+  int64_t lo = 0, hi = k;  // inside(lo), !inside(hi) (hi = k: past the list)
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (inside(mid) ? lo : hi) = mid;
+  }
+  const double zr = cand[lo].first;
+  int64_t above = lo;  // entries strictly above z_r
+  while (above > 0 && cand[above - 1].first == zr) --above;
+  const double ties = static_cast<double>(lo - above + 1);
+  terms.resize(above);
+  for (int64_t i = 0; i < above; ++i) terms[i] = bd * (cand[i].first - zr);
+  // Newton's steps on the convex increasing F from the right (F(1/m_r) >= 0):
+  // monotone, no overshoot; stop when F <= 0 or q stops decreasing.
+  double q = 1.0 / ties;
+  for (int it = 0; it < 200; ++it) {
+    const double qb = std::exp(bd * std::log(q));
+    const double qb1 = qb / q;  // q^(b-1)
+    double f = ties * q - 1.0, df = ties;
+    for (int64_t i = 0; i < above; ++i) {
+      const double u = qb + terms[i];
+      const double pu = std::exp(std::log(u) * inv_b);
+      f += pu;
+      df += qb1 * pu / u;
+    }
+    if (!(f > 0.0)) break;
+    const double next = q - f / df;
+    if (!(next < q)) break;
+    q = next > 0.0 ? next : 0.5 * q;
+  }
+  const double qb = std::exp(bd * std::log(q));
+  std::fill(out, out + n, acc_t(0));
+  for (int64_t i = 0; i < above; ++i)
+    out[cand[i].second] = static_cast<acc_t>(std::exp(std::log(qb + terms[i]) * inv_b));
+  for (int64_t i = above; i <= lo; ++i) out[cand[i].second] = static_cast<acc_t>(q);
+}
+
 // Shift and probabilities of one row x[0:n] of a sparse family (or the
 // generic one) whose max m is finite: out = norm · φ((x - m) - c), returns c.
 // out may alias x; cand and work are scratch of n entries each, idx of n.
@@ -954,6 +1122,13 @@ inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, 
   if constexpr (FAM == Family::kGeneric) {
     if (b > acc_t(0) && b < acc_t(1)) return solve_generic_convex<acc_t>(x, n, m, b, out, cand, work, idx, lanes);
   }
+  if constexpr (FAM == Family::kSparsemax) {
+    // Sparsemax returns its threshold θ - m instead of c = 1 + θ - m, which
+    // would round every p at the scale of 1 (sparsemax_threshold).
+    const double theta = sparsemax_threshold<acc_t>(x, n, m, cand);
+    write_sparsemax<acc_t>(x, n, theta, out);
+    return static_cast<acc_t>(theta - static_cast<double>(m));
+  }
   int64_t k = n;
   if (b > acc_t(0)) {
     k = shifted_above(x, n, m, -acc_t(1) / b, cand);
@@ -963,7 +1138,11 @@ inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, 
   acc_t norm;
   const acc_t c = find_shift<acc_t, FAM>(cand, k, b, work, &norm);
   if constexpr (FAM == Family::kGeneric) {
-    write_probs_sparse<acc_t>(x, n, m, c, b, norm, out, work, idx);
+    if (b > acc_t(1)) {
+      write_probs_edge<acc_t>(x, n, m, c, b, out, work, idx);
+    } else {
+      write_probs_sparse<acc_t>(x, n, m, c, b, norm, out, work, idx);
+    }
   } else {
     write_probs<acc_t, FAM>(x, n, m, c, b, norm, out);
   }

@@ -234,8 +234,8 @@ acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int3
 }
 
 // α > 2 (b > 1): g = p^(1-b) is unbounded at the edge of the support, so the
-// row's backward runs in double over its support, with the mean measured from
-// a pivot (math::entmax_pivoted_mean). dx may alias dp.
+// row's backward runs in double over its support (math::entmax_edge_vjp).
+// dx may alias dp.
 template <typename acc_t>
 acc_t backward_row_edge(const acc_t* p, const acc_t* dp, acc_t* dx, int64_t n, acc_t b, bool want_alpha) {
   thread_local std::vector<double> buf;
@@ -244,20 +244,20 @@ acc_t backward_row_edge(const acc_t* p, const acc_t* dp, acc_t* dx, int64_t n, a
   for (int64_t i = 0; i < n; ++i)
     if (p[i] > acc_t(0) || p[i] != p[i]) pos.push_back(i);
   const int64_t k = static_cast<int64_t>(pos.size());
-  buf.resize(2 * k);
-  double* g = buf.data();
-  double* d = g + k;
+  buf.resize(3 * k);
+  double* pk = buf.data();
+  double* d = pk + k;
+  double* dz = d + k;
   const double bd = static_cast<double>(b);
   math::AlphaGradSums sums;
   for (int64_t t = 0; t < k; ++t) {
-    const double pi = static_cast<double>(p[pos[t]]);
-    g[t] = std::exp((1.0 - bd) * std::log(pi));
+    pk[t] = static_cast<double>(p[pos[t]]);
     d[t] = static_cast<double>(dp[pos[t]]);
-    if (want_alpha) sums.add(pi, d[t], bd);
+    if (want_alpha) sums.add(pk[t], d[t], bd);
   }
-  const auto pm = math::entmax_pivoted_mean<double>(g, d, k);
+  math::entmax_edge_vjp(pk, d, dz, k, bd);
   std::fill(dx, dx + n, acc_t(0));
-  for (int64_t t = 0; t < k; ++t) dx[pos[t]] = static_cast<acc_t>(g[t] * ((d[t] - pm.pivot) - pm.shift));
+  for (int64_t t = 0; t < k; ++t) dx[pos[t]] = static_cast<acc_t>(dz[t]);
   return want_alpha ? static_cast<acc_t>(sums.grad(bd)) : acc_t(0);
 }
 
@@ -265,7 +265,7 @@ template <typename acc_t, Family FAM>
 inline acc_t backward_row_alpha(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int32_t* idx, int64_t n,
                                 acc_t b, bool want_alpha) {
   if constexpr (FAM == Family::kGeneric) {
-    // In the softmax band the forward used softmax; the α gradient uses the softmax-limit derivative.
+    // At α = 1 the forward used softmax; the α gradient uses the softmax-limit derivative.
     return math::with_family(math::family_of<acc_t>(b), [&](auto tag) {
       constexpr Family F = decltype(tag)::value;
       if constexpr (F == Family::kGeneric) {

@@ -431,7 +431,7 @@ __device__ __forceinline__ void forward_rows(const scalar_t* __restrict__ x, sca
     const int64_t base = row_base(r, a);
     acc_t b;
     const Family fam = row_family(alpha, r, fixed, b);
-    // fixed b for the fixed families (the softmax band runs as softmax), b itself otherwise
+    // fixed b for the fixed families (α = 1 runs as softmax), b itself otherwise
     math::with_family(fam, [&](auto tag) {
       constexpr Family F = decltype(tag)::value;
       const acc_t bf = F == Family::kGeneric ? b : math::fixed_b<F, acc_t>();
@@ -451,7 +451,7 @@ __device__ __forceinline__ void backward_rows(const scalar_t* __restrict__ p, co
     const int64_t base = row_base(r, a);
     acc_t b;
     const Family fam = row_family(alpha, r, fixed, b);
-    // In the softmax band the forward was softmax; the α gradient still gets
+    // At α = 1 the forward was softmax; the α gradient still gets
     // the true b (and uses the softmax-limit derivative there).
     const acc_t da = math::with_family(fam, [&](auto tag) {
       return backward_row<acc_t, decltype(tag)::value>(grp, p + base, dp + base, dx + base, a.n, a.inner, b,

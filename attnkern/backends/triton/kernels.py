@@ -12,7 +12,7 @@ saves; the backward recomputes the scores s = scale·q·kᵀ + mask from it.
 
 FAMILY selects the normalizer at compile time, with the codes of
 attnkern.family.Family: SOFTMAX, SPARSEMAX (b = 1), ENTMAX15 (b = 1/2), ENTMAX
-with one b = α - 1 per head read at run time (|b| < SOFTMAX_BAND behaves as
+with one b = α - 1 per head read at run time (b = 0 exactly behaves as
 softmax).
 """
 
@@ -26,13 +26,12 @@ from attnkern import family
 
 INTERPRETED = bool(knobs.runtime.interpret)
 
-# The family codes and the softmax band (attnkern.family) as compile-time
+# The family codes (attnkern.family) as compile-time
 # constants of the kernels.
 SOFTMAX = tl.constexpr(int(family.Family.SOFTMAX))
 SPARSEMAX = tl.constexpr(int(family.Family.SPARSEMAX))
 ENTMAX15 = tl.constexpr(int(family.Family.ENTMAX15))
 ENTMAX = tl.constexpr(int(family.Family.ENTMAX))
-SOFTMAX_BAND = tl.constexpr(family.SOFTMAX_BAND)
 
 
 @triton.jit
@@ -108,7 +107,7 @@ def _phi_g(y, b, FAMILY: tl.constexpr):
         inv_b = 1.0 / tl.where(b == 0.0, 1.0, b)
         p_ent = tl.where(inside, tl.exp(ln_d * inv_b), 0.0)
         g_ent = tl.where(inside, tl.exp(ln_d * (inv_b - 1.0)), 0.0)
-        soft = (b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND)
+        soft = b == 0.0
         p_soft = tl.exp(y)
         p = tl.where(soft, p_soft, p_ent)
         g = tl.where(soft, p_soft, g_ent)
@@ -272,7 +271,7 @@ def _set_bounds(sn, sy, sy2, smin, theta, b, inv_b, lo, hi):
     n = tl.where(has, sn, 1.0)
     mean = sy / n
     ln_n = tl.log(n)
-    soft = b < SOFTMAX_BAND
+    soft = b == 0.0
     pw = tl.where(soft, ln_n, -_expm1(-b * ln_n) * inv_b)
     jensen = mean + pw
     var = tl.maximum(sy2 / n - mean * mean, 0.0)
@@ -360,10 +359,10 @@ def _attn_fwd_kernel(
         n_visit = tl.cdiv(n_end, BLOCK_N)
     else:
         inv_b = 1.0 / tl.where(b == 0.0, 1.0, b)
-        soft_head = (b > -SOFTMAX_BAND) & (b < SOFTMAX_BAND)
+        soft_head = b == 0.0
         # For 0 < b <= 1 the search runs from the left (docs/algorithms.md): every
         # iterate is a proven lower bound of the shift.
-        convex = (b >= SOFTMAX_BAND) & (b <= 1.0)
+        convex = (b > 0.0) & (b <= 1.0)
         # Bracket [0, (1 - S^-b)/b] for c - m (docs/algorithms.md), softmax limit ln S;
         # widened by a relative 1e-3 against the rounding of the formula.
         ln_n = tl.log(tl.full((), 1.0, ACC) * S)

@@ -8,7 +8,9 @@
 // with the per-row shift c chosen so that Σ p_i = 1. This is the usual
 // p = [(α-1)z - τ]_+^(1/(α-1)) with τ = b·c - 1, but c stays meaningful as
 // b → 0 (it tends to the log-sum-exp), so one float per row, c, is what every
-// normalizer saves: softmax saves the log-sum-exp, sparsemax/entmax save c.
+// normalizer saves: softmax saves the log-sum-exp, entmax saves c. The CPU
+// kernels' sparsemax saves its threshold θ = c - 1 instead (p = [z - θ]_+):
+// 1 + (z - c) would round every p at the scale of 1.
 // A row whose scores are all -inf has no support; its shift is +inf so that
 // φ(z - c) = 0 for every entry.
 //
@@ -217,6 +219,9 @@ AK_HD acc_t entmax_halley_update(acc_t c, acc_t sum_p, acc_t sum_g, acc_t curv, 
 // partial sums of a row merge with `merge`.
 constexpr double kAlphaGradSeriesBand = 0.25;
 
+// The cap on ln g in the sums of the α gradient (AlphaGradSums::add).
+constexpr double kAlphaGradExpCap = 650.0;
+
 // φ(x) = (eˣ - 1 - x)/x²: its Taylor series Σ x^k/(k+2)! (k <= 8, error below
 // 3e-17) for |x| < 0.1, the closed form with expm1 beyond.
 AK_HD double expm1_excess(double x) {
@@ -260,7 +265,15 @@ struct AlphaGradSums {
       pr += r;
       prdp += r * dp;
     } else {
-      const double g = std::exp((1.0 - b) * l);
+      // Only the ratio Σ g dp / Σ g is used, and g = p^(1-b) overflows double
+      // at the edge of the support for large α: the exponent is capped. In
+      // effect that is exact: two distinct support entries p_i > p_j have
+      // p_i^b - p_j^b = b (z_i - z_j), at least b ulps of the scores, so only
+      // one group of tied scores can come near the cap (scores of order 1e-3
+      // or more keep every other g below e^45 up to α = 20), and beside it
+      // the other entries' weights are below e^-600 either way.
+      const double x = (1.0 - b) * l;
+      const double g = std::exp(x < kAlphaGradExpCap ? x : kAlphaGradExpCap);
       gsum += g;
       gdp += g * dp;
     }
@@ -300,31 +313,35 @@ struct AlphaGradSums {
   }
 };
 
-// The row mean m = Σ g dp / Σ g of the backward dz_i = g_i (dp_i - m), in a
-// form that stays accurate for α > 2. There g = p^(2-α) is unbounded at the
-// edge of the support: one entry's g can exceed the others' by 10^10, and
-// then dp_i - m cancels to below the resolution while g_i multiplies it.
-// Measuring dp from the dp of the largest g (the pivot) removes that entry
-// from the sum, so: m = dp_pivot + Σ g (dp - dp_pivot) / Σ g, and callers
-// form dz_i = g_i ((dp_i - dp_pivot) - shift) with shift = m - dp_pivot.
-// Returns {dp_pivot, shift}; g[t], dp[t] for the k support entries.
-template <typename acc_t>
-struct PivotedMean {
-  acc_t pivot, shift;
-};
-
-template <typename acc_t>
-AK_HD PivotedMean<acc_t> entmax_pivoted_mean(const acc_t* g, const acc_t* dp, int64_t k) {
+// The backward of one support for α > 2 (b > 1): dz = g ⊙ (dp - m), with
+// g = p^(1-b) and m = Σ g dp / Σ g, over p[0:k] (all > 0; a NaN propagates).
+// There g is unbounded at the edge of the support: it overflows float32
+// below p = 7e-3 and double below p = 1e-17 at α = 20, and one entry's g can
+// exceed the others' by 10^10, so that dp_i - m cancels to below the
+// resolution while g_i multiplies it. Both go away when dp is measured from
+// the dp of the largest g (the pivot r) and the weights are taken relative
+// to it, ĝ = g / g_r <= 1: with N = Σ g (dp - dp_r) and G = Σ ĝ,
+//   dz_i = g_i (dp_i - dp_r) - ĝ_i N / G,
+// where g_i (dp_i - dp_r) overflows only if the true gradient does (an
+// entry tied with the pivot, with another dp).
+AK_HD void entmax_edge_vjp(const double* p, const double* dp, double* dz, int64_t k, double b) {
+  if (k <= 0) return;
   int64_t r = 0;
   for (int64_t t = 1; t < k; ++t)
-    if (g[t] > g[r]) r = t;
-  const acc_t pivot = k > 0 ? dp[r] : acc_t(0);
-  acc_t gsum = 0, num = 0;
+    if (p[t] < p[r]) r = t;
+  const double e = 1.0 - b, lr = std::log(p[r]), pivot = dp[r];
+  double n_sum = 0, g_rel = 0;
   for (int64_t t = 0; t < k; ++t) {
-    gsum += g[t];
-    num += g[t] * (dp[t] - pivot);
+    const double l = std::log(p[t]);
+    g_rel += std::exp(e * (l - lr));
+    if (dp[t] != pivot) n_sum += std::exp(e * l) * (dp[t] - pivot);
   }
-  return {pivot, gsum > acc_t(0) ? num / gsum : acc_t(0)};
+  const double scaled = n_sum / g_rel;
+  for (int64_t t = 0; t < k; ++t) {
+    const double l = std::log(p[t]);
+    const double own = dp[t] != pivot ? std::exp(e * l) * (dp[t] - pivot) : 0.0;
+    dz[t] = own - std::exp(e * (l - lr)) * scaled;
+  }
 }
 
 // Convergence test for the iterative shift: Σp (of n terms) within a few

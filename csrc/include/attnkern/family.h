@@ -4,8 +4,7 @@
 // family into a compile-time one.
 //
 // The Python side keeps the same table in attnkern/family.py;
-// tests/test_family.py checks the two agree through attnkern._C.FAMILIES and
-// attnkern._C.SOFTMAX_BAND.
+// tests/test_family.py checks the two agree through attnkern._C.FAMILIES.
 #pragma once
 
 #include <cstdint>
@@ -22,10 +21,6 @@
 namespace attnkern {
 namespace math {
 ATTNKERN_ISA_BEGIN
-
-// Below this |α - 1| the normalizer is treated as softmax in the forward pass
-// (the difference is O(|α - 1|), far below float32 resolution at this size).
-constexpr double kSoftmaxForwardBand = 1e-6;
 
 // kGeneric is the op name "entmax": α given per row or per head.
 enum class Family : int { kSoftmax = 0, kSparsemax = 1, kEntmax15 = 2, kGeneric = 3 };
@@ -45,12 +40,15 @@ AK_HD constexpr acc_t fixed_b(Family fam) {
   return fam == Family::kSparsemax ? acc_t(1) : fam == Family::kEntmax15 ? acc_t(0.5) : acc_t(0);
 }
 
-// b = α - 1 classified into the family member with an exact algorithm.
+// b = α - 1 classified into the family member with an exact algorithm. Only
+// α = 1 itself is softmax: the map differs from softmax by O(|α - 1|), which
+// float64 resolves at any α ≠ 1, and the generic power φ_b (through log1p)
+// stays accurate as b → 0.
 template <typename acc_t>
 AK_HD Family family_of(acc_t b) {
   if (b == acc_t(1)) return Family::kSparsemax;
   if (b == acc_t(0.5)) return Family::kEntmax15;
-  if (b > acc_t(-kSoftmaxForwardBand) && b < acc_t(kSoftmaxForwardBand)) return Family::kSoftmax;
+  if (b == acc_t(0)) return Family::kSoftmax;
   return Family::kGeneric;
 }
 
