@@ -477,8 +477,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     // are not).
     const at::ScalarType dt = gemm_dtype(q_in.scalar_type());
     HalfGemm hg;
-    const bool gemm16 = std::is_same_v<scalar_t, float> && c.S > 0 && !want_alpha && all_softmax_family(fam, alpha) &&
-                        half_gemm_enabled(dt, &hg);
+    // (Not for E < kHalfK: dQ = dS·K then sums a few terms of dS rounded to
+    // the half type, which cancel; the K dim is padded to kHalfK anyway, so
+    // float32 GEMMs cost no more there.)
+    const bool gemm16 = std::is_same_v<scalar_t, float> && c.S > 0 && c.E >= kHalfK && !want_alpha &&
+                        all_softmax_family(fam, alpha) && half_gemm_enabled(dt, &hg);
     const int64_t Sa = gemm16 ? round_up_vnni(c.S) : c.S;
     // float32 inputs whose forward took its scores in bfloat16 (gemm_dtype;
     // beyond decoding) and whose backward runs in float32 get q and k rounded

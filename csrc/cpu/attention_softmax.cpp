@@ -403,9 +403,13 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       return;
     }
   }
-  if constexpr (std::is_same_v<acc_t, double>) {
+  if (std::is_same_v<acc_t, double> || P.L <= kDecodeRows) {
     // The shift is stored in float32: one pass over the row's tiles sums
-    // exp(s - c) and corrects c to double precision.
+    // exp(s - c) and corrects c to double precision. Calls of a few query
+    // rows take it in float32 too: their forward (decoding) summed the
+    // scores' products in another order than the tiles recompute them, so
+    // that P = exp(s - c) would not sum to 1 (at scores of order 80, one ulp
+    // of c is 8e-6); the pass costs one score GEMM over a few rows.
     std::vector<acc_t> sums(m, acc_t(0));
     for (int64_t j0 = 0; j0 < n; j0 += BN) {
       const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
