@@ -348,6 +348,48 @@ void backward_half_operands(const HalfGemm& g, const float* y, const float* d, i
 // dQ (dqb, m x E) = Σ over tiles of dS·K; dK += dSᵀ·Q and dV += Pᵀ·dO go
 // into the chunk's accumulators dk, dv (S x E, S x Ev of this kv-head).
 // y, d: m x softmax_block_keys(half) scratch; lse: m entries.
+// δ = Σ_j P_j dP_j per row when one key tile holds the rows, from that
+// tile's own P (p, unnormalized; the first lim[r] entries of row r) and dP
+// (d), both with row stride ldy. With P normalized to sum to 1 (in place),
+// each row's dS = P ⊙ (dP - δ) sums to zero as the exact one does (one
+// allowed key: P = 1 and dS = 0 exactly), where δ = dO·O from the forward's
+// output carries the forward's roundings, that of a half-type output among
+// them. Returns the row sums of P (0: the row keeps `delta`) in sums and the
+// deltas in out.
+template <typename acc_t>
+void tile_deltas(int64_t m, const int64_t* lim, acc_t* p, const acc_t* d, int64_t ldy, const acc_t* delta,
+                 acc_t* sums, acc_t* out) {
+  using V = Vec<acc_t>;
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* prow = p + r * ldy;
+    const acc_t* drow = d + r * ldy;
+    const int64_t w = lim[r];
+    V vs(0);
+    int64_t j = 0;
+    for (; j + V::size() <= w; j += V::size()) vs += V::loadu(prow + j);
+    acc_t sum = hsum(vs);
+    for (; j < w; ++j) sum += prow[j];
+    sums[r] = sum > acc_t(0) && sum < std::numeric_limits<acc_t>::infinity() ? sum : acc_t(0);
+    if (sums[r] == acc_t(0)) {
+      out[r] = delta[r];
+      continue;
+    }
+    const V vsum(sum);
+    V vdot(0);
+    for (j = 0; j + V::size() <= w; j += V::size()) {
+      const V pj = V::loadu(prow + j) / vsum;  // (a division: P / P is exactly 1)
+      pj.store(prow + j);
+      vdot = at::vec::fmadd(pj, V::loadu(drow + j), vdot);
+    }
+    acc_t dot = hsum(vdot);
+    for (; j < w; ++j) {
+      prow[j] /= sum;
+      dot += prow[j] * drow[j];
+    }
+    out[r] = dot;
+  }
+}
+
 template <typename acc_t>
 void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                             const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
@@ -376,6 +418,10 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     transpose_half(do16, m, P.Ev, P.Ev, dot_t.data(), mk);
   }
   const int64_t ldt = round_up_vnni(P.S);  // row stride of the transposed dK, dV accumulators
+  // (Scratch of the single-tile rows' P and δ: tile_deltas.)
+  thread_local std::vector<int64_t> tile_lim;
+  thread_local std::vector<float> tile_p, tile_sum, tile_delta;
+  thread_local std::vector<acc_t> acc_sum, acc_delta;
   if constexpr (std::is_same_v<acc_t, float>) {
     if (b16 && !P.drop.on) {
       // Per tile: the scores (half_tile_scores) and dP, then
@@ -393,7 +439,25 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
         const float sc = half_tile_scores(P, bi, h, i0, m, j0, w, y, ldy);
         scores_half(P.hg, m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
         for (int64_t r = 0; r < m; ++r) lim[r] = P.keys_seen(i0 + r, j0, w);
-        backward_half_operands(P.hg, y, d, m, w, ldy, lim.data(), sc * kLog2e, shift2.data(), delta, P.scale,
+        const float* dl = delta;
+        if (n <= BN) {
+          // One tile holds the rows: P and δ from the tile itself (P into
+          // scratch; its normalization goes into the shifts).
+          tile_p.resize(m * ldy);
+          tile_sum.resize(m);
+          tile_delta.resize(m);
+          const Vec<float> va(sc * kLog2e);
+          for (int64_t r = 0; r < m; ++r) {
+            const Vec<float> vb(shift2[r]);
+            for (int64_t j = 0; j < lim[r]; j += Vec<float>::size())
+              (Vec<float>::loadu(y + r * ldy + j) * va + vb).exp2().store(tile_p.data() + r * ldy + j);
+          }
+          tile_deltas<float>(m, lim.data(), tile_p.data(), d, ldy, delta, tile_sum.data(), tile_delta.data());
+          for (int64_t r = 0; r < m; ++r)
+            if (tile_sum[r] > 0.f) shift2[r] -= std::log2(tile_sum[r]);
+          dl = tile_delta.data();
+        }
+        backward_half_operands(P.hg, y, d, m, w, ldy, lim.data(), sc * kLog2e, shift2.data(), dl, P.scale,
                                yk.data(), dsk.data(), dsa.data());
         // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS, dQ (+)= dS·K.
         rows_product_half(P.hg, P.Ev, m, w, dot_t.data(), yk.data(), dv + j0, ldt);
@@ -455,15 +519,24 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
         apply_keep(d + r * ldy, keep.data() + r * w, w, P.drop);
       }
     }
+    const acc_t* dl = delta;
+    if (n <= BN) {
+      // One tile holds the rows: P normalized and δ from the tile itself.
+      tile_lim.assign(m, w);
+      acc_sum.resize(m);
+      acc_delta.resize(m);
+      tile_deltas<acc_t>(m, tile_lim.data(), y, d, ldy, delta, acc_sum.data(), acc_delta.data());
+      dl = acc_delta.data();
+    }
     const V vscale(P.scale);
     for (int64_t r = 0; r < m; ++r) {
       const acc_t* prow = y + r * ldy;
       acc_t* drow = d + r * ldy;
-      const V vdelta(delta[r]);
+      const V vdelta(dl[r]);
       int64_t j = 0;
       for (; j + V::size() <= w; j += V::size())
         (vscale * V::loadu(prow + j) * (V::loadu(drow + j) - vdelta)).store(drow + j);
-      for (; j < w; ++j) drow[j] = P.scale * prow[j] * (drow[j] - delta[r]);
+      for (; j < w; ++j) drow[j] = P.scale * prow[j] * (drow[j] - dl[r]);
     }
     if (P.drop.on)
       for (int64_t r = 0; r < m; ++r) apply_keep(y + r * ldy, keep.data() + r * w, w, P.drop);
