@@ -193,7 +193,8 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
   std::vector<acc_t>& pk = ws.kept;
   dps.resize(total);
   pk.resize(total);
-  std::vector<double> edge;
+  std::vector<double> edge_buf;
+  const bool edge = FAM == Family::kGeneric && b > acc_t(1);
   for (int64_t r = 0; r < m; ++r) {
     const acc_t* prow = y + r * n;
     const acc_t* dor = dob + r * P.Ev;
@@ -212,22 +213,25 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
       const acc_t dpj = kj == acc_t(0) ? acc_t(0) : kj * dot(dor, vh + j * P.Ev, P.Ev);
       pk[t] = kj;
       dps[t] = dpj;
-      const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
-      gsum += g;
-      gdp += g * dpj;
+      if (!edge) {  // (α > 2 takes its own sums: math::entmax_edge_vjp)
+        const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
+        gsum += g;
+        gdp += g * dpj;
+      }
       if (dalpha) asums.add(static_cast<double>(prow[j]), static_cast<double>(dpj), b);
     }
     if (dalpha) *dalpha += asums.grad(static_cast<double>(b));
-    if (FAM == Family::kGeneric && b > acc_t(1)) {
+    if (edge) {
       // α > 2: in double, relative to a pivot (math::entmax_edge_vjp says why).
       const int64_t k = t1 - t0;
-      edge.resize(3 * k);
+      edge_buf.resize(3 * k);
       for (int64_t t = t0; t < t1; ++t) {
-        edge[t - t0] = static_cast<double>(prow[idx[t]]);
-        edge[k + t - t0] = static_cast<double>(dps[t]);
+        edge_buf[t - t0] = static_cast<double>(prow[idx[t]]);
+        edge_buf[k + t - t0] = static_cast<double>(dps[t]);
       }
-      math::entmax_edge_vjp(edge.data(), edge.data() + k, edge.data() + 2 * k, k, static_cast<double>(b));
-      for (int64_t t = t0; t < t1; ++t) dps[t] = P.scale * static_cast<acc_t>(edge[2 * k + t - t0]);
+      double* pe = edge_buf.data();
+      math::entmax_edge_vjp(pe, pe + k, pe + 2 * k, k, static_cast<double>(b));
+      for (int64_t t = t0; t < t1; ++t) dps[t] = P.scale * static_cast<acc_t>(edge_buf[2 * k + t - t0]);
     } else {
       const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
       for (int64_t t = t0; t < t1; ++t)

@@ -342,12 +342,6 @@ void backward_half_operands(const HalfGemm& g, const float* y, const float* d, i
 #endif
 }
 
-// Softmax backward of one block of query rows over its key tiles, as
-// FlashAttention: P is recomputed from the saved log-sum-exp c, δ = dO·O per
-// row (delta) replaces Σ_j p_j dp_j, and dS = scale · P ⊙ (dO·Vᵀ − δ).
-// dQ (dqb, m x E) = Σ over tiles of dS·K; dK += dSᵀ·Q and dV += Pᵀ·dO go
-// into the chunk's accumulators dk, dv (S x E, S x Ev of this kv-head).
-// y, d: m x softmax_block_keys(half) scratch; lse: m entries.
 // δ = Σ_j P_j dP_j per row when one key tile holds the rows, from that
 // tile's own P (p, unnormalized; the first lim[r] entries of row r) and dP
 // (d), both with row stride ldy. With P normalized to sum to 1 (in place),
@@ -390,6 +384,13 @@ void tile_deltas(int64_t m, const int64_t* lim, acc_t* p, const acc_t* d, int64_
   }
 }
 
+// Softmax backward of one block of query rows over its key tiles, as
+// FlashAttention: P is recomputed from the saved log-sum-exp c, δ = dO·O per
+// row (delta) replaces Σ_j p_j dp_j (except for rows within one key tile:
+// tile_deltas), and dS = scale · P ⊙ (dO·Vᵀ − δ).
+// dQ (dqb, m x E) = Σ over tiles of dS·K; dK += dSᵀ·Q and dV += Pᵀ·dO go
+// into the chunk's accumulators dk, dv (S x E, S x Ev of this kv-head).
+// y, d: m x softmax_block_keys(half) scratch; lse: m entries.
 template <typename acc_t>
 void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                             const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
@@ -467,13 +468,14 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       return;
     }
   }
-  if (std::is_same_v<acc_t, double> || P.L <= kDecodeRows) {
+  if (n > BN && (std::is_same_v<acc_t, double> || P.L <= kDecodeRows)) {
     // The shift is stored in float32: one pass over the row's tiles sums
     // exp(s - c) and corrects c to double precision. Calls of a few query
     // rows take it in float32 too: their forward (decoding) summed the
     // scores' products in another order than the tiles recompute them, so
     // that P = exp(s - c) would not sum to 1 (at scores of order 80, one ulp
-    // of c is 8e-6); the pass costs one score GEMM over a few rows.
+    // of c is 8e-6); the pass costs one score GEMM over a few rows. (Rows
+    // within one tile need no pass: tile_deltas normalizes their P.)
     std::vector<acc_t> sums(m, acc_t(0));
     for (int64_t j0 = 0; j0 < n; j0 += BN) {
       const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
