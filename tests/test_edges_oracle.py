@@ -24,6 +24,23 @@ GRAD_TOL = 1e-3
 LARGE_ALPHAS = (2.5, 3.0, 5.0, 10.0, 20.0)
 
 
+def _on_cuda(fn):
+    """fn run on CUDA copies of its tensor arguments (differentiable), the result back on the CPU."""
+    def call(*args):
+        return fn(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)).cpu()
+    return call
+
+
+# The row-wise backends: the CPU kernels, the float64 reference (the oracle of
+# the others) and the CUDA row kernels (on a GPU host with a CUDA build).
+_ENTMAX = {"kernel": attnkern.entmax, "reference": reference.entmax, "cuda": _on_cuda(attnkern.entmax)}
+_SPARSEMAX = {"kernel": attnkern.sparsemax, "cuda": _on_cuda(attnkern.sparsemax)}
+_CUDA = pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and _extension.has_cuda_kernels()),
+                       reason="needs a CUDA device and attnkern._C built with the CUDA sources")])
+
+
 def _err(actual, exact) -> float:
     return max(abs(float(a) - float(e)) for a, e in zip(actual, exact, strict=False))
 
@@ -43,9 +60,9 @@ def _rows(alpha, dtype, seed=0, n=16):
 # --- the reproductions of the issue --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["kernel", "reference"])
+@pytest.mark.parametrize("backend", ["kernel", "reference", _CUDA])
 def test_large_alpha_reproductions(backend):
-    entmax = attnkern.entmax if backend == "kernel" else reference.entmax
+    entmax = _ENTMAX[backend]
     cases = [([0.0, -0.105], 10.0, torch.float64, [0.993734, 0.006266]),
              ([0.0, -0.1], 10.0, torch.float64, [0.988362, 0.011638]),
              ([0.0, -0.2499], 5.0, torch.float32, [0.9999, 1e-4])]
@@ -67,11 +84,11 @@ def test_large_alpha_reproductions(backend):
 
 @pytest.mark.parametrize("alpha", LARGE_ALPHAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("backend", ["kernel", "reference"])
+@pytest.mark.parametrize("backend", ["kernel", "reference", _CUDA])
 def test_large_alpha_rows(alpha, dtype, backend):
     if backend == "reference" and dtype == torch.float32:
         pytest.skip("the reference computes in float64 whatever the input")
-    entmax = attnkern.entmax if backend == "kernel" else reference.entmax
+    entmax = _ENTMAX[backend]
     xs = _rows(alpha, dtype)
     dps = torch.randn(xs.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
     x = xs.clone().requires_grad_()
@@ -188,12 +205,13 @@ def _ulp32(t: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(m)) - 23)
 
 
+@pytest.mark.parametrize("backend", ["kernel", _CUDA])
 @pytest.mark.parametrize("n", [1000, 32768, 2**20])
-def test_float32_sparsemax_long_rows(n):
+def test_float32_sparsemax_long_rows(n, backend):
     torch.manual_seed(0)
     for spread in (1e-6, 1e-3):
         x = (torch.randn(1, n, dtype=torch.float64) * spread).float()
-        p = attnkern.sparsemax(x).double()
+        p = _SPARSEMAX[backend](x).double()
         exact = reference.sparsemax(x.double())  # the sort-based rule in float64 on the same float32 inputs
         assert abs(p.sum().item() - 1) <= 1e-6, (n, spread, p.sum().item() - 1)
         assert ((p - exact).abs() <= 4 * _ulp32(exact) + 1e-9).all(), (n, spread, (p - exact).abs().max())

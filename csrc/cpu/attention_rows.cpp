@@ -213,7 +213,7 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
       const acc_t dpj = kj == acc_t(0) ? acc_t(0) : kj * dot(dor, vh + j * P.Ev, P.Ev);
       pk[t] = kj;
       dps[t] = dpj;
-      if (!edge) {  // (α > 2 takes its own sums: math::entmax_edge_vjp)
+      if (!edge) {  // (α > 2 takes its own sums: math::edge_vjp)
         const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
         gsum += g;
         gdp += g * dpj;
@@ -222,7 +222,7 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
     }
     if (dalpha) *dalpha += asums.grad(static_cast<double>(b));
     if (edge) {
-      // α > 2: in double, relative to a pivot (math::entmax_edge_vjp says why).
+      // α > 2: in double, relative to a pivot (math::edge_vjp says why).
       const int64_t k = t1 - t0;
       edge_buf.resize(3 * k);
       for (int64_t t = t0; t < t1; ++t) {

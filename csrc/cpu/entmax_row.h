@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "attnkern/entmax_edge.h"
 #include "attnkern/entmax_math.h"
 #include "simd.h"
 
@@ -1008,33 +1009,24 @@ inline acc_t solve_entmax15_from_lanes(const acc_t* x, int64_t n, acc_t m, acc_t
   return c;
 }
 
-// The generic family's probabilities for b > 1 (α > 2), where the shift form
-// cannot give them: p = (1 + b(y - c))^(1/b) at the edge of the support
-// needs 1 + b(y - c) = p^b, 1e-36 for p = 1e-4 at α = 10, beside terms of
-// order 1. Measured from the support's smallest score z_r instead, every
-// support entry is p_i = (q^b + b(z_i - z_r))^(1/b) with q = p_r: a sum of
-// two non-negative terms, accurate to the rounding of z_i - z_r, and q
-// itself solves F(q) = m_r q + Σ_(z_i > z_r) (q^b + b(z_i - z_r))^(1/b) = 1
-// (m_r entries tied at z_r), a convex increasing function with F' >= m_r:
-// well conditioned where the shift's equation is not. The support is chosen
-// by the sort-based rule (z_j is inside iff Σ_(z_i > z_j) (b(z_i - z_j))^(1/b)
-// < 1), among the entries with 1 + b(y - c) > -1/8 at the shift c found by
-// find_shift, which holds the support with a wide margin. All in double; out
-// may alias x; vals and idx are scratch of n entries.
+// The generic family's probabilities for b > 1 (α > 2), in p-space
+// (math::edge_solve, attnkern/entmax_edge.h, says why), over the entries with
+// 1 + b(y - c) > -1/8 at the shift c found by find_shift, which hold the
+// support with a wide margin (checked: the largest entry left out must be
+// outside by the support rule, else the whole row is taken). out may alias
+// x; vals and idx are scratch of n entries.
 template <typename acc_t>
 inline void write_probs_edge(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, acc_t* out, acc_t* vals,
                              int32_t* idx) {
-  thread_local std::vector<std::pair<double, int32_t>> cand;  // (score, position), by decreasing score
-  thread_local std::vector<double> terms;
-  const double bd = static_cast<double>(b), inv_b = 1.0 / bd;
-  // The entries above cut (positions_above, vectorized), sorted, and the
-  // largest one left out (-inf if none).
-  double left_out = -std::numeric_limits<double>::infinity();
+  thread_local std::vector<double> z;  // the gathered scores
+  const double inf = std::numeric_limits<double>::infinity();
+  const double bd = static_cast<double>(b);
+  int64_t k = 0;
+  double left_out = -inf;  // the largest score not gathered
   auto gather = [&](acc_t cut) {
-    const int64_t k = positions_above(x, n, m, cut, vals, idx);
-    cand.resize(k);
-    for (int64_t t = 0; t < k; ++t) cand[t] = {static_cast<double>(x[idx[t]]), idx[t]};
-    std::sort(cand.begin(), cand.end(), [](const auto& u, const auto& v) { return u.first > v.first; });
+    k = positions_above(x, n, m, cut, vals, idx);
+    z.resize(k);
+    for (int64_t t = 0; t < k; ++t) z[t] = static_cast<double>(x[idx[t]]);
     using V = Vec<acc_t>;
     // (The same test as positions_above's, (x - m) > cut, so that every entry is on one side.)
     const V vm(m), vcut(cut), vninf(-std::numeric_limits<acc_t>::infinity());
@@ -1051,56 +1043,18 @@ inline void write_probs_edge(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t 
                                           [](V& a, V& c) { return at::vec::maximum(a, c); }, vmax));
     left_out = static_cast<double>(most);
   };
-  // Whether a score z would be inside the support, given the gathered entries above it.
-  auto inside_at = [&](double z, int64_t above_count) {
-    double s = 0;
-    for (int64_t i = 0; i < above_count && cand[i].first > z; ++i)
-      s += std::exp(std::log(bd * (cand[i].first - z)) * inv_b);
-    return s < 1.0;
-  };
+  const math::SerialLanes one;
+  const auto score = [&](int64_t t) { return z[t]; };
   gather(c - acc_t(1.125) / b);
-  int64_t k = static_cast<int64_t>(cand.size());
-  if (k == 0 || (left_out > -std::numeric_limits<double>::infinity() && inside_at(left_out, k))) {
+  if (k == 0 || (left_out > -inf && math::edge_probe(one, score, k, left_out, -inf, inf, bd).s < 1.0)) {
     // The margin did not hold the support (it always should): take the row.
     gather(-std::numeric_limits<acc_t>::infinity());
-    k = static_cast<int64_t>(cand.size());
   }
-  auto inside = [&](int64_t j) { return inside_at(cand[j].first, j); };
-  // The last inside position: inside(0) holds, and inside is monotone.
-  int64_t lo = 0, hi = k;  // inside(lo), !inside(hi) (hi = k: past the list)
-  while (hi - lo > 1) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    (inside(mid) ? lo : hi) = mid;
-  }
-  const double zr = cand[lo].first;
-  int64_t above = lo;  // entries strictly above z_r
-  while (above > 0 && cand[above - 1].first == zr) --above;
-  const double ties = static_cast<double>(lo - above + 1);
-  terms.resize(above);
-  for (int64_t i = 0; i < above; ++i) terms[i] = bd * (cand[i].first - zr);
-  // Newton's steps on the convex increasing F from the right (F(1/m_r) >= 0):
-  // monotone, no overshoot; stop when F <= 0 or q stops decreasing.
-  double q = 1.0 / ties;
-  for (int it = 0; it < 200; ++it) {
-    const double qb = std::exp(bd * std::log(q));
-    const double qb1 = qb / q;  // q^(b-1)
-    double f = ties * q - 1.0, df = ties;
-    for (int64_t i = 0; i < above; ++i) {
-      const double u = qb + terms[i];
-      const double pu = std::exp(std::log(u) * inv_b);
-      f += pu;
-      df += qb1 * pu / u;
-    }
-    if (!(f > 0.0)) break;
-    const double next = q - f / df;
-    if (!(next < q)) break;
-    q = next > 0.0 ? next : 0.5 * q;
-  }
-  const double qb = std::exp(bd * std::log(q));
+  const double md = static_cast<double>(m), cd = static_cast<double>(c);
+  const double tol = 8.0 * std::numeric_limits<acc_t>::epsilon() * (1.0 + std::abs(md) + std::abs(cd) + 1.0 / bd);
+  const math::EdgeRow e = math::edge_solve(one, score, k, md, bd, md + cd - 1.0 / bd, tol);
   std::fill(out, out + n, acc_t(0));
-  for (int64_t i = 0; i < above; ++i)
-    out[cand[i].second] = static_cast<acc_t>(std::exp(std::log(qb + terms[i]) * inv_b));
-  for (int64_t i = above; i <= lo; ++i) out[cand[i].second] = static_cast<acc_t>(q);
+  for (int64_t t = 0; t < k; ++t) out[idx[t]] = static_cast<acc_t>(math::edge_prob(e, z[t], bd));
 }
 
 // Shift and probabilities of one row x[0:n] of a sparse family (or the

@@ -234,7 +234,7 @@ acc_t backward_row(const acc_t* p, const acc_t* dp, acc_t* dx, acc_t* gbuf, int3
 }
 
 // α > 2 (b > 1): g = p^(1-b) is unbounded at the edge of the support, so the
-// row's backward runs in double over its support (math::entmax_edge_vjp).
+// row's backward runs in double over its support (math::edge_vjp).
 // dx may alias dp.
 template <typename acc_t>
 acc_t backward_row_edge(const acc_t* p, const acc_t* dp, acc_t* dx, int64_t n, acc_t b, bool want_alpha) {

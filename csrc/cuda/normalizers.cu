@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "attnkern/entmax_edge.h"
 #include "attnkern/entmax_math.h"
 #include "attnkern/row_layout.h"
 
@@ -218,6 +219,39 @@ __device__ Shift<acc_t> find_shift(const G& grp, const scalar_t* __restrict__ x,
   }
 }
 
+// Sparsemax's threshold θ (p = [z - θ]_+) in double, as the CPU kernels
+// keep it: p formed as 1 + (z - m) - c would round every entry at the scale
+// of 1. Michelot's steps θ <- (Σ_(z > θ) z - 1) / |{z > θ}| from a point left
+// of θ only grow and stop at θ, each a pass; they start from the converged
+// shift c (θ = m + c - 1) nudged left by its rounding, or from m - 1 (always
+// left: the max entry alone has p <= 1) if that start was not left.
+template <typename acc_t, typename scalar_t, typename G>
+__device__ double sparsemax_threshold(const G& grp, const scalar_t* __restrict__ x, int64_t n, int64_t stride,
+                                      acc_t m, acc_t c) {
+  const double md = m, cd = c;
+  double theta = md + (cd - 1.0) - 16.0 * std::numeric_limits<acc_t>::epsilon() * (1.0 + std::fabs(cd));
+  if (!(theta >= md - 1.0)) theta = md - 1.0;
+  for (int it = 0; it < kMaxIterations; ++it) {
+    double s[2] = {0.0, 0.0};  // Σ (z - m), count, over z > θ
+    for (int64_t j = grp.lane(); j < n; j += grp.size()) {
+      const double z = static_cast<double>(load_acc<acc_t>(x, j, stride));
+      if (z > theta) {
+        s[0] += z - md;
+        s[1] += 1.0;
+      }
+    }
+    grp.template sum<2>(s);
+    const double next = md + (s[0] - 1.0) / s[1];
+    if (next < theta && it == 0 && theta > md - 1.0) {
+      theta = md - 1.0;  // the start was right of θ: from the safe one
+      continue;
+    }
+    if (!(next > theta)) break;
+    theta = next;
+  }
+  return theta;
+}
+
 template <typename acc_t, Family FAM, typename scalar_t, typename G>
 __device__ void forward_row(const G& grp, const scalar_t* __restrict__ x, scalar_t* __restrict__ out, int64_t n,
                             int64_t stride, acc_t b) {
@@ -231,9 +265,30 @@ __device__ void forward_row(const G& grp, const scalar_t* __restrict__ x, scalar
     return;
   }
   const Shift<acc_t> s = find_shift<acc_t, FAM>(grp, x, n, stride, m, b);
-  for (int64_t j = grp.lane(); j < n; j += grp.size()) {
-    const acc_t y = load_acc<acc_t>(x, j, stride) - m;
-    out[j * stride] = static_cast<scalar_t>(s.norm * math::entmax_phi<acc_t>(y - s.c, b, FAM));
+  const auto score = [&](int64_t j) { return static_cast<double>(load_acc<acc_t>(x, j, stride)); };
+  if constexpr (FAM == Family::kSparsemax) {
+    const double theta = sparsemax_threshold<acc_t>(grp, x, n, stride, m, s.c);
+    for (int64_t j = grp.lane(); j < n; j += grp.size()) {
+      const double p = score(j) - theta;
+      out[j * stride] = static_cast<scalar_t>(p > 0.0 ? p : 0.0);
+    }
+  } else {
+    if constexpr (FAM == Family::kGeneric) {
+      if (b > acc_t(1)) {
+        // α > 2: in p-space (attnkern/entmax_edge.h), the shift only a hint.
+        const double bd = b, md = m, cd = s.c;
+        const double tol =
+            8.0 * std::numeric_limits<acc_t>::epsilon() * (1.0 + std::fabs(md) + std::fabs(cd) + 1.0 / bd);
+        const math::EdgeRow e = math::edge_solve(grp, score, n, md, bd, md + cd - 1.0 / bd, tol);
+        for (int64_t j = grp.lane(); j < n; j += grp.size())
+          out[j * stride] = static_cast<scalar_t>(math::edge_prob(e, score(j), bd));
+        return;
+      }
+    }
+    for (int64_t j = grp.lane(); j < n; j += grp.size()) {
+      const acc_t y = load_acc<acc_t>(x, j, stride) - m;
+      out[j * stride] = static_cast<scalar_t>(s.norm * math::entmax_phi<acc_t>(y - s.c, b, FAM));
+    }
   }
 }
 
@@ -242,8 +297,10 @@ __device__ void forward_row(const G& grp, const scalar_t* __restrict__ x, scalar
 template <typename acc_t, Family FAM, typename scalar_t, typename G>
 __device__ acc_t backward_row(const G& grp, const scalar_t* __restrict__ p, const scalar_t* __restrict__ dp,
                               scalar_t* __restrict__ dx, int64_t n, int64_t stride, acc_t b, bool want_alpha) {
+  bool edge = false;
+  if constexpr (FAM == Family::kGeneric) edge = b > acc_t(1);
   acc_t s[2] = {acc_t(0), acc_t(0)};  // Σg, Σg dp
-  for (int64_t j = grp.lane(); j < n; j += grp.size()) {
+  for (int64_t j = grp.lane(); j < n && !edge; j += grp.size()) {
     const acc_t g = math::entmax_g_from_p<acc_t>(load_acc<acc_t>(p, j, stride), b, FAM);
     s[0] += g;
     s[1] += g * load_acc<acc_t>(dp, j, stride);
@@ -263,6 +320,14 @@ __device__ acc_t backward_row(const G& grp, const scalar_t* __restrict__ p, cons
     grp.template sum<math::AlphaGradSums::kCount>(r);
     a.from_array(r);
     dalpha = static_cast<acc_t>(a.grad(bd));
+  }
+  if (edge) {
+    // α > 2: in double, relative to a pivot (math::edge_vjp says why).
+    math::edge_vjp(
+        grp, n, [&](int64_t j) { return static_cast<double>(load_acc<acc_t>(p, j, stride)); },
+        [&](int64_t j) { return static_cast<double>(load_acc<acc_t>(dp, j, stride)); },
+        [&](int64_t j, double v) { dx[j * stride] = static_cast<scalar_t>(v); }, static_cast<double>(b));
+    return dalpha;
   }
   const acc_t mean = s[0] > acc_t(0) ? s[1] / s[0] : acc_t(0);
   for (int64_t j = grp.lane(); j < n; j += grp.size()) {
@@ -301,20 +366,13 @@ __device__ __forceinline__ T warp_max(T v) {
   return __shfl_sync(kFullMask, v, 0);
 }
 
-struct ThreadGroup {
-  __device__ int lane() const { return 0; }
-  __device__ int size() const { return 1; }
+// One thread per row: nothing to reduce (the CPU kernels' SerialLanes).
+struct ThreadGroup : math::SerialLanes {
   __device__ bool leader() const { return true; }
   __device__ int64_t first_row() const {
     return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   }
   __device__ int64_t row_step() const { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-  template <int N, typename T>
-  __device__ void sum(T*) const {}
-  template <typename T>
-  __device__ T max(T v) const {
-    return v;
-  }
 };
 
 // blockDim.x is a multiple of 32; warp w of the block takes its own rows.

@@ -313,37 +313,6 @@ struct AlphaGradSums {
   }
 };
 
-// The backward of one support for α > 2 (b > 1): dz = g ⊙ (dp - m), with
-// g = p^(1-b) and m = Σ g dp / Σ g, over p[0:k] (all > 0; a NaN propagates).
-// There g is unbounded at the edge of the support: it overflows float32
-// below p = 7e-3 and double below p = 1e-17 at α = 20, and one entry's g can
-// exceed the others' by 10^10, so that dp_i - m cancels to below the
-// resolution while g_i multiplies it. Both go away when dp is measured from
-// the dp of the largest g (the pivot r) and the weights are taken relative
-// to it, ĝ = g / g_r <= 1: with N = Σ g (dp - dp_r) and G = Σ ĝ,
-//   dz_i = g_i (dp_i - dp_r) - ĝ_i N / G,
-// where g_i (dp_i - dp_r) overflows only if the true gradient does (an
-// entry tied with the pivot, with another dp).
-AK_HD void entmax_edge_vjp(const double* p, const double* dp, double* dz, int64_t k, double b) {
-  if (k <= 0) return;
-  int64_t r = 0;
-  for (int64_t t = 1; t < k; ++t)
-    if (p[t] < p[r]) r = t;
-  const double e = 1.0 - b, lr = std::log(p[r]), pivot = dp[r];
-  double n_sum = 0, g_rel = 0;
-  for (int64_t t = 0; t < k; ++t) {
-    const double l = std::log(p[t]);
-    g_rel += std::exp(e * (l - lr));
-    if (dp[t] != pivot) n_sum += std::exp(e * l) * (dp[t] - pivot);
-  }
-  const double scaled = n_sum / g_rel;
-  for (int64_t t = 0; t < k; ++t) {
-    const double l = std::log(p[t]);
-    const double own = dp[t] != pivot ? std::exp(e * l) * (dp[t] - pivot) : 0.0;
-    dz[t] = own - std::exp(e * (l - lr)) * scaled;
-  }
-}
-
 // Convergence test for the iterative shift: Σp (of n terms) within a few
 // ulps of 1 ...
 template <typename acc_t>
