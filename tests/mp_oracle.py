@@ -97,3 +97,36 @@ def near_tied_rows(gen, n: int, alpha: float, count: int):
             x[j] = -(1.0 / b - small)
         rows.append(x[torch.randperm(n, generator=gen)])
     return torch.stack(rows)
+
+
+def attention(q, k, v, dout, alpha, scale):
+    """out, dq, dk, dv, dα of one head of α-entmax attention from the mpmath rows
+    (q (L, E), k (S, E), v (S, Ev), dout (L, Ev) tensors), float64."""
+    import torch
+
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    s = scale * q @ k.T  # the scores, in float64 from the inputs: exact enough beside the targets
+    L = s.shape[0]
+    ds, dalpha = [], mpmath.mpf(0)
+    p_rows = []
+    for i in range(L):
+        p = entmax(s[i].tolist(), alpha)
+        pt = torch.tensor([float(x) for x in p], dtype=torch.float64)
+        p_rows.append(pt)
+        dp = (dout[i] @ v.T).tolist()
+        ds.append(torch.tensor([float(x) for x in vjp(p, dp, alpha)], dtype=torch.float64))
+        dalpha += alpha_vjp(s[i].tolist(), dp, alpha)
+    P, dS = torch.stack(p_rows), torch.stack(ds)
+    return P @ v, scale * dS @ k, scale * dS.T @ q, P.T @ dout, float(dalpha)
+
+
+def near_tied_attention(gen, alpha: float, L: int, S: int, Ev: int, scale: float):
+    """q, k, v, dout (1, 2, ·, ·) float64 whose two heads' score rows are
+    near_tied_rows: the keys are the identity (E = S) and the scale a power of
+    two, so that scale·q·kᵀ is exactly those rows."""
+    import torch
+
+    k = torch.eye(S, dtype=torch.float64).expand(1, 2, S, S)
+    q = torch.stack([near_tied_rows(gen, S, alpha, L) for _ in range(2)]).unsqueeze(0) / scale
+    v, dout = (torch.randn(1, 2, n, Ev, generator=gen, dtype=torch.float64) for n in (S, L))
+    return q, k, v, dout

@@ -7,7 +7,6 @@ so that the mpmath solves stay quick."""
 
 
 import mp_oracle as oracle
-import mpmath
 import pytest
 import torch
 
@@ -149,46 +148,24 @@ def test_alpha_gradient_continuous_across_one():
 # --- fused attention at the edges ------------------------------------------------------------------
 
 
-def _attention_oracle(q, k, v, dout, alpha, scale):
-    """out, dq, dk, dv, dα of one head from the mpmath rows (q (L, E), k (S, E), v (S, Ev))."""
-    q, k, v, dout = (t.double() for t in (q, k, v, dout))
-    s = scale * q @ k.T  # the scores, in float64 from the inputs: exact enough beside the targets
-    L = s.shape[0]
-    ds, dalpha = [], mpmath.mpf(0)
-    p_rows = []
-    for i in range(L):
-        p = oracle.entmax(s[i].tolist(), alpha)
-        pt = torch.tensor([float(x) for x in p], dtype=torch.float64)
-        p_rows.append(pt)
-        dp = (dout[i] @ v.T).tolist()
-        ds.append(torch.tensor([float(x) for x in oracle.vjp(p, dp, alpha)], dtype=torch.float64))
-        dalpha += oracle.alpha_vjp(s[i].tolist(), dp, alpha)
-    P, dS = torch.stack(p_rows), torch.stack(ds)
-    return P @ v, scale * dS @ k, scale * dS.T @ q, P.T @ dout, float(dalpha)
-
-
 @pytest.mark.parametrize("alpha", [3.0, 10.0, 20.0, 1 + 2.0**-23, 1 - 2.0**-24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_attention_at_the_edges(alpha, dtype):
     g = torch.Generator().manual_seed(4)
     L, S, Ev, scale = 4, 12, 6, 0.5
     if alpha > 2:
-        # Keys = the identity, so that each query's scores are a near-tied row
-        # of the oracle's (exactly: the scale is a power of two).
-        E = S
-        k = torch.eye(S, dtype=torch.float64).expand(1, 2, S, S)
-        q = torch.stack([oracle.near_tied_rows(g, S, alpha, L) for _ in range(2)]).unsqueeze(0) / scale
+        q, k, v, dout = oracle.near_tied_attention(g, alpha, L, S, Ev, scale)
     else:
         E = 8
         q, k = (torch.randn(1, 2, n, E, generator=g, dtype=torch.float64) for n in (L, S))
-    v, dout = (torch.randn(1, 2, n, Ev, generator=g, dtype=torch.float64) for n in (S, L))
+        v, dout = (torch.randn(1, 2, n, Ev, generator=g, dtype=torch.float64) for n in (S, L))
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     a = torch.full((2,), alpha, dtype=dtype, requires_grad=True)
     out = attnkern.attention(qq, kk, vv, scale=scale, normalizer="entmax", alpha=a)
     out.backward(dout)
     for h in range(2):
-        o, dq, dk, dv, da = _attention_oracle(q[0, h], k[0, h], v[0, h], dout[0, h], float(alpha), scale)
+        o, dq, dk, dv, da = oracle.attention(q[0, h], k[0, h], v[0, h], dout[0, h], float(alpha), scale)
         out_tol = (1e-6 if dtype == torch.float32 else 1e-11) * max(1.0, o.abs().max().item())
         assert (out[0, h].double() - o).abs().max() <= out_tol
         for name, got, exact in (("dq", qq.grad[0, h], dq), ("dk", kk.grad[0, h], dk), ("dv", vv.grad[0, h], dv)):

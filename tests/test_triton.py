@@ -181,8 +181,8 @@ def test_ties(normalizer):
 
 @pytest.mark.parametrize("alpha", [(1.0, 1.0 + 5e-7), (1.7, 0.6), (1.0005, 0.9995)])
 def test_entmax_alpha_near_one_and_below(alpha):
-    # |α - 1| < 1e-6 is softmax; α < 1 is dense; for |α - 1| < 1e-3 the float32
-    # α-gradient is its softmax limit (entmax_math.h), off by O(|α - 1|).
+    # Every α next to 1 gets its own map (only α = 1 is softmax); α < 1 is dense;
+    # for |α - 1| < 1e-3 the float32 α-gradient is checked loosely.
     B, H, Hk, L, S, E, Ev = 1, 2, 1, 7, 19, 16, 5
     q, k, v, do = make_inputs(B, H, Hk, L, S, E, Ev, seed=6)
     near = abs(alpha[0] - 1) > 1e-6
@@ -195,6 +195,29 @@ def test_entmax_alpha_near_one_and_below(alpha):
         dalpha = tb.attention_bwd(do, q, k, v, None, False, 0.5, "entmax", torch.tensor(alpha), out, shift,
                                   True)[3]
         torch.testing.assert_close(dalpha.double(), a64.grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("alpha", [3.0, 10.0, 20.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_alpha_against_the_mpmath_oracle(alpha, dtype):
+    # Rows whose smaller leaders sit at p = 1e-4-1e-2, where the shift form has
+    # no resolution left (issue 27): the targets of tests/test_edges_oracle.py.
+    import mp_oracle as oracle
+
+    L, S, Ev, scale = 4, 12, 6, 0.5
+    q, k, v, dout = (t.to(dtype).to(DEVICE) for t in oracle.near_tied_attention(
+        torch.Generator().manual_seed(4), alpha, L, S, Ev, scale))
+    a = torch.full((2,), alpha)
+    out, shift = tb.attention_fwd(q, k, v, None, False, scale, "entmax", a)
+    dq, dk, dv, dalpha = tb.attention_bwd(dout, q, k, v, None, False, scale, "entmax", a, out, shift, True)
+    for h in range(2):
+        o, eq, ek, ev, da = oracle.attention(*(t[0, h].cpu() for t in (q, k, v, dout)), alpha, scale)
+        out_tol = (1e-6 if dtype == torch.float32 else 1e-11) * max(1.0, o.abs().max().item())
+        assert (out[0, h].cpu().double() - o).abs().max() <= out_tol, h
+        for name, got, exact in (("dq", dq, eq), ("dk", dk, ek), ("dv", dv, ev)):
+            err = (got[0, h].cpu().double() - exact).abs().max()
+            assert err <= 1e-3 * exact.abs().max().clamp_min(1e-30), (name, h, float(err))
+        assert abs(float(dalpha[h]) - da) <= 1e-3 * max(1.0, abs(da)), (h, float(dalpha[h]), da)
 
 
 # --- invariants and edge cases -------------------------------------------------
@@ -393,16 +416,17 @@ accs = "fp64" if dt == "fp64" else "fp32"
 floats = {"scale", "eps", "alpha_band", "drop_scale"}
 wide = {"seed", "threshold"}
 pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "Counts", "DO", "Delta", "DAlphaRow",
-            "DQ", "DK", "DV"}
-for family in range(4):
+            "EdgeRows", "DQ", "DK", "DV"}
+# (family, EDGE): every family, and α-entmax with heads at α > 2.
+for family, edge in ((0, False), (1, False), (2, False), (3, False), (3, True)):
     base = dict(FAMILY=family, HAS_MASK=True, IS_CAUSAL=True, HEAD_DIM=64, HEAD_DIM_V=32, BLOCK_M=64,
-                BLOCK_N=32, ACC=acc, DROPOUT=True)
+                BLOCK_N=32, ACC=acc, DROPOUT=True, EDGE=edge)
     for fn, ptrs, const in (
         (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", Counts="i32"),
          dict(base, MAX_ITER=64, N_WORDS=4, NSETS=_NSETS, COUNT=True)),
-        (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow=accs),
+        (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow=accs, EdgeRows="fp64"),
          dict(base, STATS=family != 0, ALPHA_GRAD=family == 3)),
-        (K._attn_bwd_dkdv_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs), base),
+        (K._attn_bwd_dkdv_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, EdgeRows="fp64"), base),
     ):
         sig = {}
         for name in fn.arg_names:

@@ -128,6 +128,12 @@ def _alpha_arg(family: Family, alpha, q):
     return torch.empty(0, dtype=torch.float32, device=q.device)
 
 
+def _has_edge_heads(family: Family, alpha) -> bool:
+    """Whether some head has α > 2, whose rows the kernels solve in p-space
+    (compiled in only then: EDGE). Reads α on the host: one synchronization."""
+    return family is Family.ENTMAX and bool((alpha > 2).any())
+
+
 def _interpreter_inputs(*tensors):
     """Under the interpreter, bfloat16 operands as float32 copies: its tl.dot on
     bfloat16 returns garbage (triton 3.8). Outputs keep their dtypes."""
@@ -221,7 +227,7 @@ def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p
         H, H // Hk, L, S, E, Ev, float(scale), _eps(q), seed, threshold, drop_scale, groups,
         FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
         HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q), DROPOUT=dropout,
-        N_WORDS=n_words, NSETS=_NSETS, COUNT=count,
+        N_WORDS=n_words, NSETS=_NSETS, COUNT=count, EDGE=_has_edge_heads(family, alpha),
     )
     if count:
         n_blocks_m = triton.cdiv(L, kern.attn_fwd.best_config.kwargs["BLOCK_M"])
@@ -272,22 +278,25 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         # Softmax: Σ_j p_j dp_j = dO·O (FlashAttention's delta).
         delta = (grad_out.to(acc_torch) * out.to(acc_torch)).sum(-1).contiguous()
     dalpha_rows = torch.zeros((B, H, L) if alpha_grad else (1,), dtype=torch.float64, device=q.device)
+    edge = _has_edge_heads(family, alpha)
+    # Per row of a head with α > 2: pivot, q, the pivot's dp, Σ g (dp - dp_r) / Σ ĝ (kernels._edge_ds).
+    edge_rows = torch.zeros((B * H * L, 4) if edge else (4,), dtype=torch.float64, device=q.device)
 
     mask_t, mstr = _mask_args(mask, q)
     hd, hdv = _head_dim(E), _head_dim(Ev)
     alpha_t = _alpha_arg(family, alpha, q)
     q, k, v, grad_out = _interpreter_inputs(q, k, v, grad_out)
     common = dict(FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout)
+                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout, EDGE=edge)
     drop = (seed, threshold, drop_scale, groups)
     kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
-        q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, dq,
+        q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, edge_rows, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), ALPHA_GRAD_SERIES_BAND, *drop,
+        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), ALPHA_GRAD_SERIES_BAND, *drop,
         STATS=stats, ALPHA_GRAD=bool(alpha_grad), **common,
     )
     kern.attn_bwd_dkdv[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hk)](
-        q, k, v, mask_t, alpha_t, grad_out, shift, delta, dk, dv,
+        q, k, v, mask_t, alpha_t, grad_out, shift, delta, edge_rows, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dk.stride(), *dv.stride(),
         H, H // Hk, L, S, E, Ev, float(scale), *drop, **common,
     )

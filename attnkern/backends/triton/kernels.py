@@ -10,6 +10,11 @@ keys), in the shift form of docs/algorithms.md: p_ij = φ_b(s_ij - c_i) with
 φ_b(y) = [1 + b·y]_+^(1/b) and φ_0 = exp. The row shift c is what the forward
 saves; the backward recomputes the scores s = scale·q·kᵀ + mask from it.
 
+Heads with α > 2 are the exception: the shift form cannot resolve the edge of
+their support, and with EDGE set (by the launcher, when some head has α > 2)
+their rows are solved in p-space (_edge_solve below); the saved shift is then
+only the starting point of the backward's own solve.
+
 FAMILY selects the normalizer at compile time, with the codes of
 attnkern.family.Family: SOFTMAX, SPARSEMAX (b = 1), ENTMAX15 (b = 1/2), ENTMAX
 with one b = α - 1 per head read at run time (b = 0 exactly behaves as
@@ -290,6 +295,152 @@ def _set_bounds(sn, sy, sy2, smin, theta, b, inv_b, lo, hi):
     return lo, hi, exact
 
 
+# --- α > 2 in p-space (csrc/include/attnkern/entmax_edge.h, docs/algorithms.md) ---------------------
+#
+# The shift form cannot give the edge of the support for α > 2 (1 + b(y - c) =
+# p^b, 1e-36 for p = 1e-4 at α = 10); these passes find the support's smallest
+# score z_r (the pivot) and q = p_r, and every p_i = (q^b + b(s_i - z_r))^(1/b),
+# all in float64, as the CPU and CUDA kernels do. Each pass re-streams the keys.
+
+
+@triton.jit
+def _edge_load_b(Alpha, h):
+    """b = α - 1 of head h in float64 (exact from the float32 α)."""
+    return tl.load(Alpha + h).to(tl.float64) - 1.0
+
+
+@triton.jit
+def _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
+                t, lo, hi, b, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """At t per row: S(t) = Σ_(s > t) (b(s - t))^(1/b) (a score s is in the support
+    iff S(s) < 1), the scores strictly inside (lo, t) and (t, hi), the smallest score >= t."""
+    inv_b = 1.0 / b
+    s_t = tl.zeros_like(t)
+    below = tl.zeros_like(t)
+    above = tl.zeros_like(t)
+    least = tl.zeros_like(t) + float("inf")
+    for start_n in range(0, n_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                    HAS_MASK, IS_CAUSAL, ACC).to(tl.float64)
+        d = s - t[:, None]
+        up = d > 0.0
+        s_t += tl.sum(tl.where(up, tl.exp(tl.log(tl.where(up, b * d, 1.0)) * inv_b), 0.0), 1)
+        above += tl.sum(tl.where(up & (s < hi[:, None]), 1.0, 0.0), 1)
+        below += tl.sum(tl.where((d < 0.0) & (s > lo[:, None]), 1.0, 0.0), 1)
+        least = tl.minimum(least, tl.min(tl.where(d >= 0.0, s, float("inf")), 1))
+    return s_t, below, above, least
+
+
+@triton.jit
+def _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
+                 pivot, qv, b, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """F(q) + 1 and F'(q) per row, F(q) = m_r q + Σ_(s > z_r) (q^b + b(s - z_r))^(1/b) - 1."""
+    inv_b = 1.0 / b
+    qb = tl.exp(b * tl.log(qv))
+    qb1 = qb / qv
+    f = tl.zeros_like(qv)
+    df = tl.zeros_like(qv)
+    for start_n in range(0, n_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                    HAS_MASK, IS_CAUSAL, ACC).to(tl.float64)
+        tie = s == pivot[:, None]
+        up = s > pivot[:, None]
+        u = tl.where(up, qb[:, None] + b * (s - pivot[:, None]), 1.0)
+        pu = tl.exp(tl.log(u) * inv_b)
+        f += tl.sum(tl.where(tie, qv[:, None], tl.where(up, pu, 0.0)), 1)
+        df += tl.sum(tl.where(tie, 1.0, tl.where(up, qb1[:, None] * pu / u, 0.0)), 1)
+    return f, df
+
+
+@triton.jit
+def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
+                zmax, hint, tol, b, rows, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """(pivot, q, q^b) per row (float64) for the rows in `rows`, whose max score is
+    zmax; hint: an estimate of the threshold τ, tol about its accuracy (they only
+    steer the first probes). The support is bracketed around the hint, then
+    bisected until no score lies in the bracket (math::edge_solve); q by Newton's
+    steps on the convex increasing F from q = 1 (no overshoot)."""
+    inf = float("inf")
+    lo = tl.zeros_like(zmax) - inf  # S(lo) >= 1 (-inf: not known yet)
+    hi = zmax                       # S(hi) < 1
+    pivot = zmax                    # the smallest score >= hi
+    floor_t = zmax - 1.0625 / b     # the max alone gives S >= 1 there
+    hint = tl.where(hint < hi, hint, hi)
+    hint = tl.where(hint > floor_t, hint, floor_t)
+    tol = tl.where(tol > 0.0, tol, 1e-300)
+    down = tol
+    probed_up = tl.zeros_like(zmax)
+    active = rows
+    it = 0
+    while (it < 4096) & (tl.max(active.to(tl.int32), 0) > 0):
+        unknown = lo == -inf
+        t_down = hint - down
+        t_down = tl.where(t_down < hi, t_down, hi - down)
+        t_down = tl.where(t_down > floor_t, t_down, floor_t)
+        t_up = hint + tol
+        up_ok = (probed_up == 0.0) & (t_up > lo) & (t_up < hi)
+        lo_known = tl.where(unknown, hi, lo)
+        t_mid = lo_known + 0.5 * (hi - lo_known)
+        active = active & (unknown | up_ok | ((t_mid > lo) & (t_mid < hi)))
+        t = tl.where(unknown, t_down, tl.where(up_ok, t_up, t_mid))
+        down = tl.where(active & unknown, down * 64.0, down)
+        probed_up = tl.where(active & ~unknown & up_ok, 1.0, probed_up)
+        s_t, below, above, least = _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
+                                               L, S, E, n_end, scale, t, lo, hi, b,
+                                               HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC)
+        inside = s_t < 1.0
+        hi = tl.where(active & inside, t, hi)
+        pivot = tl.where(active & inside, least, pivot)
+        lo = tl.where(active & ~inside, t, lo)
+        between = tl.where(inside, below, above)
+        between = tl.where(inside & unknown & (t == floor_t), 0.0, between)
+        active = active & (between > 0.0)
+        it += 1
+    qv = tl.zeros_like(zmax) + 1.0
+    active = rows
+    it = 0
+    while (it < 200) & (tl.max(active.to(tl.int32), 0) > 0):
+        f, df = _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end,
+                             scale, pivot, qv, b, HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC)
+        f = f - 1.0
+        nxt = qv - f / tl.where(df > 0.0, df, 1.0)
+        active = active & (f > 0.0) & (nxt < qv)
+        qv = tl.where(active, tl.where(nxt > 0.0, nxt, 0.5 * qv), qv)
+        it += 1
+    return pivot, qv, tl.exp(b * tl.log(qv))
+
+
+@triton.jit
+def _edge_p(s, pivot, qv, qb, b):
+    """p of a tile of scores (rows × keys, float64) from its rows' pivot, q and q^b."""
+    up = s > pivot[:, None]
+    u = tl.where(up, qb[:, None] + b * (s - pivot[:, None]), 1.0)
+    p = tl.where(up, tl.exp(tl.log(u) / b), 0.0)
+    return tl.where(s == pivot[:, None], qv[:, None], p)
+
+
+@triton.jit
+def _edge_ds(p, dp, qv, dp_r, scaled, b):
+    """The backward of α > 2 (math::edge_vjp) on a tile, float64: with g = p^(1-b),
+    ĝ = g / g_r (r the pivot, p_r = q) and scaled = Σ g (dp - dp_r) / Σ ĝ,
+    ds = g (dp - dp_r) - ĝ·scaled on the support, so that no huge g multiplies a
+    difference of nearly equal numbers."""
+    on = p > 0.0
+    lp = tl.log(tl.where(on, p, 1.0))
+    e = 1.0 - b
+    d = dp - dp_r[:, None]
+    own = tl.where(on & (d != 0.0), tl.exp(e * lp) * tl.where(d != 0.0, d, 1.0), 0.0)
+    rel = tl.exp(e * (lp - tl.log(qv)[:, None]))
+    return tl.where(on, own - rel * scaled[:, None], 0.0)
+
+
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Mask, Alpha, Out, Shift, Counts,
@@ -302,7 +453,7 @@ def _attn_fwd_kernel(
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_ITER: tl.constexpr, ACC: tl.constexpr, DROPOUT: tl.constexpr,
-    N_WORDS: tl.constexpr, NSETS: tl.constexpr, COUNT: tl.constexpr,
+    N_WORDS: tl.constexpr, NSETS: tl.constexpr, COUNT: tl.constexpr, EDGE: tl.constexpr,
 ):
     """out and shift for one block of query rows of one (batch, head).
 
@@ -490,15 +641,37 @@ def _attn_fwd_kernel(
             it += 1
 
         shift = tl.where(nan_row, float("nan"), tl.where(has, m_safe + c, float("inf")))
+        if EDGE:
+            # A head with α > 2: the shift found above is only the hint of its
+            # p-space solve, and no key block is skipped (the live bits rest on
+            # the shift form's view of the edge of the support).
+            b_edge = _edge_load_b(Alpha, h)
+            edge_head = b_edge > 1.0
+            md = m_safe.to(tl.float64)
+            pivot = md
+            qv = tl.zeros_like(md) + 1.0
+            qb = qv
+            if edge_head:
+                cd = c.to(tl.float64)
+                tol = 8.0 * eps * (1.0 + tl.abs(md) + tl.abs(cd) + 1.0 / b_edge)
+                pivot, qv, qb = _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
+                                            L, S, E, n_end, scale, md, md + cd - 1.0 / b_edge, tol, b_edge,
+                                            has & row_ok, HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC)
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
         for start_n in range(0, n_end, BLOCK_N):
-            if _live_get(live, start_n // BLOCK_N, widx):  # skip key blocks outside every row's support
+            visit = _live_get(live, start_n // BLOCK_N, widx)  # skip key blocks outside every row's support
+            if EDGE:
+                visit = visit | edge_head
+            if visit:
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
                 s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                             HAS_MASK, IS_CAUSAL, ACC)
                 n_visit += 1
                 p, g = _phi_g(s - shift[:, None], b, FAMILY)
+                if EDGE:
+                    if edge_head:
+                        p = _edge_p(s.to(tl.float64), pivot, qv, qb, b_edge).to(ACC)
                 if _any_nonzero(p):
                     if DROPOUT:
                         p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m,
@@ -520,25 +693,29 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, Mask, Alpha, DO, Shift, Delta, DAlphaRow, DQ,
+    Q, K, V, Mask, Alpha, DO, Shift, Delta, DAlphaRow, EdgeRows, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, GROUP, L, S, E, EV, scale, alpha_band, seed, threshold, drop_scale, G,
+    H, GROUP, L, S, E, EV, scale, eps, alpha_band, seed, threshold, drop_scale, G,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     STATS: tl.constexpr, ALPHA_GRAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACC: tl.constexpr, DROPOUT: tl.constexpr,
+    ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
 ):
     """dQ for one block of query rows; with STATS, first the row reductions.
 
     STATS (sparse normalizers): one pass over the keys for Σg and Σ g·dp, giving
     delta = Σ g dp / Σ g (stored for the dK/dV kernel) and, with ALPHA_GRAD, the
     per-row gradient in α. Without STATS, delta was computed by the launcher
-    (softmax: dO·O).
+    (softmax: dO·O). With EDGE, the rows of heads with α > 2 are solved again in
+    p-space from the saved shift (a pass for the row max, the passes of
+    _edge_solve, one for the pivot's dp), their backward takes _edge_ds's form,
+    and (pivot, q, dp_r, Σ g (dp - dp_r) / Σ ĝ) go to EdgeRows (rows × 4,
+    float64) for the dK/dV kernel.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -558,6 +735,45 @@ def _attn_bwd_dq_kernel(
     else:
         n_end = S
     b = _load_b(Alpha, h, FAMILY, ACC)
+    if EDGE:
+        b_edge = _edge_load_b(Alpha, h)
+        edge_head = b_edge > 1.0
+        pivot = tl.zeros((BLOCK_M,), tl.float64)
+        qv = pivot + 1.0
+        qb = qv
+        dp_r = pivot
+        edge_n = pivot
+        edge_g = pivot
+        if edge_head:
+            m = tl.full((BLOCK_M,), -float("inf"), ACC)
+            for start_n in range(0, n_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                            HAS_MASK, IS_CAUSAL, ACC)
+                m = tl.maximum(m, tl.max(s, 1))
+            has = (m > -float("inf")) & row_ok & (c == c)
+            md = tl.where(has, m, 0.0).to(tl.float64)
+            cd = tl.where(has, c, 0.0).to(tl.float64)
+            tol = 8.0 * eps * (1.0 + tl.abs(md) + tl.abs(cd - md) + 1.0 / b_edge)
+            pivot, qv, qb = _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
+                                        L, S, E, n_end, scale, md, cd - 1.0 / b_edge, tol, b_edge, has,
+                                        HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC)
+            # The pivot's dp (the largest among scores tied with it: any gives the same ds).
+            dp_r = tl.zeros((BLOCK_M,), tl.float64) - float("inf")
+            for start_n in range(0, n_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                            HAS_MASK, IS_CAUSAL, ACC).to(tl.float64)
+                at_pivot = s == pivot[:, None]
+                if tl.max(tl.max(at_pivot.to(tl.int32), 1), 0) > 0:
+                    vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+                    dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+                    if DROPOUT:
+                        dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
+                    dp_r = tl.maximum(dp_r, tl.max(tl.where(at_pivot, dp.to(tl.float64), -float("inf")), 1))
+            dp_r = tl.where(has, dp_r, 0.0)
 
     if STATS:
         gsum = tl.zeros((BLOCK_M,), ACC)
@@ -584,6 +800,12 @@ def _attn_bwd_dq_kernel(
             s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
             p, g = _phi_g(s - c[:, None], b, FAMILY)
+            if EDGE:
+                p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
+                if edge_head:
+                    p_edge = _edge_p(s.to(tl.float64), pivot, qv, qb, b_edge)
+                    p_edge = tl.where(c[:, None] == c[:, None], p_edge, float("nan"))
+                    p = p_edge.to(ACC)
             if _any_nonzero(p):
                 vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
                 dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
@@ -591,11 +813,22 @@ def _attn_bwd_dq_kernel(
                     dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
                 gsum += tl.sum(g, 1)
                 gdp += tl.sum(g * dp, 1)
+                if EDGE:
+                    # Σ g (dp - dp_r) and Σ ĝ of _edge_ds (zero for the other heads: p_edge = 0).
+                    on = p_edge > 0.0
+                    lp = tl.log(tl.where(on, p_edge, 1.0))
+                    d = dp.to(tl.float64) - dp_r[:, None]
+                    edge_n += tl.sum(tl.where(on & (d != 0.0), tl.exp((1.0 - b_edge) * lp) * d, 0.0), 1)
+                    edge_g += tl.sum(tl.where(on, tl.exp((1.0 - b_edge) * (lp - tl.log(qv)[:, None])), 0.0), 1)
                 if ALPHA_GRAD:
                     pd = p.to(tl.float64)
+                    if EDGE:
+                        pd = tl.where(edge_head, p_edge, pd)
                     dpd = dp.to(tl.float64)
                     lnp = tl.log(tl.where(pd > 0.0, pd, 1.0))
-                    gd = tl.where(pd > 0.0, tl.exp((1.0 - bd) * lnp), 0.0)
+                    # ln g capped as AlphaGradSums::add caps it (α > 2: the pivot's g
+                    # may overflow double, beside which the others' weights vanish).
+                    gd = tl.where(pd > 0.0, tl.exp(tl.minimum((1.0 - bd) * lnp, 650.0)), 0.0)
                     plnp = pd * lnp
                     x = -b_near * lnp
                     qd = plnp * lnp * _expm1_excess(x)
@@ -613,6 +846,16 @@ def _attn_bwd_dq_kernel(
         has = gsum > 0.0
         delta = tl.where(has, gdp / tl.where(has, gsum, 1.0), 0.0)
         tl.store(Delta + row_base + offs_m, delta, mask=row_ok)
+        if EDGE:
+            if edge_head:
+                edge_n = tl.where(edge_g > 0.0, edge_n / tl.where(edge_g > 0.0, edge_g, 1.0), 0.0)
+                nan_rows = c != c
+                edge_n = tl.where(nan_rows, float("nan"), edge_n)
+                rows4 = (row_base + offs_m) * 4
+                tl.store(EdgeRows + rows4, pivot, mask=row_ok)
+                tl.store(EdgeRows + rows4 + 1, qv, mask=row_ok)
+                tl.store(EdgeRows + rows4 + 2, dp_r, mask=row_ok)
+                tl.store(EdgeRows + rows4 + 3, edge_n, mask=row_ok)
         if ALPHA_GRAD:
             # AlphaGradSums::grad of entmax_math.h.
             ok = (sp > 0.0) & (gsum_d > 0.0)
@@ -641,19 +884,28 @@ def _attn_bwd_dq_kernel(
         s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                     HAS_MASK, IS_CAUSAL, ACC)
         p, g = _phi_g(s - c[:, None], b, FAMILY)
+        if EDGE:
+            p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
+            if edge_head:
+                p_edge = _edge_p(s.to(tl.float64), pivot, qv, qb, b_edge)
+                p_edge = tl.where(c[:, None] == c[:, None], p_edge, float("nan"))
+                p = p_edge.to(ACC)
         if _any_nonzero(p):  # every term vanishes outside the support
             vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
             dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
             if DROPOUT:
                 dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
             ds = scale * g * (dp - delta[:, None])
+            if EDGE:
+                if edge_head:
+                    ds = (scale * _edge_ds(p_edge, dp.to(tl.float64), qv, dp_r, edge_n, b_edge)).to(ACC)
             dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision="ieee", out_dtype=ACC)
     _store_rows(DQ, dq, stride_dqm, stride_dqd, offs_m, L, E, HEAD_DIM)
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, Alpha, DO, Shift, Delta, DK, DV,
+    Q, K, V, Mask, Alpha, DO, Shift, Delta, EdgeRows, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -664,10 +916,11 @@ def _attn_bwd_dkdv_kernel(
     H, GROUP, L, S, E, EV, scale, seed, threshold, drop_scale, G,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACC: tl.constexpr, DROPOUT: tl.constexpr,
+    ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
 ):
     """dK = Σ dsᵀ·Q and dV = Σ pᵀ·dO for one block of keys of one key/value head,
-    summed over the GROUP query heads that share it (no atomics)."""
+    summed over the GROUP query heads that share it (no atomics). With EDGE,
+    heads with α > 2 take p and ds in p-space from the dQ kernel's EdgeRows."""
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     HK = H // GROUP
@@ -691,6 +944,9 @@ def _attn_bwd_dkdv_kernel(
     for j in range(0, GROUP):
         h = hk * GROUP + j
         b = _load_b(Alpha, h, FAMILY, ACC)
+        if EDGE:
+            b_edge = _edge_load_b(Alpha, h)
+            edge_head = b_edge > 1.0
         Qh = Q + bi * stride_qb + h.to(tl.int64) * stride_qh
         DOh = DO + bi * stride_ob + h.to(tl.int64) * stride_oh
         Mh = Mask + bi * stride_mb + h.to(tl.int64) * stride_mh
@@ -703,6 +959,20 @@ def _attn_bwd_dkdv_kernel(
             s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
             p, g = _phi_g(s - c[:, None], b, FAMILY)
+            if EDGE:
+                p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
+                qv = tl.zeros((BLOCK_M,), tl.float64) + 1.0
+                dp_r = tl.zeros((BLOCK_M,), tl.float64)
+                edge_n = dp_r
+                if edge_head:
+                    rows4 = (row_base + offs_m) * 4
+                    pivot = tl.load(EdgeRows + rows4, mask=row_ok, other=0.0)
+                    qv = tl.load(EdgeRows + rows4 + 1, mask=row_ok, other=1.0)
+                    dp_r = tl.load(EdgeRows + rows4 + 2, mask=row_ok, other=0.0)
+                    edge_n = tl.load(EdgeRows + rows4 + 3, mask=row_ok, other=0.0)
+                    p_edge = _edge_p(s.to(tl.float64), pivot, qv, tl.exp(b_edge * tl.log(qv)), b_edge)
+                    p_edge = tl.where(c[:, None] == c[:, None], p_edge, float("nan"))
+                    p = p_edge.to(ACC)
             if _any_nonzero(p):  # every term vanishes outside the support
                 do = _load_rows(DOh, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
                 delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
@@ -714,6 +984,9 @@ def _attn_bwd_dkdv_kernel(
                 else:
                     p_kept = p
                 ds = scale * g * (dp - delta[:, None])
+                if EDGE:
+                    if edge_head:
+                        ds = (scale * _edge_ds(p_edge, dp.to(tl.float64), qv, dp_r, edge_n, b_edge)).to(ACC)
                 dv = tl.dot(tl.trans(p_kept).to(do.dtype), do, dv, input_precision="ieee", out_dtype=ACC)
                 dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision="ieee", out_dtype=ACC)
     _store_rows(DK, dk, stride_dkn, stride_dkd, offs_n, S, E, HEAD_DIM)
@@ -774,7 +1047,7 @@ _ROW_CANDIDATES = [(bm, bn, w, st) for bm, bn, w in ((128, 64, 8), (64, 64, 4), 
                                                       (16, 16, 2)) for st in (1, 2, 3)]
 _KEY_CANDIDATES = [(bm, bn, w, st) for bm, bn, w in ((32, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4),
                                                       (16, 16, 2)) for st in (1, 2, 3)]
-_TUNE_KEY = ["L", "S", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "IS_CAUSAL"]
+_TUNE_KEY = ["L", "S", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "IS_CAUSAL", "EDGE"]
 
 attn_fwd = triton.autotune(
     configs=_configs(_ROW_CANDIDATES), key=_TUNE_KEY,
