@@ -520,8 +520,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
         P.vp = vpack.const_data_ptr<scalar_t>();
       }
       if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs
-        // δ = dO·O per query row (its Σ_j p_j dp_j).
+        // δ = dO·O per query row (its Σ_j p_j dp_j). The output of a half type
+        // carries its rounding, which dS = P ⊙ (dP - δ) keeps on peaked rows;
+        // where SDPA computes such shapes in float32 (E != Ev), rows longer
+        // than one key tile take δ from their own P and dP instead (one more
+        // pass over the keys; rows within a tile always do: tile_deltas).
         delta = (grad_out.to(c.acc) * out.to(c.acc)).sum(-1).contiguous();
+        P.own_delta = at::isReducedFloatingType(q_in.scalar_type()) && c.E != c.Ev;
       }
       backward_kernel<scalar_t>(P, dout.defined() ? dout.const_data_ptr<scalar_t>() : nullptr,
                                 shift.const_data_ptr<float>(),

@@ -92,6 +92,10 @@ struct Problem {
   std::vector<Family> fam;
   // Dropout on the weights (off when dropout_p = 0).
   Dropout drop;
+  // The softmax backward takes δ = Σ P dP from its own P and dP, in a pass over
+  // the keys before the tiles, instead of δ = dO·O from the forward's output
+  // (set for bfloat16 / float16 with E != Ev: see attention.cpp).
+  bool own_delta = false;
   // Decoding with bfloat16 / float16 inputs: K and V are read in their own
   // dtype (rows of e_half and ev_half values, unpadded), not from widened
   // copies, which would cost more than the decoding itself; k and v are null.

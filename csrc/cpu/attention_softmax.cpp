@@ -435,25 +435,59 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       lim.resize(m);
       shift2.resize(m);
       for (int64_t r = 0; r < m; ++r) shift2[r] = -lse[r] * kLog2e;  // (+inf: no allowed key, P = 0)
-      for (int64_t j0 = 0; j0 < n; j0 += BN) {
-        const int64_t w = std::min(BN, n - j0), ldy = half_tile_ld(w);
+      // A tile's scores and dP (in y and d), with each row's keys seen in lim.
+      auto tile_scores_dp = [&](int64_t j0, int64_t w, int64_t ldy) {
         const float sc = half_tile_scores(P, bi, h, i0, m, j0, w, y, ldy);
         scores_half(P.hg, m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
         for (int64_t r = 0; r < m; ++r) lim[r] = P.keys_seen(i0 + r, j0, w);
-        const float* dl = delta;
-        if (n <= BN) {
-          // One tile holds the rows: P and δ from the tile itself (P into
-          // scratch; its normalization goes into the shifts).
-          tile_p.resize(m * ldy);
-          tile_sum.resize(m);
-          tile_delta.resize(m);
-          const Vec<float> va(sc * kLog2e);
+        return sc;
+      };
+      // The tile's P (unnormalized) and δ (tile_deltas), P into scratch.
+      auto tile_p_delta = [&](float sc, int64_t ldy) {
+        tile_p.resize(m * ldy);
+        tile_sum.resize(m);
+        tile_delta.resize(m);
+        const Vec<float> va(sc * kLog2e);
+        for (int64_t r = 0; r < m; ++r) {
+          const Vec<float> vb(shift2[r]);
+          for (int64_t j = 0; j < lim[r]; j += Vec<float>::size())
+            (Vec<float>::loadu(y + r * ldy + j) * va + vb).exp2().store(tile_p.data() + r * ldy + j);
+        }
+        tile_deltas<float>(m, lim.data(), tile_p.data(), d, ldy, delta, tile_sum.data(), tile_delta.data());
+      };
+      const float* row_delta = delta;
+      thread_local std::vector<float> own_sum, own_delta;
+      if (n > BN && P.own_delta) {
+        // δ = Σ P dP over every tile of the row, with P normalized by its sum
+        // (which also goes into the shifts), before the tiles' products.
+        own_sum.assign(m, 0.f);
+        own_delta.assign(m, 0.f);
+        for (int64_t j0 = 0; j0 < n; j0 += BN) {
+          const int64_t w = std::min(BN, n - j0), ldy = half_tile_ld(w);
+          tile_p_delta(tile_scores_dp(j0, w, ldy), ldy);
           for (int64_t r = 0; r < m; ++r) {
-            const Vec<float> vb(shift2[r]);
-            for (int64_t j = 0; j < lim[r]; j += Vec<float>::size())
-              (Vec<float>::loadu(y + r * ldy + j) * va + vb).exp2().store(tile_p.data() + r * ldy + j);
+            own_sum[r] += tile_sum[r];
+            own_delta[r] += tile_sum[r] * tile_delta[r];
           }
-          tile_deltas<float>(m, lim.data(), tile_p.data(), d, ldy, delta, tile_sum.data(), tile_delta.data());
+        }
+        for (int64_t r = 0; r < m; ++r) {
+          if (own_sum[r] > 0.f) {
+            shift2[r] -= std::log2(own_sum[r]);
+            own_delta[r] /= own_sum[r];
+          } else {
+            own_delta[r] = delta[r];
+          }
+        }
+        row_delta = own_delta.data();
+      }
+      for (int64_t j0 = 0; j0 < n; j0 += BN) {
+        const int64_t w = std::min(BN, n - j0), ldy = half_tile_ld(w);
+        const float sc = tile_scores_dp(j0, w, ldy);
+        const float* dl = row_delta;
+        if (n <= BN) {
+          // One tile holds the rows: P and δ from the tile itself (its
+          // normalization goes into the shifts).
+          tile_p_delta(sc, ldy);
           for (int64_t r = 0; r < m; ++r)
             if (tile_sum[r] > 0.f) shift2[r] -= std::log2(tile_sum[r]);
           dl = tile_delta.data();
@@ -468,38 +502,9 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       return;
     }
   }
-  if (n > BN && (std::is_same_v<acc_t, double> || P.L <= kDecodeRows)) {
-    // The shift is stored in float32: one pass over the row's tiles sums
-    // exp(s - c) and corrects c to double precision. Calls of a few query
-    // rows take it in float32 too: their forward (decoding) summed the
-    // scores' products in another order than the tiles recompute them, so
-    // that P = exp(s - c) would not sum to 1 (at scores of order 80, one ulp
-    // of c is 8e-6); the pass costs one score GEMM over a few rows. (Rows
-    // within one tile need no pass: tile_deltas normalizes their P.)
-    std::vector<acc_t> sums(m, acc_t(0));
-    for (int64_t j0 = 0; j0 < n; j0 += BN) {
-      const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
-      score_tile(P, bi, h, i0, m, j0, w, y, ldy);
-      for (int64_t r = 0; r < m; ++r)
-        if (std::isfinite(lse[r])) sums[r] += exp_shifted(y + r * ldy, w, lse[r], y + r * ldy);
-    }
-    for (int64_t r = 0; r < m; ++r)
-      if (std::isfinite(lse[r]) && sums[r] > 0) lse[r] += std::log(sums[r]);
-  }
-  for (int64_t j0 = 0; j0 < n; j0 += BN) {
-    const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
-    score_tile(P, bi, h, i0, m, j0, w, y, ldy);
-    for (int64_t r = 0; r < m; ++r) {
-      acc_t* row = y + r * ldy;
-      if (lse[r] != lse[r]) {
-        std::fill(row, row + w, std::numeric_limits<acc_t>::quiet_NaN());
-      } else if (lse[r] == inf) {  // no allowed key
-        std::fill(row, row + w, acc_t(0));
-      } else {
-        exp_shifted(row, w, lse[r], row);
-      }
-    }
-    // dP = dO·Vᵀ, then dS in place.
+  // dP = dO·Vᵀ of a tile into d, the dropout's keep flags applied (kept in
+  // keep, which drops P for dV too).
+  auto tile_dp = [&](int64_t j0, int64_t w, int64_t ldy) {
     bool dp_done = false;
     if constexpr (std::is_same_v<acc_t, float>) {
       if (b16) {
@@ -514,14 +519,61 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       gemm_unpacked_keys<acc_t>(m, w, P.Ev, acc_t(1), dob, P.v_head(bi, hk) + j0 * P.Ev, d, ldy);
     }
     if (P.drop.on) {
-      // dP of the kept weights, times 1 / (1 - p); the same flags drop P for dV below.
+      // dP of the kept weights, times 1 / (1 - p).
       keep.resize(static_cast<size_t>(m * w));
       for (int64_t r = 0; r < m; ++r) {
         dropout_keeps(P.drop, P.row_id(bi, h, i0) + r, j0, w, keep.data() + r * w);
         apply_keep(d + r * ldy, keep.data() + r * w, w, P.drop);
       }
     }
-    const acc_t* dl = delta;
+  };
+  const acc_t* row_delta = delta;
+  thread_local std::vector<acc_t> own_delta;
+  if (n > BN && (std::is_same_v<acc_t, double> || P.L <= kDecodeRows || P.own_delta)) {
+    // The shift is stored in float32: one pass over the row's tiles sums
+    // exp(s - c) and corrects c to double precision. Calls of a few query
+    // rows take it in float32 too: their forward (decoding) summed the
+    // scores' products in another order than the tiles recompute them, so
+    // that P = exp(s - c) would not sum to 1 (at scores of order 80, one ulp
+    // of c is 8e-6); the pass costs one score GEMM over a few rows. With
+    // P.own_delta the same pass takes δ = Σ P dP (dP's GEMM too). (Rows
+    // within one tile need no pass: tile_deltas normalizes their P.)
+    std::vector<acc_t> sums(m, acc_t(0));
+    if (P.own_delta) own_delta.assign(m, acc_t(0));
+    for (int64_t j0 = 0; j0 < n; j0 += BN) {
+      const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+      score_tile(P, bi, h, i0, m, j0, w, y, ldy);
+      for (int64_t r = 0; r < m; ++r)
+        if (std::isfinite(lse[r])) sums[r] += exp_shifted(y + r * ldy, w, lse[r], y + r * ldy);
+      if (P.own_delta) {
+        tile_dp(j0, w, ldy);
+        for (int64_t r = 0; r < m; ++r)
+          if (std::isfinite(lse[r])) own_delta[r] += dot(y + r * ldy, d + r * ldy, w);
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const bool ok = std::isfinite(lse[r]) && sums[r] > 0;
+      if (ok) lse[r] += std::log(sums[r]);
+      if (P.own_delta) own_delta[r] = ok ? own_delta[r] / sums[r] : delta[r];
+    }
+    if (P.own_delta) row_delta = own_delta.data();
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+    const int64_t w = std::min(BN, n - j0), ldy = round_up_panel<acc_t>(w);
+    score_tile(P, bi, h, i0, m, j0, w, y, ldy);
+    for (int64_t r = 0; r < m; ++r) {
+      acc_t* row = y + r * ldy;
+      if (lse[r] != lse[r]) {
+        std::fill(row, row + w, std::numeric_limits<acc_t>::quiet_NaN());
+      } else if (lse[r] == inf) {  // no allowed key
+        std::fill(row, row + w, acc_t(0));
+      } else {
+        exp_shifted(row, w, lse[r], row);
+      }
+    }
+    // dP, then dS in place.
+    tile_dp(j0, w, ldy);
+    const acc_t* dl = row_delta;
     if (n <= BN) {
       // One tile holds the rows: P normalized and δ from the tile itself.
       tile_lim.assign(m, w);
