@@ -220,6 +220,28 @@ def test_large_alpha_against_the_mpmath_oracle(alpha, dtype):
         assert abs(float(dalpha[h]) - da) <= 1e-3 * max(1.0, abs(da)), (h, float(dalpha[h]), da)
 
 
+def test_float32_sparsemax_long_rows_as_accurate_as_softmax():
+    # Near-uniform scores over S = 4096 keys (issue 27): sparsemax's p ~ 1/S must
+    # keep its own precision, within 2x the error float32 softmax makes here.
+    g = torch.Generator().manual_seed(5)
+    L, S, E, Ev = 4, 4096, 16, 8
+    q = 1e-3 * torch.randn(1, 1, L, E, generator=g, dtype=torch.float64)
+    k, v, do = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for n, d in ((S, E), (S, Ev), (L, Ev)))
+    q32, k32, v32, do32 = (t.float().to(DEVICE) for t in (q, k, v, do))
+    errs = {}
+    for normalizer in ("softmax", "sparsemax"):
+        q64, k64, v64 = (t.float().double().requires_grad_() for t in (q, k, v))
+        ref = ref_attention(q64, k64, v64, None, False, normalizer, None, E**-0.5)
+        ref.backward(do.float().double())
+        out, shift = tb.attention_fwd(q32, k32, v32, None, False, E**-0.5, normalizer, None)
+        grads = tb.attention_bwd(do32, q32, k32, v32, None, False, E**-0.5, normalizer, None, out, shift, False)[:3]
+        errs[normalizer] = [((out.cpu().double() - ref.detach()).abs().max() / ref.detach().abs().max()).item()] + [
+            ((a.cpu().double() - b.grad).abs().max() / b.grad.abs().max()).item()
+            for a, b in zip(grads, (q64, k64, v64), strict=True)]
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        assert errs["sparsemax"][i] <= 2 * errs["softmax"][i] + 1e-7, (what, errs)
+
+
 # --- invariants and edge cases -------------------------------------------------
 
 

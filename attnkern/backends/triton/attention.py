@@ -172,8 +172,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     normalizer: "softmax", "sparsemax", "entmax15" or "entmax" (then alpha is a
     float32 tensor (H,), α per head).
     Returns out (B, H, L, Ev) in q's dtype and shift (B, H, L) float32: the c
-    with p_ij = φ_b(s_ij - c_i) (the log-sum-exp for softmax; +inf for a row
-    with no allowed key, whose output is 0).
+    with p_ij = φ_b(s_ij - c_i) (the log-sum-exp for softmax; for sparsemax
+    its threshold θ, p_ij = [s_ij - θ_i]_+, as the CPU kernel saves it; +inf
+    for a row with no allowed key, whose output is 0).
     dropout_p, dropout_seed: dropout on the weights before p·v, the keep mask
     drawn from the seed (an int64 scalar tensor) as the CPU kernel draws it.
     Besides out and shift it allocates nothing that grows with L·S.

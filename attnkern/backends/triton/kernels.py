@@ -8,7 +8,9 @@ moment whether they are compiled for a GPU or run by the interpreter
 Every kernel works on one (batch, head) pair and a block of query rows (or of
 keys), in the shift form of docs/algorithms.md: p_ij = φ_b(s_ij - c_i) with
 φ_b(y) = [1 + b·y]_+^(1/b) and φ_0 = exp. The row shift c is what the forward
-saves; the backward recomputes the scores s = scale·q·kᵀ + mask from it.
+saves (sparsemax saves its threshold θ = c - 1 instead, p = [s - θ]_+: 1 + (s
+- c) would round every p at the scale of 1); the backward recomputes the
+scores s = scale·q·kᵀ + mask and p from it (_probs).
 
 Heads with α > 2 are the exception: the shift form cannot resolve the edge of
 their support, and with EDGE set (by the launcher, when some head has α > 2)
@@ -120,6 +122,22 @@ def _phi_g(y, b, FAMILY: tl.constexpr):
         # A NaN score (or shift) gives p = NaN, as exp does for softmax.
         p = tl.where(y != y, y, p)
         g = tl.where(y != y, y, g)
+    return p, g
+
+
+@triton.jit
+def _probs(s, shift, b, FAMILY: tl.constexpr):
+    """p and g of a tile of scores s from its rows' saved number `shift`
+    (rows × 1): the shift c of p = φ_b(s - c), or for sparsemax its threshold θ
+    of p = [s - θ]_+ (1 + (s - c) would round every p at the scale of 1)."""
+    if FAMILY == SPARSEMAX:
+        d = s - shift
+        p = tl.maximum(d, 0.0)
+        g = tl.where(p > 0.0, 1.0, 0.0).to(p.dtype)
+        p = tl.where(d != d, d, p)  # a NaN score (or threshold) gives NaN
+        g = tl.where(d != d, d, g)
+    else:
+        p, g = _phi_g(s - shift, b, FAMILY)
     return p, g
 
 
@@ -640,7 +658,41 @@ def _attn_fwd_kernel(
             active = tl.where(done, 0, active)
             it += 1
 
-        shift = tl.where(nan_row, float("nan"), tl.where(has, m_safe + c, float("inf")))
+        if FAMILY == SPARSEMAX:
+            # Sparsemax saves its threshold θ (p = [s - θ]_+), found in float64
+            # by Michelot's steps θ <- (Σ_(y > θ) y - 1) / |{y > θ}| (y = s - m)
+            # from a point left of it, which only grow and stop at θ: from
+            # max(lo, c - margin) - 1, where every score above sits in a live
+            # block. Usually one pass: done when every member is above the new θ.
+            lo_d = lo.to(tl.float64)
+            th = tl.maximum(lo_d, c.to(tl.float64) - 16.0 * eps * (1.0 + tl.abs(c.to(tl.float64)))) - 1.0
+            act = has & row_ok
+            it = 0
+            while (it < MAX_ITER) & (tl.max(act.to(tl.int32), 0) > 0):
+                cnt = tl.zeros((BLOCK_M,), tl.float64)
+                ysum = tl.zeros((BLOCK_M,), tl.float64)
+                least = tl.zeros((BLOCK_M,), tl.float64) + float("inf")
+                for start_n in range(0, n_end, BLOCK_N):
+                    if _live_get(live, start_n // BLOCK_N, widx):
+                        offs_n = start_n + tl.arange(0, BLOCK_N)
+                        kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
+                                    HAS_MASK, IS_CAUSAL, ACC)
+                        y = s.to(tl.float64) - m_safe.to(tl.float64)[:, None]
+                        on = y > th[:, None]
+                        cnt += tl.sum(on.to(tl.float64), 1)
+                        ysum += tl.sum(tl.where(on, y, 0.0), 1)
+                        least = tl.minimum(least, tl.min(tl.where(on, y, float("inf")), 1))
+                        n_visit += 1
+                n_pass += 1
+                nxt = (ysum - 1.0) / tl.where(cnt > 0.0, cnt, 1.0)
+                th = tl.where(act & (cnt > 0.0), nxt, th)
+                act = act & (cnt > 0.0) & ~(least > nxt)
+                it += 1
+            shift = tl.where(nan_row, float("nan"), tl.where(has, (m_safe.to(tl.float64) + th).to(ACC),
+                                                               float("inf")))
+        else:
+            shift = tl.where(nan_row, float("nan"), tl.where(has, m_safe + c, float("inf")))
         if EDGE:
             # A head with α > 2: the shift found above is only the hint of its
             # p-space solve, and no key block is skipped (the live bits rest on
@@ -668,7 +720,7 @@ def _attn_fwd_kernel(
                 s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                             HAS_MASK, IS_CAUSAL, ACC)
                 n_visit += 1
-                p, g = _phi_g(s - shift[:, None], b, FAMILY)
+                p, g = _probs(s, shift[:, None], b, FAMILY)
                 if EDGE:
                     if edge_head:
                         p = _edge_p(s.to(tl.float64), pivot, qv, qb, b_edge).to(ACC)
@@ -799,7 +851,7 @@ def _attn_bwd_dq_kernel(
             kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
             s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
-            p, g = _phi_g(s - c[:, None], b, FAMILY)
+            p, g = _probs(s, c[:, None], b, FAMILY)
             if EDGE:
                 p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
                 if edge_head:
@@ -883,7 +935,7 @@ def _attn_bwd_dq_kernel(
         kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
         s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                     HAS_MASK, IS_CAUSAL, ACC)
-        p, g = _phi_g(s - c[:, None], b, FAMILY)
+        p, g = _probs(s, c[:, None], b, FAMILY)
         if EDGE:
             p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
             if edge_head:
@@ -958,7 +1010,7 @@ def _attn_bwd_dkdv_kernel(
             c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
             s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
                         HAS_MASK, IS_CAUSAL, ACC)
-            p, g = _phi_g(s - c[:, None], b, FAMILY)
+            p, g = _probs(s, c[:, None], b, FAMILY)
             if EDGE:
                 p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
                 qv = tl.zeros((BLOCK_M,), tl.float64) + 1.0

@@ -9,7 +9,7 @@
 // p = [(α-1)z - τ]_+^(1/(α-1)) with τ = b·c - 1, but c stays meaningful as
 // b → 0 (it tends to the log-sum-exp), so one float per row, c, is what every
 // normalizer saves: softmax saves the log-sum-exp, entmax saves c. The CPU
-// kernels' sparsemax saves its threshold θ = c - 1 instead (p = [z - θ]_+):
+// and Triton attention kernels' sparsemax saves its threshold θ = c - 1 instead (p = [z - θ]_+):
 // 1 + (z - c) would round every p at the scale of 1.
 // A row whose scores are all -inf has no support; its shift is +inf so that
 // φ(z - c) = 0 for every entry.
