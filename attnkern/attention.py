@@ -82,7 +82,7 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     takes the general path and its checks."""
     if not (attn_mask is None and alpha is None and backend == "auto" and enable_gqa is False
             and return_weights is False and (is_causal is True or is_causal is False)
-            and normalizer in _PLAIN_NORMALIZERS and dropout_p.__class__ in (float, int) and dropout_p == 0
+            and normalizer in _PLAIN_NORMALIZERS and type(dropout_p) in (float, int) and dropout_p == 0
             and (scale is None or (scale.__class__ is float and math.isfinite(scale)))
             and type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and _extension.LOADED and query.is_cpu and key.is_cpu and value.is_cpu):

@@ -220,14 +220,16 @@ def test_degenerate_size_as_sdpa(size_id, way_id, norm_id, monkeypatch, crashes)
         assert not isa.dispatch()[_KEY[dtype]]
 
     q, k, v, go, alpha, out = _run(case)
-    sdpa_same = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach())
     expected = _expected(q, k, v, go)
-    # The expectation is SDPA's (float64, forward and backward).
-    for name, s, e in zip(("out", "dq", "dk", "dv"), _sdpa(q, k, v, go), expected, strict=True):
-        assert s.shape == e.shape
-        assert_close(s, e, msg=f"SDPA's {name}")
-
-    assert out.shape == sdpa_same.shape and out.dtype == sdpa_same.dtype == dtype
+    if q.shape[1] > 0:
+        # The expectation is SDPA's (float64, forward and backward). (torch
+        # 2.11's SDPA dies of SIGFPE with no heads; every tensor is empty there.)
+        sdpa_same = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach())
+        for name, s, e in zip(("out", "dq", "dk", "dv"), _sdpa(q, k, v, go), expected, strict=True):
+            assert s.shape == e.shape
+            assert_close(s, e, msg=f"SDPA's {name}")
+        assert out.shape == sdpa_same.shape and out.dtype == sdpa_same.dtype
+    assert out.shape == expected[0].shape and out.dtype == dtype
     assert torch.isfinite(out).all(), out
     assert_close(out, expected[0], dtype, msg="out")
     for name, t, e in zip(("dq", "dk", "dv"), (q, k, v), expected[1:], strict=True):

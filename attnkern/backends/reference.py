@@ -463,12 +463,20 @@ def budget_sparsemax(X: torch.Tensor, budget, dim: int = -1) -> torch.Tensor:
     tau = (capped.sum(-1, keepdim=True).to(z.dtype) + z_in.sum(-1, keepdim=True) - b) / k.clamp_min(1)
     tau = torch.where(k > 0, tau, tau0)
     z_safe = torch.where(valid, z, torch.zeros_like(z))
-    p = torch.where(valid, (z_safe - tau).clamp(0, 1), torch.zeros_like(z))
+    # Only the active entries move with z and τ (slope 1, their values clamped
+    # to [0, 1] against rounding without touching that slope); the others are
+    # constants 0 or 1. (Not left to clamp's gradient at its bounds, which
+    # torch versions differ on.)
+    d_act = z_safe - tau
+    d_act = d_act + (d_act.clamp(0, 1) - d_act).detach()
+    p = torch.where(inside, d_act, capped.to(z.dtype))
     # A budget at or above the number of finite entries: all of them get 1.
     p = torch.where(valid & (b.detach() >= n_valid), torch.ones_like(p), p)
     if b.requires_grad:
-        # Budget 0: p = 0, and its slope in the budget is e_argmax (split over ties).
-        zero = b.detach() == 0
+        # Budget 0: p = 0, and its slope in the budget is e_argmax (split over ties),
+        # unless the threshold search stopped just below the max, where the active
+        # set (the max alone) already gives that slope.
+        zero = (b.detach() == 0) & (k == 0)
         top = valid & (z == z.detach().where(valid, torch.full_like(z, -math.inf)).amax(-1, keepdim=True))
         share = top.to(z.dtype) / top.sum(-1, keepdim=True).clamp_min(1).to(z.dtype)
         p = p + torch.where(zero & top, (b - b.detach()) * share, torch.zeros_like(p))
