@@ -60,8 +60,10 @@ def normmax_bisect(X: torch.Tensor, alpha=2, dim: int = -1, n_iter: int = 50, *,
     # An α that needs a derivative (a gradient, or a forward-mode tangent) takes
     # the composed path, which differentiates in α as well.
     needs_alpha_grad = ops.carries_derivative(alpha)
+    # Under torch.compile the composed path too: torch 2.11's dynamo traced the
+    # Function (whose forward applies entmax's) into zero gradients.
     if (X.requires_grad and torch.is_grad_enabled() and not needs_alpha_grad and X.device.type == "cpu"
-            and ops.use_kernels(backend, X)):
+            and ops.use_kernels(backend, X) and not _compiling()):
         return autograd.normmax_apply(X, alpha.detach() if isinstance(alpha, torch.Tensor) else alpha, dim, backend)
     return _normmax_forward(X, alpha, dim, backend)
 
