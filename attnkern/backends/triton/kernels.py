@@ -436,12 +436,14 @@ def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
 
 
 @triton.jit
-def _edge_p(s, pivot, qv, qb, b):
-    """p of a tile of scores (rows × keys, float64) from its rows' pivot, q and q^b."""
+def _edge_p(s, c, pivot, qv, qb, b):
+    """p of a tile of scores (rows × keys, float64) from its rows' pivot, q and q^b;
+    NaN in the rows whose saved number c is NaN (a NaN score), as _probs gives."""
     up = s > pivot[:, None]
     u = tl.where(up, qb[:, None] + b * (s - pivot[:, None]), 1.0)
     p = tl.where(up, tl.exp(tl.log(u) / b), 0.0)
-    return tl.where(s == pivot[:, None], qv[:, None], p)
+    p = tl.where(s == pivot[:, None], qv[:, None], p)
+    return tl.where(c[:, None] == c[:, None], p, float("nan"))
 
 
 @triton.jit
@@ -723,7 +725,7 @@ def _attn_fwd_kernel(
                 p, g = _probs(s, shift[:, None], b, FAMILY)
                 if EDGE:
                     if edge_head:
-                        p = _edge_p(s.to(tl.float64), pivot, qv, qb, b_edge).to(ACC)
+                        p = _edge_p(s.to(tl.float64), shift, pivot, qv, qb, b_edge).to(ACC)
                 if _any_nonzero(p):
                     if DROPOUT:
                         p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m,
@@ -855,8 +857,7 @@ def _attn_bwd_dq_kernel(
             if EDGE:
                 p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
                 if edge_head:
-                    p_edge = _edge_p(s.to(tl.float64), pivot, qv, qb, b_edge)
-                    p_edge = tl.where(c[:, None] == c[:, None], p_edge, float("nan"))
+                    p_edge = _edge_p(s.to(tl.float64), c, pivot, qv, qb, b_edge)
                     p = p_edge.to(ACC)
             if _any_nonzero(p):
                 vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
@@ -939,8 +940,7 @@ def _attn_bwd_dq_kernel(
         if EDGE:
             p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
             if edge_head:
-                p_edge = _edge_p(s.to(tl.float64), pivot, qv, qb, b_edge)
-                p_edge = tl.where(c[:, None] == c[:, None], p_edge, float("nan"))
+                p_edge = _edge_p(s.to(tl.float64), c, pivot, qv, qb, b_edge)
                 p = p_edge.to(ACC)
         if _any_nonzero(p):  # every term vanishes outside the support
             vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
@@ -1022,8 +1022,7 @@ def _attn_bwd_dkdv_kernel(
                     qv = tl.load(EdgeRows + rows4 + 1, mask=row_ok, other=1.0)
                     dp_r = tl.load(EdgeRows + rows4 + 2, mask=row_ok, other=0.0)
                     edge_n = tl.load(EdgeRows + rows4 + 3, mask=row_ok, other=0.0)
-                    p_edge = _edge_p(s.to(tl.float64), pivot, qv, tl.exp(b_edge * tl.log(qv)), b_edge)
-                    p_edge = tl.where(c[:, None] == c[:, None], p_edge, float("nan"))
+                    p_edge = _edge_p(s.to(tl.float64), c, pivot, qv, tl.exp(b_edge * tl.log(qv)), b_edge)
                     p = p_edge.to(ACC)
             if _any_nonzero(p):  # every term vanishes outside the support
                 do = _load_rows(DOh, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
