@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.deps-installed
 BUILT   := $(VENV)/.attnkern-built
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml
 
-.PHONY: setup build demo test test-fast test-torch211 bench lint info clean experiments
+.PHONY: setup build demo test test-fast test-torch211 gpu-wheels gpu-check bench lint info clean experiments
 
 # Everything the build, the tests and the experiments need besides torch and numpy.
 DEV_DEPS := ninja pybind11 setuptools wheel pytest pytest-benchmark hypothesis mpmath ruff "entmax==1.3" \
@@ -49,6 +49,20 @@ test-torch211:
 	rev=$$(git stash create); git archive $${rev:-HEAD} | tar -x -C $(COPY211)
 	cd $(COPY211) && MAX_JOBS=$${MAX_JOBS:-2} $(CURDIR)/$(VENV211)/bin/python setup.py build_ext --inplace
 	cd $(COPY211) && $(CURDIR)/$(VENV211)/bin/python -m pytest -q -p no:cacheprovider tests
+
+# The GPU check (benchmarks/gpu_check.py) for a lent GPU machine, which has no
+# network and no git: `make gpu-wheels` here, just before the device call, puts
+# the peers' wheels and the commit into .gpu-wheels/, which that call carries;
+# there, `make gpu-check` (or the script itself) builds, tests and times.
+GPU_WHEELS := .gpu-wheels
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d $(GPU_WHEELS) "adasplash==0.2.2" "entmax==1.3"
+	dirty=$$(test -z "$$(git status --porcelain --untracked-files=no)" && echo false || echo true); \
+	    printf '{"commit": "%s", "dirty": %s}\n' "$$(git rev-parse HEAD)" "$$dirty" > $(GPU_WHEELS)/COMMIT
+
+gpu-check:
+	$(PY) benchmarks/gpu_check.py --out $${OUT:-out/gpu-check}
 
 bench: $(BUILT)
 	$(VPY) -m pytest -q benchmarks -o python_files='bench_*.py' --benchmark-only --benchmark-json=.benchmarks/latest.json \

@@ -28,6 +28,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from attnkern.backends import triton as tb  # noqa: E402
 
+# Every test here runs the Triton kernels: on a GPU, what benchmarks/gpu_check.py selects (-m gpu).
+pytestmark = pytest.mark.gpu
+
 DEVICE, _why = triton_test_device()
 if DEVICE is None:
     pytest.skip(f"the Triton kernels cannot run here: {_why}", allow_module_level=True)
@@ -442,7 +445,7 @@ pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "Counts", "DO", "Del
 # (family, EDGE): every family, and α-entmax with heads at α > 2.
 for family, edge in ((0, False), (1, False), (2, False), (3, False), (3, True)):
     base = dict(FAMILY=family, HAS_MASK=True, IS_CAUSAL=True, HEAD_DIM=64, HEAD_DIM_V=32, BLOCK_M=64,
-                BLOCK_N=32, ACC=acc, DROPOUT=True, EDGE=edge)
+                BLOCK_N=32, ACC=acc, DROPOUT=True, EDGE=edge, DOT="tf32" if dt == "fp32" else "ieee")
     for fn, ptrs, const in (
         (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", Counts="i32"),
          dict(base, MAX_ITER=64, N_WORDS=4, NSETS=_NSETS, COUNT=True)),

@@ -23,6 +23,9 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from attnkern.backends.triton import attention  # noqa: E402
 
+# Every test here runs the Triton kernels: on a GPU, what benchmarks/gpu_check.py selects (-m gpu).
+pytestmark = pytest.mark.gpu
+
 DEVICE, _why = triton_test_device()
 if DEVICE is None:
     pytest.skip(f"the Triton kernels cannot run here: {_why}", allow_module_level=True)

@@ -81,6 +81,23 @@ def _eps(q: torch.Tensor) -> float:
     return float(torch.finfo(acc_dtype(q.dtype)).eps)
 
 
+def _tune_length(n: int) -> int:
+    """A length as the autotune key holds it: rounded up to a power of two, so
+    that a new sequence length reuses the configuration tuned for its bucket."""
+    return triton.next_power_of_2(max(n, 1))
+
+
+def dot_precision(q: torch.Tensor) -> str:
+    """How the kernels' float32 matrix products run, following PyTorch's own
+    switch for CUDA matmuls: "tf32" on the tensor cores when
+    torch.backends.cuda.matmul.allow_tf32 is set (off by default), else "ieee"
+    (full float32 on the CUDA cores). Half types and float64 always take "ieee",
+    which for them is their only precision."""
+    if q.dtype == torch.float32 and q.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
 def _head_dim(n: int) -> int:
     # tl.arange needs a power of two, tl.dot at least 16.
     return max(16, triton.next_power_of_2(n))
@@ -226,9 +243,11 @@ def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p
         q, k, v, mask_t, _alpha_arg(family, alpha, q), out, shift, counts,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
         H, H // Hk, L, S, E, Ev, float(scale), _eps(q), seed, threshold, drop_scale, groups,
+        _tune_length(L), _tune_length(S),
         FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
         HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q), DROPOUT=dropout,
         N_WORDS=n_words, NSETS=_NSETS, COUNT=count, EDGE=_has_edge_heads(family, alpha),
+        DOT=dot_precision(q),
     )
     if count:
         n_blocks_m = triton.cdiv(L, kern.attn_fwd.best_config.kwargs["BLOCK_M"])
@@ -288,8 +307,9 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     alpha_t = _alpha_arg(family, alpha, q)
     q, k, v, grad_out = _interpreter_inputs(q, k, v, grad_out)
     common = dict(FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
-                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout, EDGE=edge)
-    drop = (seed, threshold, drop_scale, groups)
+                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout, EDGE=edge,
+                  DOT=dot_precision(q))
+    drop = (seed, threshold, drop_scale, groups, _tune_length(L), _tune_length(S))
     kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, edge_rows, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),

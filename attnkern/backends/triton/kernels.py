@@ -21,9 +21,15 @@ FAMILY selects the normalizer at compile time, with the codes of
 attnkern.family.Family: SOFTMAX, SPARSEMAX (b = 1), ENTMAX15 (b = 1/2), ENTMAX
 with one b = α - 1 per head read at run time (b = 0 exactly behaves as
 softmax).
+
+DOT is the input precision of every tl.dot ("ieee", or "tf32" for float32 when
+the launcher follows PyTorch's TF32 switch); L_TUNE and S_TUNE feed only the
+autotune key (launch configurations, below).
 """
 
 from __future__ import annotations
+
+import functools
 
 import triton
 import triton.language as tl
@@ -227,9 +233,9 @@ def _mask_offsets(offs_m, offs_n, stride_mm, stride_mn):
 
 @triton.jit
 def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-            HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC: tl.constexpr):
+            HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """s = scale·q·kᵀ + mask for one (query block, key block) tile, -inf where not allowed."""
-    s = tl.dot(q, kt, input_precision="ieee", out_dtype=ACC) * scale
+    s = tl.dot(q, kt, input_precision=DOT, out_dtype=ACC) * scale
     ok = (offs_m[:, None] < L) & (offs_n[None, :] < S)
     if IS_CAUSAL:
         ok = ok & (offs_n[None, :] <= offs_m[:, None])
@@ -330,7 +336,8 @@ def _edge_load_b(Alpha, h):
 @triton.jit
 def _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
                 t, lo, hi, b, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+                BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+                DOT: tl.constexpr):
     """At t per row: S(t) = Σ_(s > t) (b(s - t))^(1/b) (a score s is in the support
     iff S(s) < 1), the scores strictly inside (lo, t) and (t, hi), the smallest score >= t."""
     inv_b = 1.0 / b
@@ -342,7 +349,7 @@ def _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
         s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                    HAS_MASK, IS_CAUSAL, ACC).to(tl.float64)
+                    HAS_MASK, IS_CAUSAL, ACC, DOT).to(tl.float64)
         d = s - t[:, None]
         up = d > 0.0
         s_t += tl.sum(tl.where(up, tl.exp(tl.log(tl.where(up, b * d, 1.0)) * inv_b), 0.0), 1)
@@ -355,7 +362,8 @@ def _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
 @triton.jit
 def _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
                  pivot, qv, b, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+                 BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+                DOT: tl.constexpr):
     """F(q) + 1 and F'(q) per row, F(q) = m_r q + Σ_(s > z_r) (q^b + b(s - z_r))^(1/b) - 1."""
     inv_b = 1.0 / b
     qb = tl.exp(b * tl.log(qv))
@@ -366,7 +374,7 @@ def _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
         s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                    HAS_MASK, IS_CAUSAL, ACC).to(tl.float64)
+                    HAS_MASK, IS_CAUSAL, ACC, DOT).to(tl.float64)
         tie = s == pivot[:, None]
         up = s > pivot[:, None]
         u = tl.where(up, qb[:, None] + b * (s - pivot[:, None]), 1.0)
@@ -379,7 +387,8 @@ def _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
 @triton.jit
 def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
                 zmax, hint, tol, b, rows, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+                DOT: tl.constexpr):
     """(pivot, q, q^b) per row (float64) for the rows in `rows`, whose max score is
     zmax; hint: an estimate of the threshold τ, tol about its accuracy (they only
     steer the first probes). The support is bracketed around the hint, then
@@ -412,7 +421,7 @@ def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
         probed_up = tl.where(active & ~unknown & up_ok, 1.0, probed_up)
         s_t, below, above, least = _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
                                                L, S, E, n_end, scale, t, lo, hi, b,
-                                               HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC)
+                                               HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC, DOT)
         inside = s_t < 1.0
         hi = tl.where(active & inside, t, hi)
         pivot = tl.where(active & inside, least, pivot)
@@ -426,7 +435,7 @@ def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
     it = 0
     while (it < 200) & (tl.max(active.to(tl.int32), 0) > 0):
         f, df = _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end,
-                             scale, pivot, qv, b, HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC)
+                             scale, pivot, qv, b, HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC, DOT)
         f = f - 1.0
         nxt = qv - f / tl.where(df > 0.0, df, 1.0)
         active = active & (f > 0.0) & (nxt < qv)
@@ -469,11 +478,11 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, L, S, E, EV, scale, eps, seed, threshold, drop_scale, G,
+    H, GROUP, L, S, E, EV, scale, eps, seed, threshold, drop_scale, G, L_TUNE, S_TUNE,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_ITER: tl.constexpr, ACC: tl.constexpr, DROPOUT: tl.constexpr,
-    N_WORDS: tl.constexpr, NSETS: tl.constexpr, COUNT: tl.constexpr, EDGE: tl.constexpr,
+    N_WORDS: tl.constexpr, NSETS: tl.constexpr, COUNT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
 ):
     """out and shift for one block of query rows of one (batch, head).
 
@@ -510,7 +519,7 @@ def _attn_fwd_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
             s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC)
+                        HAS_MASK, IS_CAUSAL, ACC, DOT)
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new > neg_inf, m_new, 0.0)
             rescale = tl.exp(m - m_safe)
@@ -520,7 +529,7 @@ def _attn_fwd_kernel(
                 p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
             v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
             acc = acc * rescale[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT, out_dtype=ACC)
             m = m_new
         has = lsum > 0.0
         shift = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("inf"))
@@ -562,7 +571,7 @@ def _attn_fwd_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
             s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC)
+                        HAS_MASK, IS_CAUSAL, ACC, DOT)
             nan_row = nan_row | (tl.max(tl.where(s != s, 1, 0), 1) > 0)
             m_new = tl.maximum(m, tl.max(s, 1))
             d = tl.where(m_new > neg_inf, m_new, 0.0) - tl.where(m > neg_inf, m, 0.0)
@@ -624,7 +633,7 @@ def _attn_fwd_kernel(
                     offs_n = start_n + tl.arange(0, BLOCK_N)
                     kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
                     s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                                HAS_MASK, IS_CAUSAL, ACC)
+                                HAS_MASK, IS_CAUSAL, ACC, DOT)
                     y = s - m_safe[:, None]
                     p, g = _phi_g(y - c[:, None], b, FAMILY)
                     sum_p += tl.sum(p, 1)
@@ -679,7 +688,7 @@ def _attn_fwd_kernel(
                         offs_n = start_n + tl.arange(0, BLOCK_N)
                         kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
                         s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                                    HAS_MASK, IS_CAUSAL, ACC)
+                                    HAS_MASK, IS_CAUSAL, ACC, DOT)
                         y = s.to(tl.float64) - m_safe.to(tl.float64)[:, None]
                         on = y > th[:, None]
                         cnt += tl.sum(on.to(tl.float64), 1)
@@ -710,7 +719,7 @@ def _attn_fwd_kernel(
                 tol = 8.0 * eps * (1.0 + tl.abs(md) + tl.abs(cd) + 1.0 / b_edge)
                 pivot, qv, qb = _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
                                             L, S, E, n_end, scale, md, md + cd - 1.0 / b_edge, tol, b_edge,
-                                            has & row_ok, HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC)
+                                            has & row_ok, HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC, DOT)
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
         for start_n in range(0, n_end, BLOCK_N):
             visit = _live_get(live, start_n // BLOCK_N, widx)  # skip key blocks outside every row's support
@@ -720,7 +729,7 @@ def _attn_fwd_kernel(
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
                 s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                            HAS_MASK, IS_CAUSAL, ACC)
+                            HAS_MASK, IS_CAUSAL, ACC, DOT)
                 n_visit += 1
                 p, g = _probs(s, shift[:, None], b, FAMILY)
                 if EDGE:
@@ -731,7 +740,7 @@ def _attn_fwd_kernel(
                         p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m,
                                                offs_n, G)
                     v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
-                    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee", out_dtype=ACC)
+                    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT, out_dtype=ACC)
         n_pass += 1
         out = tl.where(nan_row[:, None], float("nan"), acc)
 
@@ -754,11 +763,11 @@ def _attn_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, GROUP, L, S, E, EV, scale, eps, alpha_band, seed, threshold, drop_scale, G,
+    H, GROUP, L, S, E, EV, scale, eps, alpha_band, seed, threshold, drop_scale, G, L_TUNE, S_TUNE,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     STATS: tl.constexpr, ALPHA_GRAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
+    ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
 ):
     """dQ for one block of query rows; with STATS, first the row reductions.
 
@@ -804,7 +813,7 @@ def _attn_bwd_dq_kernel(
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
                 s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                            HAS_MASK, IS_CAUSAL, ACC)
+                            HAS_MASK, IS_CAUSAL, ACC, DOT)
                 m = tl.maximum(m, tl.max(s, 1))
             has = (m > -float("inf")) & row_ok & (c == c)
             md = tl.where(has, m, 0.0).to(tl.float64)
@@ -812,18 +821,18 @@ def _attn_bwd_dq_kernel(
             tol = 8.0 * eps * (1.0 + tl.abs(md) + tl.abs(cd - md) + 1.0 / b_edge)
             pivot, qv, qb = _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
                                         L, S, E, n_end, scale, md, cd - 1.0 / b_edge, tol, b_edge, has,
-                                        HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC)
+                                        HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC, DOT)
             # The pivot's dp (the largest among scores tied with it: any gives the same ds).
             dp_r = tl.zeros((BLOCK_M,), tl.float64) - float("inf")
             for start_n in range(0, n_end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
                 s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                            HAS_MASK, IS_CAUSAL, ACC).to(tl.float64)
+                            HAS_MASK, IS_CAUSAL, ACC, DOT).to(tl.float64)
                 at_pivot = s == pivot[:, None]
                 if tl.max(tl.max(at_pivot.to(tl.int32), 1), 0) > 0:
                     vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
-                    dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+                    dp = tl.dot(do, vt, input_precision=DOT, out_dtype=ACC)
                     if DROPOUT:
                         dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
                     dp_r = tl.maximum(dp_r, tl.max(tl.where(at_pivot, dp.to(tl.float64), -float("inf")), 1))
@@ -852,7 +861,7 @@ def _attn_bwd_dq_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
             s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC)
+                        HAS_MASK, IS_CAUSAL, ACC, DOT)
             p, g = _probs(s, c[:, None], b, FAMILY)
             if EDGE:
                 p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
@@ -861,7 +870,7 @@ def _attn_bwd_dq_kernel(
                     p = p_edge.to(ACC)
             if _any_nonzero(p):
                 vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
-                dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+                dp = tl.dot(do, vt, input_precision=DOT, out_dtype=ACC)
                 if DROPOUT:
                     dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
                 gsum += tl.sum(g, 1)
@@ -935,7 +944,7 @@ def _attn_bwd_dq_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
         s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                    HAS_MASK, IS_CAUSAL, ACC)
+                    HAS_MASK, IS_CAUSAL, ACC, DOT)
         p, g = _probs(s, c[:, None], b, FAMILY)
         if EDGE:
             p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
@@ -944,14 +953,14 @@ def _attn_bwd_dq_kernel(
                 p = p_edge.to(ACC)
         if _any_nonzero(p):  # every term vanishes outside the support
             vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
-            dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+            dp = tl.dot(do, vt, input_precision=DOT, out_dtype=ACC)
             if DROPOUT:
                 dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
             ds = scale * g * (dp - delta[:, None])
             if EDGE:
                 if edge_head:
                     ds = (scale * _edge_ds(p_edge, dp.to(tl.float64), qv, dp_r, edge_n, b_edge)).to(ACC)
-            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision="ieee", out_dtype=ACC)
+            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT, out_dtype=ACC)
     _store_rows(DQ, dq, stride_dqm, stride_dqd, offs_m, L, E, HEAD_DIM)
 
 
@@ -965,10 +974,10 @@ def _attn_bwd_dkdv_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, GROUP, L, S, E, EV, scale, seed, threshold, drop_scale, G,
+    H, GROUP, L, S, E, EV, scale, seed, threshold, drop_scale, G, L_TUNE, S_TUNE,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
+    ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
 ):
     """dK = Σ dsᵀ·Q and dV = Σ pᵀ·dO for one block of keys of one key/value head,
     summed over the GROUP query heads that share it (no atomics). With EDGE,
@@ -1009,7 +1018,7 @@ def _attn_bwd_dkdv_kernel(
             q = _load_rows(Qh, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
             c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
             s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC)
+                        HAS_MASK, IS_CAUSAL, ACC, DOT)
             p, g = _probs(s, c[:, None], b, FAMILY)
             if EDGE:
                 p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
@@ -1027,7 +1036,7 @@ def _attn_bwd_dkdv_kernel(
             if _any_nonzero(p):  # every term vanishes outside the support
                 do = _load_rows(DOh, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
                 delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
-                dp = tl.dot(do, vt, input_precision="ieee", out_dtype=ACC)
+                dp = tl.dot(do, vt, input_precision=DOT, out_dtype=ACC)
                 if DROPOUT:  # dp of the kept weights; dV from the kept weights
                     keep = _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
                     dp = dp * keep
@@ -1038,24 +1047,68 @@ def _attn_bwd_dkdv_kernel(
                 if EDGE:
                     if edge_head:
                         ds = (scale * _edge_ds(p_edge, dp.to(tl.float64), qv, dp_r, edge_n, b_edge)).to(ACC)
-                dv = tl.dot(tl.trans(p_kept).to(do.dtype), do, dv, input_precision="ieee", out_dtype=ACC)
-                dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision="ieee", out_dtype=ACC)
+                dv = tl.dot(tl.trans(p_kept).to(do.dtype), do, dv, input_precision=DOT, out_dtype=ACC)
+                dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT, out_dtype=ACC)
     _store_rows(DK, dk, stride_dkn, stride_dkd, offs_n, S, E, HEAD_DIM)
     _store_rows(DV, dv, stride_dvn, stride_dvd, offs_n, S, EV, HEAD_DIM_V)
 
 
 # --- launch configurations ---------------------------------------------------------------------------
 #
-# On a GPU the block sizes, warps and stages are autotuned per shape (keyed on
-# the lengths, head dims, normalizer and dtypes), from candidates pruned to fit
-# shared memory. Under the interpreter there is no timing: the prune step keeps
-# the single configuration that covers the short test shapes in few blocks, so
-# the autotuner never benchmarks, and the launchers run one code path in both modes.
+# On a GPU the block sizes, warps and stages are autotuned per shape, from
+# candidates pruned to fit shared memory. The key holds the lengths rounded up
+# to a power of two (L_TUNE, S_TUNE), the head dims, normalizer and flags, so a
+# new length within a bucket is not tuned again. ATTNKERN_TRITON_AUTOTUNE picks
+# the candidates: "full" (the default), "small" (three per kernel) or "one" (a
+# single configuration, no timing: what a test run on a GPU wants, where every
+# new shape would otherwise compile and time each candidate). Under the
+# interpreter there is no timing: the prune step keeps the single configuration
+# that covers the short test shapes in few blocks, so the autotuner never
+# benchmarks, and the launchers run one code path in both modes.
 
 _INTERP_SIZES = (16, 32, 64)
-# Shared-memory budget for the estimate below: below the 99-227 KiB of recent
-# GPUs, leaving room for the compiler's own buffers.
-_SMEM_BUDGET = 96 * 1024
+# The shared-memory budget of the estimate in _prune where the device does not
+# say how much a block may have (the estimate runs above what the compiler
+# allocates, so the device's own limit leaves room for its buffers).
+_SMEM_FALLBACK = 96 * 1024
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per autotune mode, for the kernels that
+# stream key blocks past a block of query rows (forward, dQ) and for dK/dV, which
+# streams query blocks past a block of keys.
+_ROW_CANDIDATES = {
+    "full": [(bm, bn, w, st) for bm, bn, w in ((128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 4), (16, 16, 2))
+             for st in (1, 2, 3)],
+    "small": [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
+    "one": [(64, 32, 4, 2)],
+}
+_KEY_CANDIDATES = {
+    "full": [(bm, bn, w, st) for bm, bn, w in ((32, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4), (16, 16, 2))
+             for st in (1, 2, 3)],
+    "small": [(32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)],
+    "one": [(32, 64, 4, 2)],
+}
+_TUNE_KEY = ["L_TUNE", "S_TUNE", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "IS_CAUSAL", "EDGE", "DOT"]
+
+
+def autotune_mode() -> str:
+    """ATTNKERN_TRITON_AUTOTUNE, checked: "full" (unset), "small" or "one"."""
+    import os
+
+    mode = os.environ.get("ATTNKERN_TRITON_AUTOTUNE", "") or "full"
+    if mode not in _ROW_CANDIDATES:
+        raise ValueError(f"ATTNKERN_TRITON_AUTOTUNE must be one of {sorted(_ROW_CANDIDATES)}, got {mode!r}")
+    return mode
+
+
+AUTOTUNE = autotune_mode()
+
+
+@functools.cache
+def _smem_budget(device_index: int) -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or _SMEM_FALLBACK)
 
 
 def _interp_block(n):
@@ -1066,7 +1119,7 @@ def _configs(candidates):
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}) for bm in _INTERP_SIZES for bn in _INTERP_SIZES]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in candidates]
+            for bm, bn, w, st in candidates[AUTOTUNE]]
 
 
 def _prune(configs, nargs, kw, streamed_is_keys):
@@ -1077,6 +1130,7 @@ def _prune(configs, nargs, kw, streamed_is_keys):
         bm, bn = _interp_block(L), _interp_block(S)
         return [c for c in configs if c.kwargs["BLOCK_M"] == bm and c.kwargs["BLOCK_N"] == bn][:1]
     elem = nargs["Q"].element_size()
+    budget = _smem_budget(nargs["Q"].device.index or 0)
     hd, hdv = kw["HEAD_DIM"], kw["HEAD_DIM_V"]
     wide = 8 if kw["ACC"] == tl.float64 else 4
     kept = []
@@ -1087,19 +1141,11 @@ def _prune(configs, nargs, kw, streamed_is_keys):
             + wide * bm * bn
         # Blocks much longer than the sequence only waste work.
         too_long = bm > max(16, triton.next_power_of_2(L)) or bn > max(16, triton.next_power_of_2(S))
-        if smem <= _SMEM_BUDGET and not too_long:
+        if smem <= budget and not too_long:
             kept.append(c)
     if not kept:  # the smallest configuration always runs
         kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
     return kept
-
-
-_ROW_CANDIDATES = [(bm, bn, w, st) for bm, bn, w in ((128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 4),
-                                                      (16, 16, 2)) for st in (1, 2, 3)]
-_KEY_CANDIDATES = [(bm, bn, w, st) for bm, bn, w in ((32, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 4),
-                                                      (16, 16, 2)) for st in (1, 2, 3)]
-_TUNE_KEY = ["L", "S", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "IS_CAUSAL", "EDGE"]
-
 
 
 def _no_timing(kernel_call, quantiles):

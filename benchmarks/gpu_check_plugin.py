@@ -1,0 +1,54 @@
+"""pytest plugin of benchmarks/gpu_check.py: writes every collected test id and
+every outcome, as it happens, to the JSON-lines file $ATTNKERN_GPU_CHECK_TESTS,
+so that a run stopped at its time limit still tells what passed, what failed
+and what never ran. Works with and without pytest-xdist (outcomes are written
+by the controlling process, the collection by one worker)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _write(entry: dict) -> None:
+    path = os.environ.get("ATTNKERN_GPU_CHECK_TESTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+# This process's xdist worker id ("gw0", ...), None in the controller or without xdist.
+_WORKER: str | None = None
+
+
+def pytest_configure(config):
+    global _WORKER
+    _WORKER = getattr(config, "workerinput", {}).get("workerid")
+
+
+def pytest_collection_finish(session):
+    if _WORKER in (None, "gw0"):
+        _write({"collected": [item.nodeid for item in session.items]})
+
+
+def pytest_runtest_logreport(report):
+    if _WORKER is not None:
+        return
+    outcome = None
+    if report.when == "call":
+        outcome = report.outcome
+        if hasattr(report, "wasxfail"):
+            outcome = "xfailed" if report.skipped else "xpassed"
+    elif report.when == "setup" and not report.passed:
+        outcome = "error" if report.failed else "skipped"
+    elif report.when == "teardown" and report.failed:
+        outcome = "error"
+    if outcome is None:
+        return
+    entry = {"test": report.nodeid, "outcome": outcome, "when": report.when,
+             "seconds": round(getattr(report, "duration", 0.0), 2)}
+    if report.failed:
+        entry["message"] = str(report.longrepr)[-1500:]
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        entry["message"] = str(report.longrepr[2])[:300]
+    _write(entry)
