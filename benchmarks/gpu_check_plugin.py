@@ -2,7 +2,8 @@
 every outcome, as it happens, to the JSON-lines file $ATTNKERN_GPU_CHECK_TESTS,
 so that a run stopped at its time limit still tells what passed, what failed
 and what never ran. Works with and without pytest-xdist (outcomes are written
-by the controlling process, the collection by one worker)."""
+by the controlling process, the collection by one worker); under xdist a worker
+whose CUDA context broke is replaced, so one bad kernel fails one test."""
 
 from __future__ import annotations
 
@@ -31,8 +32,24 @@ def pytest_collection_finish(session):
         _write({"collected": [item.nodeid for item in session.items]})
 
 
+# Set in a worker once a test failed with a CUDA error (an illegal address, say),
+# which leaves the process's CUDA context unusable: every later test there
+# would fail with it too.
+_CUDA_BROKEN = False
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    # Ending the worker after its test's reports went out makes xdist report the
+    # test as crashed and start a fresh worker for the tests still to run.
+    if _WORKER is not None and _CUDA_BROKEN:
+        os._exit(3)
+
+
 def pytest_runtest_logreport(report):
+    global _CUDA_BROKEN
     if _WORKER is not None:
+        if report.failed and "CUDA error" in str(report.longrepr):
+            _CUDA_BROKEN = True
         return
     outcome = None
     if report.when == "call":

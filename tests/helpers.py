@@ -64,22 +64,22 @@ def attention_mask(kind, B, H, L, S, seed=1):
     if kind == "causal":
         return None, True
     if kind == "bool":
-        m = torch.rand(B, H, L, S, generator=g) > 0.3
+        m = torch.rand(B, H, L, S, generator=g, device=g.device) > 0.3
         m[..., 0] = True
         return m, False
     if kind == "float":
-        return torch.randn(1, H, L, S, generator=g, dtype=torch.float64).to(torch.float32), False
+        return torch.randn(1, H, L, S, generator=g, device=g.device, dtype=torch.float64).to(torch.float32), False
     if kind == "key_padding":
-        lengths = torch.randint(1, S + 1, (B,), generator=g)
+        lengths = torch.randint(1, S + 1, (B,), generator=g, device=g.device)
         return (torch.arange(S)[None, :] < lengths[:, None]).view(B, 1, 1, S), False
     if kind == "fully_masked":
-        m = torch.rand(B, H, L, S, generator=g) > 0.5
+        m = torch.rand(B, H, L, S, generator=g, device=g.device) > 0.5
         m[..., 0, :] = False  # the first query of every head sees nothing
         if L > 2:
             m[0, 0, L // 2, :] = False
         return m, False
     if kind == "causal_float":
-        m = torch.randn(B, 1, 1, S, generator=g).clamp(-2, 2)
+        m = torch.randn(B, 1, 1, S, generator=g, device=g.device).clamp(-2, 2)
         return m, True
     raise ValueError(kind)
 

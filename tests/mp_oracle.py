@@ -90,12 +90,12 @@ def near_tied_rows(gen, n: int, alpha: float, count: int):
     b = alpha - 1
     rows = []
     for i in range(count):
-        x = -1.5 / b - torch.rand(n, generator=gen, dtype=torch.float64)
+        x = -1.5 / b - torch.rand(n, generator=gen, device=gen.device, dtype=torch.float64)
         x[0] = 0.0
         for j in range(1, 2 + i % 2):
-            small = 10 ** (-4 + 2 * float(torch.rand((), generator=gen, dtype=torch.float64)))
+            small = 10 ** (-4 + 2 * float(torch.rand((), generator=gen, device=gen.device, dtype=torch.float64)))
             x[j] = -(1.0 / b - small)
-        rows.append(x[torch.randperm(n, generator=gen)])
+        rows.append(x[torch.randperm(n, generator=gen, device=gen.device)])
     return torch.stack(rows)
 
 
@@ -128,5 +128,5 @@ def near_tied_attention(gen, alpha: float, L: int, S: int, Ev: int, scale: float
 
     k = torch.eye(S, dtype=torch.float64).expand(1, 2, S, S)
     q = torch.stack([near_tied_rows(gen, S, alpha, L) for _ in range(2)]).unsqueeze(0) / scale
-    v, dout = (torch.randn(1, 2, n, Ev, generator=gen, dtype=torch.float64) for n in (S, L))
+    v, dout = (torch.randn(1, 2, n, Ev, generator=gen, device=gen.device, dtype=torch.float64) for n in (S, L))
     return q, k, v, dout

@@ -228,8 +228,9 @@ def test_float32_sparsemax_long_rows_as_accurate_as_softmax():
     # keep its own precision, within 2x the error float32 softmax makes here.
     g = torch.Generator().manual_seed(5)
     L, S, E, Ev = 4, 4096, 16, 8
-    q = 1e-3 * torch.randn(1, 1, L, E, generator=g, dtype=torch.float64)
-    k, v, do = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for n, d in ((S, E), (S, Ev), (L, Ev)))
+    q = 1e-3 * torch.randn(1, 1, L, E, generator=g, device=g.device, dtype=torch.float64)
+    k, v, do = (torch.randn(1, 1, n, d, generator=g, device=g.device, dtype=torch.float64)
+                for n, d in ((S, E), (S, Ev), (L, Ev)))
     q32, k32, v32, do32 = (t.float().to(DEVICE) for t in (q, k, v, do))
     errs = {}
     for normalizer in ("softmax", "sparsemax"):

@@ -110,7 +110,7 @@ def _launcher_allocations(monkeypatch, normalizer, L, S):
     """Element counts of the launchers' allocations, in order, for a forward and a backward."""
     B, H, Hk, E = 1, 2, 1, 16
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, h, n, E, generator=g).to(DEVICE) for h, n in ((H, L), (Hk, S), (Hk, S)))
+    q, k, v = (torch.randn(B, h, n, E, generator=g, device=g.device).to(DEVICE) for h, n in ((H, L), (Hk, S), (Hk, S)))
     alpha = torch.tensor([1.5, 1.25], device=DEVICE) if normalizer == "entmax" else None
     log: list[int] = []
     with monkeypatch.context() as mp:

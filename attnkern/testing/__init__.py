@@ -46,14 +46,14 @@ def make_scores(shape, dtype=torch.float32, scale: float = 1.0, seed: int = 0, d
 def with_ties(shape, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
     """Scores with many exact ties (small integers)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-3, 4, shape, generator=g).to(dtype)
+    return torch.randint(-3, 4, shape, generator=g, device=g.device).to(dtype)
 
 
 def mask_some(x: torch.Tensor, frac: float = 0.3, seed: int = 0, full_rows: int = 1) -> torch.Tensor:
     """x with a fraction of entries set to -inf along the last dim, and the first
     `full_rows` rows entirely -inf."""
     g = torch.Generator().manual_seed(seed)
-    m = torch.rand(x.shape, generator=g) < frac
+    m = torch.rand(x.shape, generator=g, device=g.device) < frac
     y = x.masked_fill(m.to(x.device), float("-inf"))
     if full_rows and y.dim() >= 2:
         y.view(-1, y.shape[-1])[:full_rows] = float("-inf")

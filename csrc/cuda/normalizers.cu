@@ -299,13 +299,25 @@ __device__ acc_t backward_row(const G& grp, const scalar_t* __restrict__ p, cons
                               scalar_t* __restrict__ dx, int64_t n, int64_t stride, acc_t b, bool want_alpha) {
   bool edge = false;
   if constexpr (FAM == Family::kGeneric) edge = b > acc_t(1);
-  acc_t s[2] = {acc_t(0), acc_t(0)};  // Σg, Σg dp
-  for (int64_t j = grp.lane(); j < n && !edge; j += grp.size()) {
-    const acc_t g = math::entmax_g_from_p<acc_t>(load_acc<acc_t>(p, j, stride), b, FAM);
-    s[0] += g;
-    s[1] += g * load_acc<acc_t>(dp, j, stride);
+  acc_t s[3] = {acc_t(0), acc_t(0), acc_t(0)};  // Σg, Σg dp, NaN entries of p
+  for (int64_t j = grp.lane(); j < n; j += grp.size()) {
+    const acc_t pj = load_acc<acc_t>(p, j, stride);
+    if (pj != pj) {
+      s[2] += acc_t(1);
+    } else if (!edge) {
+      const acc_t g = math::entmax_g_from_p<acc_t>(pj, b, FAM);
+      s[0] += g;
+      s[1] += g * load_acc<acc_t>(dp, j, stride);
+    }
   }
-  grp.template sum<2>(s);
+  grp.template sum<3>(s);
+  if (s[2] > acc_t(0)) {
+    // A NaN in p (the forward's NaN row): NaN gradients, as the CPU kernels
+    // (g of a NaN p would be 0 for sparsemax and drop it).
+    const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+    for (int64_t j = grp.lane(); j < n; j += grp.size()) dx[j * stride] = static_cast<scalar_t>(nan);
+    return want_alpha ? nan : acc_t(0);
+  }
   acc_t dalpha = 0;
   if (want_alpha) {
     // Every reduction of the α gradient in double on the renormalized row
@@ -394,6 +406,11 @@ struct WarpGroup {
   }
 };
 
+// The most values one reduction of a block sums at once: the α gradient's row
+// sums (math::AlphaGradSums). The block's shared scratch holds that many per warp.
+constexpr int kMaxReduced = math::AlphaGradSums::kCount;
+constexpr int kScratchDoubles = kMaxReduced * kWarpSize;
+
 // The whole block on one row; blockDim.x is a multiple of 32, at most 1024.
 // scratch: shared memory for N·32 values of the widest reduced type.
 struct BlockGroup {
@@ -411,6 +428,7 @@ struct BlockGroup {
   // call's writes from overtaking the previous call's reads.
   template <int N, typename T>
   __device__ void sum(T* v) const {
+    static_assert(N <= kMaxReduced && sizeof(T) <= sizeof(double), "wider than the block's scratch");
     T* s = static_cast<T*>(scratch);
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int warps = blockDim.x / kWarpSize;
@@ -439,9 +457,6 @@ struct BlockGroup {
     return warp_max(v);
   }
 };
-
-// Widest reduction: 7 doubles (backward with the α gradient).
-constexpr int kScratchDoubles = 8 * kWarpSize;
 
 template <Strategy S>
 __device__ __forceinline__ auto make_group(double* scratch) {

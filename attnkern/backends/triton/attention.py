@@ -344,16 +344,16 @@ def pass_count_inputs(kind: str, L: int, S: int, E: int, H: int = 1, seed: int =
         raise ValueError(f"pass_count_inputs: kind must be 'random' or 'local', got {kind!r}")
     g = torch.Generator().manual_seed(seed)
     if kind == "random":
-        q, k, v = (torch.randn(1, H, n, E, generator=g) for n in (L, S, S))
+        q, k, v = (torch.randn(1, H, n, E, generator=g, device=g.device) for n in (L, S, S))
     else:
         def code(pos):
             freq = torch.exp(-torch.arange(E // 2, dtype=torch.float64) / (E // 2) * math.log(max(L, S)))
             ang = pos.double()[:, None] * freq[None, :]
             return torch.cat([torch.sin(ang), torch.cos(ang)], -1).float() * 0.6
 
-        q = code(torch.arange(L) * (S / L)) + 0.3 * torch.randn(1, H, L, E, generator=g)
-        k = code(torch.arange(S)) + 0.3 * torch.randn(1, H, S, E, generator=g)
-        v = torch.randn(1, H, S, E, generator=g)
+        q = code(torch.arange(L) * (S / L)) + 0.3 * torch.randn(1, H, L, E, generator=g, device=g.device)
+        k = code(torch.arange(S)) + 0.3 * torch.randn(1, H, S, E, generator=g, device=g.device)
+        v = torch.randn(1, H, S, E, generator=g, device=g.device)
     return tuple(t.to(device) for t in (q, k, v))
 
 

@@ -960,7 +960,10 @@ def _attn_bwd_dq_kernel(
             if EDGE:
                 if edge_head:
                     ds = (scale * _edge_ds(p_edge, dp.to(tl.float64), qv, dp_r, edge_n, b_edge)).to(ACC)
-            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT, out_dtype=ACC)
+            # K again, as rows: ds·K with a transposed kt as the right operand gave
+            # zeros in float32 on an H100 (triton 3.6), where half types were right.
+            k_rows = _load_rows(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+            dq = tl.dot(ds.to(k_rows.dtype), k_rows, dq, input_precision=DOT, out_dtype=ACC)
     _store_rows(DQ, dq, stride_dqm, stride_dqd, offs_m, L, E, HEAD_DIM)
 
 
