@@ -214,7 +214,8 @@ def test_large_alpha_against_the_mpmath_oracle(alpha, dtype):
     out, shift = tb.attention_fwd(q, k, v, None, False, scale, "entmax", a)
     dq, dk, dv, dalpha = tb.attention_bwd(dout, q, k, v, None, False, scale, "entmax", a, out, shift, True)
     for h in range(2):
-        o, eq, ek, ev, da = oracle.attention(*(t[0, h].cpu() for t in (q, k, v, dout)), alpha, scale)
+        with torch.device("cpu"):  # the oracle makes its own tensors, beside these CPU copies
+            o, eq, ek, ev, da = oracle.attention(*(t[0, h].cpu() for t in (q, k, v, dout)), alpha, scale)
         out_tol = (1e-6 if dtype == torch.float32 else 1e-11) * max(1.0, o.abs().max().item())
         assert (out[0, h].cpu().double() - o).abs().max() <= out_tol, h
         for name, got, exact in (("dq", dq, eq), ("dk", dk, ek), ("dv", dv, ev)):
@@ -372,6 +373,22 @@ def _mask_offsets_probe(Out, m0, n0, stride_mm, stride_mn, BM: tl.constexpr, BN:
     tl.store(Out + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], o)
 
 
+def test_scales_reach_the_kernels_at_full_width():
+    # Triton passes a Python float as float32: the launchers split the softmax
+    # scale (and dropout's) into a float32 head and rest, which the kernels add
+    # in their accumulation dtype, so float64 attention keeps a float64 scale.
+    import struct
+
+    from attnkern.backends.triton.attention import _split
+
+    for x in (0.7, 1 / math.sqrt(59), 0.125, 1 / (1 - 0.3), 3e-5):
+        head, rest = _split(x)
+        for part in (head, rest):
+            assert struct.unpack("f", struct.pack("f", part))[0] == part
+        assert abs((head + rest) - x) <= 2.0**-46 * x
+        assert abs(head - x) > 2.0**-46 * x or rest == 0.0
+
+
 def test_mask_offsets_are_64_bit():
     # A mask of L·S ≥ 2³¹ entries per head (8 GiB in float32) cannot be allocated
     # here: check the offset arithmetic of the kernels itself, with row offsets
@@ -439,7 +456,7 @@ assert not K.INTERPRETED
 dt = sys.argv[1]
 acc = tl.float64 if dt == "fp64" else tl.float32
 accs = "fp64" if dt == "fp64" else "fp32"
-floats = {"scale", "eps", "alpha_band", "drop_scale"}
+floats = {"scale", "scale_lo", "eps", "alpha_band", "drop_scale", "drop_lo"}
 wide = {"seed", "threshold"}
 pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "Counts", "DO", "Delta", "DAlphaRow",
             "EdgeRows", "DQ", "DK", "DV"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import struct
 
 import torch
 import triton
@@ -79,6 +80,14 @@ def _acc_dtype(q: torch.Tensor):
 
 def _eps(q: torch.Tensor) -> float:
     return float(torch.finfo(acc_dtype(q.dtype)).eps)
+
+
+def _split(x: float) -> tuple[float, float]:
+    """x as a float32 head and the float32 rest (kernels._full_width adds them
+    back in the accumulation dtype): triton passes a Python float as float32,
+    which would cut a float64 kernel's scale to float32's precision."""
+    head = struct.unpack("f", struct.pack("f", x))[0]
+    return head, struct.unpack("f", struct.pack("f", x - head))[0]
 
 
 def _tune_length(n: int) -> int:
@@ -242,7 +251,7 @@ def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p
     kern.attn_fwd[grid](
         q, k, v, mask_t, _alpha_arg(family, alpha, q), out, shift, counts,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), seed, threshold, drop_scale, groups,
+        H, H // Hk, L, S, E, Ev, *_split(scale), _eps(q), seed, threshold, *_split(drop_scale), groups,
         _tune_length(L), _tune_length(S),
         FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
         HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q), DROPOUT=dropout,
@@ -309,17 +318,17 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     common = dict(FAMILY=int(family), HAS_MASK=mask is not None, IS_CAUSAL=bool(is_causal),
                   HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout, EDGE=edge,
                   DOT=dot_precision(q))
-    drop = (seed, threshold, drop_scale, groups, _tune_length(L), _tune_length(S))
+    drop = (seed, threshold, *_split(drop_scale), groups, _tune_length(L), _tune_length(S))
     kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, edge_rows, dq,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), _eps(q), ALPHA_GRAD_SERIES_BAND, *drop,
+        H, H // Hk, L, S, E, Ev, *_split(scale), _eps(q), ALPHA_GRAD_SERIES_BAND, *drop,
         STATS=stats, ALPHA_GRAD=bool(alpha_grad), **common,
     )
     kern.attn_bwd_dkdv[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hk)](
         q, k, v, mask_t, alpha_t, grad_out, shift, delta, edge_rows, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dk.stride(), *dv.stride(),
-        H, H // Hk, L, S, E, Ev, float(scale), *drop, **common,
+        H, H // Hk, L, S, E, Ev, *_split(scale), *drop, **common,
     )
     if alpha_grad:
         dalpha = dalpha_rows.sum(dim=(0, 2)).to(torch.float32)

@@ -232,6 +232,13 @@ def _mask_offsets(offs_m, offs_n, stride_mm, stride_mn):
 
 
 @triton.jit
+def _full_width(head, rest, ACC: tl.constexpr):
+    # Python floats reach a kernel as float32: the launchers pass a float as its
+    # float32 head and the float32 rest (attention._split), summed here in ACC.
+    return tl.full((), head, ACC) + tl.full((), rest, ACC)
+
+
+@triton.jit
 def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
             HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """s = scale·q·kᵀ + mask for one (query block, key block) tile, -inf where not allowed."""
@@ -478,7 +485,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, L, S, E, EV, scale, eps, seed, threshold, drop_scale, G, L_TUNE, S_TUNE,
+    H, GROUP, L, S, E, EV, scale, scale_lo, eps, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_ITER: tl.constexpr, ACC: tl.constexpr, DROPOUT: tl.constexpr,
@@ -492,6 +499,7 @@ def _attn_fwd_kernel(
     each); NSETS: candidate sets per row. COUNT: also store, per program, the
     passes over K and the key blocks read into Counts (2 int32 each).
     """
+    scale, drop_scale = _full_width(scale, scale_lo, ACC), _full_width(drop_scale, drop_lo, ACC)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     Q, K, V, Mask, bi, h = _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb,
@@ -763,7 +771,7 @@ def _attn_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, GROUP, L, S, E, EV, scale, eps, alpha_band, seed, threshold, drop_scale, G, L_TUNE, S_TUNE,
+    H, GROUP, L, S, E, EV, scale, scale_lo, eps, alpha_band, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     STATS: tl.constexpr, ALPHA_GRAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -780,6 +788,7 @@ def _attn_bwd_dq_kernel(
     and (pivot, q, dp_r, Σ g (dp - dp_r) / Σ ĝ) go to EdgeRows (rows × 4,
     float64) for the dK/dV kernel.
     """
+    scale, drop_scale = _full_width(scale, scale_lo, ACC), _full_width(drop_scale, drop_lo, ACC)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     Q, K, V, Mask, bi, h = _query_head(pid_bh, H, GROUP, Q, K, V, Mask, stride_qb, stride_qh, stride_kb,
@@ -960,10 +969,13 @@ def _attn_bwd_dq_kernel(
             if EDGE:
                 if edge_head:
                     ds = (scale * _edge_ds(p_edge, dp.to(tl.float64), qv, dp_r, edge_n, b_edge)).to(ACC)
-            # K again, as rows: ds·K with a transposed kt as the right operand gave
-            # zeros in float32 on an H100 (triton 3.6), where half types were right.
-            k_rows = _load_rows(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-            dq = tl.dot(ds.to(k_rows.dtype), k_rows, dq, input_precision=DOT, out_dtype=ACC)
+            if K.dtype.element_ty == tl.float16 or K.dtype.element_ty == tl.bfloat16:
+                dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT, out_dtype=ACC)
+            else:
+                # K again, as rows: with the transposed kt as the right operand,
+                # float32 dQ came out zero on an H100 (triton 3.6).
+                k_rows = _load_rows(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                dq = tl.dot(ds.to(k_rows.dtype), k_rows, dq, input_precision=DOT, out_dtype=ACC)
     _store_rows(DQ, dq, stride_dqm, stride_dqd, offs_m, L, E, HEAD_DIM)
 
 
@@ -977,7 +989,7 @@ def _attn_bwd_dkdv_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, GROUP, L, S, E, EV, scale, seed, threshold, drop_scale, G, L_TUNE, S_TUNE,
+    H, GROUP, L, S, E, EV, scale, scale_lo, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
@@ -985,6 +997,7 @@ def _attn_bwd_dkdv_kernel(
     """dK = Σ dsᵀ·Q and dV = Σ pᵀ·dO for one block of keys of one key/value head,
     summed over the GROUP query heads that share it (no atomics). With EDGE,
     heads with α > 2 take p and ds in p-space from the dQ kernel's EdgeRows."""
+    scale, drop_scale = _full_width(scale, scale_lo, ACC), _full_width(drop_scale, drop_lo, ACC)
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     HK = H // GROUP
