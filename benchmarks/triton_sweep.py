@@ -35,10 +35,6 @@ SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 VARIANTS = (("softmax", 0, False), ("sparsemax", 1, False), ("entmax15", 2, False), ("entmax", 3, False),
             ("entmax α>2", 3, True))
 KERNELS = ("fwd", "dq", "dkdv")
-FLOATS = {"scale", "scale_lo", "eps", "alpha_band", "drop_scale", "drop_lo"}
-WIDE = {"seed", "threshold"}
-POINTERS = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "Counts", "DO", "Delta", "DAlphaRow", "EdgeRows",
-            "DQ", "DK", "DV"}
 
 
 def _compile_one(job: dict) -> dict:
@@ -54,26 +50,16 @@ def _compile_one(job: dict) -> dict:
 
     dt = job["dtype"]
     acc = tl.float64 if dt == "fp64" else tl.float32
-    accs = "fp64" if dt == "fp64" else "fp32"
     heavy = job["flags"] == "mask+causal+dropout"
     base = dict(FAMILY=job["family"], HAS_MASK=heavy, IS_CAUSAL=heavy, HEAD_DIM=job["head_dim"],
                 HEAD_DIM_V=job["head_dim"], BLOCK_M=job["block_m"], BLOCK_N=job["block_n"], ACC=acc, DROPOUT=heavy,
                 EDGE=job["edge"], DOT="ieee")
-    fn, ptrs, const = {
-        "fwd": (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", Counts="i32"),
-                dict(base, MAX_ITER=64, N_WORDS=32, NSETS=_NSETS, COUNT=False)),
-        "dq": (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow="fp64", EdgeRows="fp64"),
-               dict(base, STATS=job["family"] != 0, ALPHA_GRAD=job["family"] == 3)),
-        "dkdv": (K._attn_bwd_dkdv_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, EdgeRows="fp64"), base),
+    fn, const = {
+        "fwd": (K._attn_fwd_kernel, dict(base, MAX_ITER=64, N_WORDS=32, NSETS=_NSETS, COUNT=False)),
+        "dq": (K._attn_bwd_dq_kernel, dict(base, STATS=job["family"] != 0, ALPHA_GRAD=job["family"] == 3)),
+        "dkdv": (K._attn_bwd_dkdv_kernel, base),
     }[job["kernel"]]
-    sig = {}
-    for name in fn.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in POINTERS:
-            sig[name] = "*" + ptrs.get(name, dt)
-        else:
-            sig[name] = "fp32" if name in FLOATS else "i64" if name in WIDE else "i32"
+    sig = K.aot_signature(fn, const, dt)
     row = dict(job)
     t0 = time.time()
     try:

@@ -455,31 +455,17 @@ from attnkern.backends.triton.attention import _NSETS
 assert not K.INTERPRETED
 dt = sys.argv[1]
 acc = tl.float64 if dt == "fp64" else tl.float32
-accs = "fp64" if dt == "fp64" else "fp32"
-floats = {"scale", "scale_lo", "eps", "alpha_band", "drop_scale", "drop_lo"}
-wide = {"seed", "threshold"}
-pointers = {"Q", "K", "V", "Mask", "Alpha", "Out", "Shift", "Counts", "DO", "Delta", "DAlphaRow",
-            "EdgeRows", "DQ", "DK", "DV"}
 # (family, EDGE): every family, and α-entmax with heads at α > 2.
 for family, edge in ((0, False), (1, False), (2, False), (3, False), (3, True)):
     base = dict(FAMILY=family, HAS_MASK=True, IS_CAUSAL=True, HEAD_DIM=64, HEAD_DIM_V=32, BLOCK_M=64,
                 BLOCK_N=32, ACC=acc, DROPOUT=True, EDGE=edge, DOT="tf32" if dt == "fp32" else "ieee")
-    for fn, ptrs, const in (
-        (K._attn_fwd_kernel, dict(Alpha="fp32", Shift="fp32", Counts="i32"),
-         dict(base, MAX_ITER=64, N_WORDS=4, NSETS=_NSETS, COUNT=True)),
-        (K._attn_bwd_dq_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, DAlphaRow=accs, EdgeRows="fp64"),
-         dict(base, STATS=family != 0, ALPHA_GRAD=family == 3)),
-        (K._attn_bwd_dkdv_kernel, dict(Alpha="fp32", Shift="fp32", Delta=accs, EdgeRows="fp64"), base),
+    for fn, const in (
+        (K._attn_fwd_kernel, dict(base, MAX_ITER=64, N_WORDS=4, NSETS=_NSETS, COUNT=True)),
+        (K._attn_bwd_dq_kernel, dict(base, STATS=family != 0, ALPHA_GRAD=family == 3)),
+        (K._attn_bwd_dkdv_kernel, base),
     ):
-        sig = {}
-        for name in fn.arg_names:
-            if name in const:
-                sig[name] = "constexpr"
-            elif name in pointers:
-                sig[name] = "*" + ptrs.get(name, dt)
-            else:
-                sig[name] = "fp32" if name in floats else "i64" if name in wide else "i32"
-        triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 80, 32))
+        triton.compile(ASTSource(fn, K.aot_signature(fn, const, dt), constexprs=const),
+                       target=GPUTarget("cuda", 80, 32))
 print("compiled")
 """
 

@@ -1164,6 +1164,36 @@ def _prune(configs, nargs, kw, streamed_is_keys):
     return kept
 
 
+# The kernels' argument types as the launchers (attention.py) pass them, for
+# compiling ahead of time without a GPU (tests/test_triton.py,
+# benchmarks/triton_sweep.py): Python floats arrive as fp32, the dropout seed
+# and threshold as int64, other scalars as int32; the buffers beside the data
+# tensors have fixed dtypes, Delta the accumulation dtype.
+_FLOAT_ARGS = frozenset({"scale", "scale_lo", "eps", "alpha_band", "drop_scale", "drop_lo"})
+_INT64_ARGS = frozenset({"seed", "threshold"})
+_BUFFER_DTYPES = {"Alpha": "fp32", "Shift": "fp32", "Counts": "i32", "DAlphaRow": "fp64", "EdgeRows": "fp64"}
+_DATA_POINTERS = frozenset({"Q", "K", "V", "Mask", "Out", "DO", "DQ", "DK", "DV"})
+
+
+def aot_signature(fn, constexprs: dict, dtype: str) -> dict:
+    """The signature of kernel `fn` for triton.compile(ASTSource(fn, signature,
+    constexprs)), its data tensors (q, k, v, mask, gradients) of `dtype`
+    ("bf16", "fp16", "fp32" or "fp64")."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name == "Delta":
+            sig[name] = "*fp64" if dtype == "fp64" else "*fp32"
+        elif name in _BUFFER_DTYPES:
+            sig[name] = "*" + _BUFFER_DTYPES[name]
+        elif name in _DATA_POINTERS:
+            sig[name] = "*" + dtype
+        else:
+            sig[name] = "fp32" if name in _FLOAT_ARGS else "i64" if name in _INT64_ARGS else "i32"
+    return sig
+
+
 def _no_timing(kernel_call, quantiles):
     """The interpreter's stand-in for timing: its prune step leaves one
     configuration, which triton 3.6 still 'benchmarks' (3.8 does not), and
