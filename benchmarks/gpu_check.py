@@ -135,18 +135,24 @@ def _peer_site(out: Path, dry: bool) -> Path:
     return out / "peers-site" if dry else Path("/tmp/attnkern-gpu-check-site")
 
 
-def _phase_env(args, site: Path, phase: str = "") -> dict:
+def _phase_env(dry: bool, site: Path, phase: str = "") -> dict:
     env = dict(os.environ)
     paths = [str(ROOT), str(BENCH_DIR), str(site)]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
     # Tests and correctness checks run one launch configuration; the timings tune a few.
     env["ATTNKERN_TRITON_AUTOTUNE"] = "small" if phase == "timing" else "one"
-    if args.dry_run:
+    if dry:
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)
     return env
+
+
+def _passed(phase: str, status: str | None) -> bool:
+    """Whether a phase needs no rerun: ok, or a build that loaded without the CUDA kernels
+    (its next phases ran on it)."""
+    return status == "ok" or (phase == "build" and status == "partial")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -177,9 +183,9 @@ def drive(args) -> int:
     for name in phases:
         data = report.load()
         ph = report.phase(data, name)
-        if args.rerun and ph["status"] in ("ok", "partial" if name == "build" else "ok"):
+        if args.rerun and _passed(name, ph["status"]):
             continue
-        built = data["phases"].get("build", {}).get("status") in ("ok", "partial")
+        built = _passed("build", data["phases"].get("build", {}).get("status"))
         if name in NEEDS_BUILD and not built and not args.dry_run:
             report.set(name, status="skipped", note="the build did not succeed", wall_s=0.0)
             continue
@@ -195,7 +201,7 @@ def drive(args) -> int:
         t0 = time.monotonic()
         cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", name, "--out", str(out),
                "--deadline", str(time.time() + limit - 3)] + (["--dry-run"] if args.dry_run else [])
-        proc = subprocess.Popen(cmd, env=_phase_env(args, site, name), cwd=ROOT, start_new_session=True,
+        proc = subprocess.Popen(cmd, env=_phase_env(args.dry_run, site, name), cwd=ROOT, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             log, _ = proc.communicate(timeout=limit)
@@ -289,7 +295,7 @@ def run_peers(ctx: Ctx) -> None:
     for peer in PEERS:
         res = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m, {peer}; "
                               f"print(m.version('{peer}'))"], capture_output=True, text=True,
-                             env=_phase_env(argparse.Namespace(dry_run=ctx.dry), site))
+                             env=_phase_env(ctx.dry, site))
         if res.returncode == 0:
             ctx.add("peers", peer=peer, status="present", version=res.stdout.strip())
         else:
@@ -564,18 +570,13 @@ def timing_cases(dry: bool) -> list[dict]:
     return first + [c for c in grid if c not in first]
 
 
-def _adasplash(ctx: Ctx):
-    try:
-        import adasplash
-    except ImportError:
-        return None
-    return adasplash
-
-
 def run_timing(ctx: Ctx) -> None:
     import torch
 
-    ada = _adasplash(ctx)
+    try:
+        import adasplash as ada
+    except ImportError:
+        ada = None
     H = 16 if not ctx.dry else 2
     table = (f"milliseconds (median), B·N = tokens, H = {H}, autotune {os.environ.get('ATTNKERN_TRITON_AUTOTUNE')}; "
              "ratio = attnkern / other, < 1 is faster; attnkern timed through its launchers (fwd, then bwd)")

@@ -30,6 +30,7 @@ autotune key (launch configurations, below).
 from __future__ import annotations
 
 import functools
+import os
 
 import triton
 import triton.language as tl
@@ -1108,8 +1109,6 @@ _TUNE_KEY = ["L_TUNE", "S_TUNE", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK",
 
 def autotune_mode() -> str:
     """ATTNKERN_TRITON_AUTOTUNE, checked: "full" (unset), "small" or "one"."""
-    import os
-
     mode = os.environ.get("ATTNKERN_TRITON_AUTOTUNE", "") or "full"
     if mode not in _ROW_CANDIDATES:
         raise ValueError(f"ATTNKERN_TRITON_AUTOTUNE must be one of {sorted(_ROW_CANDIDATES)}, got {mode!r}")
