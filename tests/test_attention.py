@@ -422,6 +422,47 @@ def test_sparse_and_dense_block_paths(normalizer, spread, dtype):
         assert_close_tol(g, w, tol, f"{normalizer} {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
+def test_support_lists_that_overflow_within_a_block(normalizer, dtype):
+    """Query blocks whose first rows are peaked (a few keys each: their supports
+    are listed) and whose later rows are flat (most keys: the lists pass the
+    block's limit part way and the block's rows are written whole instead),
+    rows in between interleaved; forward and backward match the reference
+    (float32) and the float32 kernel on the same rounded inputs (bfloat16,
+    whose scores come from bfloat16 GEMMs in both directions)."""
+    B, H, L, S, E = 1, 2, 200, 333, 64
+    q, k, v, go = make_qkv(B, H, H, L, S, E, E, grad_out=True, seed=3)
+    row_spread = torch.full((L, 1), 3.0, dtype=torch.float64)
+    row_spread[40:64] = 0.02  # the end of the first block: flat
+    row_spread[64:128:2] = 0.02  # the second block: every other row flat
+    q = q * row_spread
+    alpha = torch.tensor([1.25, 1.75]) if normalizer == "entmax" else None
+
+    def run(dt):
+        xs = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out = attnkern.attention(*xs, normalizer=normalizer, alpha=alpha, backend="cpu")
+        return [out, *torch.autograd.grad(out, xs, go.to(dt))]
+
+    got = run(dtype)
+    if dtype == torch.float32:
+        xs = [t.float().requires_grad_() for t in (q, k, v)]
+        ref = ref_attention(*xs, None, False, normalizer, alpha)
+        want = [ref, *torch.autograd.grad(ref, xs, go.float())]
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            assert_close_tol(g, w, TOL[dtype] if name == "out" else GRAD_TOL[dtype], f"{normalizer} {name}")
+        return
+    # The float32 kernel on the rounded inputs: the same scores up to the
+    # order of their sums, the same weights and products in float32; the
+    # bfloat16 results differ by their final rounding.
+    q, k, v = (t.to(dtype).double() for t in (q, k, v))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, run(torch.float32), strict=True):
+        assert g.dtype == dtype
+        bound = 2 * 2.0**-8 * w.abs().max().item() + 1e-3 * w.abs().max().item()
+        err = (g.float() - w).abs().max().item()
+        assert err <= bound, (normalizer, name, err, bound)
+
+
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "fully_masked"])
 @pytest.mark.parametrize("normalizer", NORMALIZERS)
 def test_gradcheck_float64(normalizer, mask_kind):

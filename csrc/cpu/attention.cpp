@@ -81,7 +81,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
     Workspace<acc_t> ws;
     ws.y.resize(BM * std::max<int64_t>({all_softmax ? 0 : P.S, half ? half_tile_ld(tile) : tile, 1}));
     ws.work.resize(std::max<int64_t>(2 * P.S, 1));  // normalize_scores: candidates + scratch
-    ws.pidx.resize(std::max<int64_t>(P.S, 1));
+    ws.pidx.resize(P.S + Vec<acc_t>::size());  // (room for whole-vector stores)
     ws.mrow.resize(BM);
     ws.lsum.resize(BM);
     FlushDenormals ftz;
@@ -130,7 +130,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
     ws.y.resize(buf);
     ws.d.resize(buf);
     ws.work.resize(std::max<int64_t>(2 * P.S, 1));  // normalize_scores: candidates + scratch
-    ws.pidx.resize(std::max<int64_t>(P.S, 1));
+    ws.pidx.resize(P.S + Vec<acc_t>::size());  // (room for whole-vector stores)
     ws.lse.resize(BMs);
     FlushDenormals ftz;
     HalfGemmScope gemm16(P.q16 != nullptr && !P.hg.emulated);
@@ -512,11 +512,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
         auto bits = [](const Tensor& t) { return static_cast<const h16*>(t.const_data_ptr()); };
         P.hg = hg;
         P.q16 = bits(q16), P.k16 = bits(k16), P.do16 = bits(do16), P.vk16 = bits(vk16), P.kv16 = bits(kv16);
-      } else if (c.L > kPackRows) {
+      }
+      // Rows of the sparse families recompute their scores as the forward
+      // took them: in the half type when its GEMMs did (the same products
+      // summed in the same order, so the very scores its shifts were found
+      // on, and at the half-type GEMMs' speed). Not beside tiled softmax
+      // heads, whose half-type path needs every operand in the half type.
+      const bool scores16 = !gemm16 && std::is_same_v<scalar_t, float> && c.L > kDecodeRows && c.S > 0 &&
+                            (want_alpha || !has_softmax_head(P)) && half_gemm_enabled(dt, &hg);
+      if (scores16) {
+        q16 = padded(q_in, dt, Ep);
+        k16 = pack_heads16(hg, padded(k_in, dt, Ep), false);
+        P.hg = hg;
+        P.q16 = static_cast<const h16*>(q16.const_data_ptr());
+        P.k16 = static_cast<const h16*>(k16.const_data_ptr());
+      }
+      if (!gemm16 && c.L > kPackRows) {
         // Key and value panels for the S and dP GEMMs of every normalizer (a
         // few query rows read K and V as they are).
-        kpack = pack_heads<scalar_t>(k), vpack = pack_heads<scalar_t>(v);
-        P.kp = kpack.const_data_ptr<scalar_t>();
+        if (!scores16) {
+          kpack = pack_heads<scalar_t>(k);
+          P.kp = kpack.const_data_ptr<scalar_t>();
+        }
+        vpack = pack_heads<scalar_t>(v);
         P.vp = vpack.const_data_ptr<scalar_t>();
       }
       if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs

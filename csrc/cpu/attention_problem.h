@@ -508,6 +508,9 @@ struct Workspace {
   std::vector<float> keep;
   std::vector<int32_t> pidx, idx;
   std::vector<int64_t> ptr;
+  std::vector<acc_t> pvals;         // the probabilities at idx (CSR with idx and ptr)
+  std::vector<double> rshift;       // per row of a block: the shift found (support_list's)
+  std::vector<acc_t> rmax, rnorm;   // and the row's max and normalizing factor
   Runs runs;
   // The sparse backward's entries regrouped by key (CSC): starts, rows, ds, p·keep.
   std::vector<int64_t> cstart;

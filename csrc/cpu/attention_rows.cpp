@@ -39,6 +39,108 @@ acc_t normalize_scores(acc_t* y, int64_t n, acc_t b, acc_t* work, int32_t* idx) 
   return m + solve_row<acc_t, FAM>(y, n, m, b, y, work, work + n, idx, lanes);
 }
 
+// The families whose supports are gathered straight from the scores
+// (support_list) instead of from rows of probabilities written whole and
+// scanned again: two passes over each row of scores and its write saved.
+template <typename acc_t, Family FAM>
+constexpr bool kListed = FAM == Family::kSparsemax || FAM == Family::kEntmax15;
+
+// Room for CSR lists of up to `limit` entries plus the row that crosses it
+// and a whole-vector store past its end (collect_support, support_list).
+template <typename acc_t>
+void reserve_lists(Workspace<acc_t>& ws, int64_t limit, int64_t n) {
+  const size_t room = static_cast<size_t>(limit + n + Vec<acc_t>::size());
+  if (ws.idx.size() < room) ws.idx.resize(room);
+  if (ws.pvals.size() < room) ws.pvals.resize(room);
+}
+
+// ws.pvals = the entries of y (m x n) at the CSR positions ws.idx / ws.ptr.
+template <typename acc_t>
+void gather_listed(const acc_t* y, int64_t m, int64_t n, Workspace<acc_t>& ws) {
+  if (ws.pvals.size() < ws.idx.size()) ws.pvals.resize(ws.idx.size());
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t t = ws.ptr[r]; t < ws.ptr[r + 1]; ++t) ws.pvals[t] = y[r * n + ws.idx[t]];
+}
+
+// The forward's rows of a listed family: solves each row of scores y (m x n)
+// for its shift (c[r], as normalize_scores returns it) and gathers its
+// support as CSR lists (ws.idx, ws.pvals, ws.ptr) without writing the row.
+// Returns false, with every row's probabilities written in place as
+// normalize_scores writes them, once the lists pass `limit` entries or a row
+// is NaN: then the block's P·V runs over the rows.
+template <typename acc_t, Family FAM>
+bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float* c, Workspace<acc_t>& ws) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  reserve_lists(ws, limit, n);
+  ws.ptr.assign(m + 1, 0);
+  ws.rshift.resize(m), ws.rmax.resize(m), ws.rnorm.resize(m);
+  acc_t* work = ws.work.data();
+  bool listed = true;
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * n;
+    acc_t lanes_buf[kStartLanes<acc_t>];
+    acc_t* lanes = start_lanes<acc_t, FAM>(lanes_buf, n);
+    const acc_t mx = row_max(row, n, lanes);
+    ws.rmax[r] = mx;
+    ws.ptr[r + 1] = ws.ptr[r];
+    if (mx == -inf) {  // no allowed key: zeros
+      c[r] = std::numeric_limits<float>::infinity();
+      continue;
+    }
+    if (mx != mx || mx == inf) {
+      c[r] = std::numeric_limits<float>::quiet_NaN();
+      listed = false;
+      continue;
+    }
+    acc_t norm = 1;
+    double shift;
+    // entmax15 with lanes gathers its candidates with their positions, and
+    // they hold the support: no further pass over the row.
+    int64_t candidates = -1;
+    if constexpr (FAM == Family::kSparsemax) {
+      shift = sparsemax_threshold<acc_t>(row, n, mx, work);
+      c[r] = static_cast<float>(mx + static_cast<acc_t>(shift - static_cast<double>(mx)));
+    } else {
+      int32_t* pos = listed && lanes ? ws.pidx.data() : nullptr;
+      const acc_t cr = lanes ? solve_entmax15_from_lanes<acc_t>(row, n, mx, nullptr, work, work + n, lanes, &norm,
+                                                                pos, &candidates)
+                             : solve_row<acc_t, FAM>(row, n, mx, b, nullptr, work, work + n, ws.pidx.data(),
+                                                     nullptr, &norm);
+      if (!pos) candidates = -1;
+      shift = static_cast<double>(cr);
+      c[r] = static_cast<float>(mx + cr);
+    }
+    ws.rshift[r] = shift, ws.rnorm[r] = norm;
+    if (!listed) continue;
+    const int64_t t0 = ws.ptr[r];
+    acc_t* pv = ws.pvals.data() + t0;
+    int32_t* ix = ws.idx.data() + t0;
+    if (candidates >= 0) {
+      std::copy_n(work, candidates, pv);
+      std::copy_n(ws.pidx.data(), candidates, ix);
+      ws.ptr[r + 1] = t0 + listed_probs<acc_t, FAM>(pv, ix, candidates, shift, b, norm);
+    } else {
+      ws.ptr[r + 1] = t0 + support_list<acc_t, FAM>(row, n, mx, shift, b, norm, pv, ix);
+    }
+    listed = ws.ptr[r + 1] <= limit;
+  }
+  if (listed) return true;
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* row = y + r * n;
+    const acc_t mx = ws.rmax[r];
+    if (mx == -inf) {
+      std::fill(row, row + n, acc_t(0));
+    } else if (mx != mx || mx == inf) {
+      std::fill(row, row + n, std::numeric_limits<acc_t>::quiet_NaN());
+    } else if constexpr (FAM == Family::kSparsemax) {
+      write_sparsemax<acc_t>(row, n, ws.rshift[r], row);
+    } else {
+      write_probs<acc_t, FAM>(row, n, mx, static_cast<acc_t>(ws.rshift[r]), b, ws.rnorm[r], row);
+    }
+  }
+  return false;
+}
+
 // p = φ_b(s - c) (sparsemax: [s - θ]_+) for one row of scores (in place). In
 // double, the float32 shift is refined by one Newton step so that p matches
 // the forward to double precision (c is stored in float32 by the contract).
@@ -93,6 +195,42 @@ void recompute_probs(acc_t* y, int64_t n, acc_t c, acc_t b, acc_t* vals, int32_t
   } else {
     write_probs<acc_t, FAM>(y, n, acc_t(0), c, b, acc_t(1), y);
   }
+}
+
+// The backward's rows gather their supports from the scores (support_list)
+// where the recomputed probabilities are the forward's formula at the saved
+// float32 shift: float32 rows of the listed families and of α-entmax with
+// 1 < α <= 2 (double refines the shift on the whole row first; α > 2 solves
+// the row again).
+template <typename acc_t, Family FAM>
+bool recompute_listed_applies(acc_t b) {
+  if constexpr (!std::is_same_v<acc_t, float>) {
+    return false;
+  } else {
+    return kListed<acc_t, FAM> || (b > acc_t(0) && b <= acc_t(1));
+  }
+}
+
+// The supports of the block's rows of scores y (m x n) at their saved shifts
+// c, as CSR lists (ws.idx, ws.pvals, ws.ptr) holding what recompute_probs and
+// collect_support would give. Returns false (nothing written to y) when the
+// lists pass `limit` entries or a row is NaN.
+template <typename acc_t, Family FAM>
+bool recompute_listed(const acc_t* y, int64_t m, int64_t n, const float* c, acc_t b, int64_t limit,
+                      Workspace<acc_t>& ws) {
+  reserve_lists(ws, limit, n);
+  ws.ptr.assign(m + 1, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t t0 = ws.ptr[r];
+    ws.ptr[r + 1] = t0;
+    const acc_t cr = static_cast<acc_t>(c[r]);
+    if (cr != cr) return false;
+    if (!(cr < std::numeric_limits<acc_t>::infinity())) continue;  // no allowed key: zeros
+    ws.ptr[r + 1] = t0 + support_list<acc_t, FAM>(y + r * n, n, acc_t(0), static_cast<double>(cr), b, acc_t(1),
+                                                  ws.pvals.data() + t0, ws.idx.data() + t0);
+    if (ws.ptr[r + 1] > limit) return false;
+  }
+  return true;
 }
 
 // Σ g and Σ g·dp over [j0, j1) of one row (g = p^(2-α) on the support).
@@ -176,17 +314,18 @@ void backward_rows(acc_t* y, acc_t* d, int64_t m, int64_t n, const std::vector<s
   }
 }
 
-// Backward of a block of rows over their supports (CSR idx/ptr), entry by
+// Backward of a block of rows over their supports (CSR idx/pvals/ptr), entry by
 // entry: dp = dO·v_j, ds = scale·g·(dp - Σg dp/Σg), dq = Σ ds k_j, then key by
 // key dk_j += Σ ds q and dv_j += Σ p·keep dO.
 template <typename acc_t, Family FAM>
-void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, int64_t n, acc_t b, const acc_t* qb,
+void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b, const acc_t* qb,
                           const acc_t* dob, const acc_t* kh, const acc_t* vh, acc_t* dqb, acc_t* dk, acc_t* dv,
                           double* dalpha, int64_t row0, Workspace<acc_t>& ws) {
   const Dropout& drop = P.drop;
   const acc_t dscale = static_cast<acc_t>(drop.scale);
   const std::vector<int32_t>& idx = ws.idx;
   const std::vector<int64_t>& ptr = ws.ptr;
+  const acc_t* pv = ws.pvals.data();
   const int64_t total = ptr[m];
   // By entry (CSR order): dp, then ds in its place; the weight p·keep of dV.
   std::vector<acc_t>& dps = ws.dps;
@@ -196,7 +335,6 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
   std::vector<double> edge_buf;
   const bool edge = FAM == Family::kGeneric && b > acc_t(1);
   for (int64_t r = 0; r < m; ++r) {
-    const acc_t* prow = y + r * n;
     const acc_t* dor = dob + r * P.Ev;
     acc_t* dqr = dqb + r * P.E;
     const int64_t t0 = ptr[r], t1 = ptr[r + 1];
@@ -214,11 +352,11 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
       pk[t] = kj;
       dps[t] = dpj;
       if (!edge) {  // (α > 2 takes its own sums: math::edge_vjp)
-        const acc_t g = math::entmax_g_from_p<acc_t>(prow[j], b, FAM);
+        const acc_t g = math::entmax_g_from_p<acc_t>(pv[t], b, FAM);
         gsum += g;
         gdp += g * dpj;
       }
-      if (dalpha) asums.add(static_cast<double>(prow[j]), static_cast<double>(dpj), b);
+      if (dalpha) asums.add(static_cast<double>(pv[t]), static_cast<double>(dpj), b);
     }
     if (dalpha) *dalpha += asums.grad(static_cast<double>(b));
     if (edge) {
@@ -226,7 +364,7 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
       const int64_t k = t1 - t0;
       edge_buf.resize(3 * k);
       for (int64_t t = t0; t < t1; ++t) {
-        edge_buf[t - t0] = static_cast<double>(prow[idx[t]]);
+        edge_buf[t - t0] = static_cast<double>(pv[t]);
         edge_buf[k + t - t0] = static_cast<double>(dps[t]);
       }
       double* pe = edge_buf.data();
@@ -235,9 +373,9 @@ void backward_sparse_rows(const Problem<acc_t>& P, const acc_t* y, int64_t m, in
     } else {
       const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
       for (int64_t t = t0; t < t1; ++t)
-        dps[t] = P.scale * math::entmax_g_from_p<acc_t>(prow[idx[t]], b, FAM) * (dps[t] - mean);
+        dps[t] = P.scale * math::entmax_g_from_p<acc_t>(pv[t], b, FAM) * (dps[t] - mean);
     }
-    for (int64_t t = t0; t < t1; ++t) pk[t] = pk[t] == acc_t(0) ? acc_t(0) : prow[idx[t]] * pk[t];
+    for (int64_t t = t0; t < t1; ++t) pk[t] = pk[t] == acc_t(0) ? acc_t(0) : pv[t] * pk[t];
     // dq = Σ ds k_j, in registers.
     accumulate_listed(dps.data() + t0, idx.data() + t0, t1 - t0, kh, P.E, P.E, dqr);
   }
@@ -291,20 +429,31 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   acc_t* y = ws.y.data();
   score_block(P, bi, h, i0, m, n, y);
   const acc_t b = P.b[h];
-  for (int64_t r = 0; r < m; ++r)
-    c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * n, n, b, ws.work.data(), ws.pidx.data()));
-  if (P.drop.on) apply_dropout(P.drop, y, m, n, n, P.row_id(bi, h, i0), 0);
   const acc_t* vh = P.v_head(bi, h / P.group());
-  if (collect_support(y, m, n, static_cast<int64_t>(kSparseDensity * m * n), ws.idx, ws.ptr)) {
-    acc_t* vals = ws.work.data();  // the row's support values, in list order
+  const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
+  // O row by row over the support lists (ws.idx, ws.pvals, ws.ptr).
+  auto listed_pv = [&] {
     for (int64_t r = 0; r < m; ++r) {
-      const acc_t* prow = y + r * n;
-      const int32_t* idx = ws.idx.data() + ws.ptr[r];
-      const int64_t cnt = ws.ptr[r + 1] - ws.ptr[r];
-      for (int64_t t = 0; t < cnt; ++t) vals[t] = prow[idx[t]];
-      accumulate_listed(vals, idx, cnt, vh, P.Ev, P.Ev, o + r * P.Ev);
+      const int64_t t0 = ws.ptr[r];
+      accumulate_listed(ws.pvals.data() + t0, ws.idx.data() + t0, ws.ptr[r + 1] - t0, vh, P.Ev, P.Ev, o + r * P.Ev);
     }
-    return;
+  };
+  // (Dropout scales the kept weights of whole rows: those rows are written.)
+  if constexpr (kListed<acc_t, FAM>) {
+    if (!P.drop.on) {
+      if (solve_listed<acc_t, FAM>(y, m, n, b, limit, c, ws)) return listed_pv();
+    } else {
+      for (int64_t r = 0; r < m; ++r)
+        c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * n, n, b, ws.work.data(), ws.pidx.data()));
+    }
+  } else {
+    for (int64_t r = 0; r < m; ++r)
+      c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * n, n, b, ws.work.data(), ws.pidx.data()));
+  }
+  if (P.drop.on) apply_dropout(P.drop, y, m, n, n, P.row_id(bi, h, i0), 0);
+  if (collect_support(y, m, n, limit, ws.idx, ws.ptr)) {
+    gather_listed(y, m, n, ws);
+    return listed_pv();
   }
   nonzero_runs(y, m, n, ws.runs);
   if (ws.runs.empty()) {
@@ -345,14 +494,21 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   acc_t* d = ws.d.data();
   score_block(P, bi, h, i0, m, n, y);
   const acc_t b = P.b[h];
+  // α > 2 always goes entry by entry, where its mean is pivoted.
+  const int64_t max_entries = b > acc_t(1) ? m * n : static_cast<int64_t>(kSparseDensity * m * n);
+  auto sparse_rows = [&] {
+    backward_sparse_rows<acc_t, FAM>(P, m, n, b, qb, dob, kh, vh, dqb, dk, dv, da, P.row_id(bi, h, i0), ws);
+  };
+  if constexpr (FAM != Family::kSoftmax) {
+    if (recompute_listed_applies<acc_t, FAM>(b) && recompute_listed<acc_t, FAM>(y, m, n, c, b, max_entries, ws))
+      return sparse_rows();
+  }
   for (int64_t r = 0; r < m; ++r)
     recompute_probs<acc_t, FAM>(y + r * n, n, static_cast<acc_t>(c[r]), b, ws.work.data(), ws.pidx.data());
   if constexpr (FAM != Family::kSoftmax) {
-    // α > 2 always goes entry by entry, where its mean is pivoted.
-    const int64_t max_entries = b > acc_t(1) ? m * n : static_cast<int64_t>(kSparseDensity * m * n);
     if (collect_support(y, m, n, max_entries, ws.idx, ws.ptr)) {
-      backward_sparse_rows<acc_t, FAM>(P, y, m, n, b, qb, dob, kh, vh, dqb, dk, dv, da, P.row_id(bi, h, i0), ws);
-      return;
+      gather_listed(y, m, n, ws);
+      return sparse_rows();
     }
   }
   Runs& runs = ws.runs;

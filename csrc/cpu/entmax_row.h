@@ -160,6 +160,27 @@ inline int64_t compact_above(const acc_t* src, int64_t n, acc_t cut, acc_t* dst,
   return k;
 }
 
+// The entries of src[0:n] greater than `cut`, appended to dst (not aliasing
+// src), for a pass over a whole row that keeps few of them (a row's first
+// candidates): a vector with none costs a load, a compare and a predicted
+// branch, where compact_above's branch-free compaction pays a compress, a
+// store and its sum at every vector (on an AVX-512 Xeon, most of a sparsemax
+// row's time). Returns their count.
+template <typename acc_t>
+inline int64_t few_above(const acc_t* src, int64_t n, acc_t cut, acc_t* dst) {
+  using V = Vec<acc_t>;
+  const V vcut(cut);
+  int64_t k = 0, j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    const V v = V::loadu(src + j);
+    const int mask = gt_mask<acc_t>(v, vcut);
+    if (mask != 0) k += left_pack(dst + k, v, mask);
+  }
+  for (; j < n; ++j)
+    if (src[j] > cut) dst[k++] = src[j];
+  return k;
+}
+
 // Sparsemax shift of y[0:n] (max 0) by Michelot's algorithm: c = 1 + (Σ_A y - 1)/|A|
 // over the candidates A = {y > c - 1}, shrinking A until it stops changing.
 // The candidates end in work[0:k]; returns c.
@@ -208,8 +229,9 @@ inline acc_t floor_to(double t) {
 // work: scratch of n entries (the candidates).
 template <typename acc_t>
 inline double sparsemax_threshold(const acc_t* x, int64_t n, acc_t m, acc_t* work) {
-  acc_t sum;
-  int64_t k = compact_above(x, n, floor_to<acc_t>(static_cast<double>(m) - 1.0), work, &sum);
+  int64_t k = few_above(x, n, floor_to<acc_t>(static_cast<double>(m) - 1.0), work);
+  acc_t sum = 0;
+  for (int64_t t = 0; t < k; ++t) sum += work[t];
   // The iterations in acc_t first (their sums come with the compaction), to
   // a candidate list that holds the support; then in double from there, which
   // usually confirms the list in one step.
@@ -447,7 +469,7 @@ inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, ac
   int64_t k = 0, j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     V v = V::loadu(x + j) - vm;
-    int mask = lane_mask<acc_t>(v > vcut);
+    const int mask = gt_mask<acc_t>(v, vcut);
     left_pack(vals + k, v, mask);
     k += left_pack_index<kLanes>(idx + k, static_cast<int32_t>(j), mask);
   }
@@ -531,6 +553,70 @@ inline void write_probs_sparse(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_
   scatter_row<acc_t>(vals, idx, k, acc_t(1), n, out);
 }
 
+// The positions of the entries of x[0:n] with (x - m) > cut, appended to idx
+// (room for n + Vec<acc_t>::size()), for a row with few of them (few_above
+// says why). Returns their count.
+template <typename acc_t>
+inline int64_t few_positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, int32_t* idx) {
+  using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
+  const V vm(m), vcut(cut);
+  int64_t k = 0, j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const int mask = gt_mask<acc_t>(V::loadu(x + j) - vm, vcut);
+    if (mask != 0) k += left_pack_index<kLanes>(idx + k, static_cast<int32_t>(j), mask);
+  }
+  for (; j < n; ++j)
+    if (x[j] - m > cut) idx[k++] = static_cast<int32_t>(j);
+  return k;
+}
+
+// The probabilities of a row on a list of its entries that holds the
+// support: vals[0:k] (sparsemax: the scores x; else y = x - m) become what
+// write_sparsemax (p = [x - θ]_+, shift θ) or write_probs (p = norm · φ(y -
+// c), shift c) would write at their positions idx[0:k], each by the same
+// operations, and the entries that came out 0 are dropped, in order. Returns
+// the count left.
+template <typename acc_t, Family FAM>
+inline int64_t listed_probs(acc_t* vals, int32_t* idx, int64_t k, double shift, acc_t b, acc_t norm) {
+  static_assert(FAM != Family::kSoftmax, "softmax rows are dense");
+  if constexpr (FAM == Family::kSparsemax) {
+    write_sparsemax<acc_t>(vals, k, shift, vals);
+  } else {
+    write_probs<acc_t, FAM>(vals, k, acc_t(0), static_cast<acc_t>(shift), b, norm, vals);
+  }
+  int64_t kept = 0;
+  for (int64_t t = 0; t < k; ++t) {
+    if (vals[t] == acc_t(0)) continue;
+    vals[kept] = vals[t];
+    idx[kept++] = idx[t];
+  }
+  return kept;
+}
+
+// The non-zero entries of a row's probabilities, as positions (idx) and
+// values (vals) in increasing position order, from its scores x[0:n] (max
+// m) at its shift without writing the row (listed_probs): one pass over the
+// row gathers the entries above a cut an ulp below the support's edge
+// (b > 0). vals and idx need room for n + Vec<acc_t>::size() entries.
+// Returns the count.
+template <typename acc_t, Family FAM>
+inline int64_t support_list(const acc_t* x, int64_t n, acc_t m, double shift, acc_t b, acc_t norm, acc_t* vals,
+                            int32_t* idx) {
+  constexpr acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+  int64_t k;
+  if constexpr (FAM == Family::kSparsemax) {
+    // (x > floor_to(θ) holds exactly when x > θ.)
+    k = few_positions_above(x, n, acc_t(0), std::nextafter(floor_to<acc_t>(shift), ninf), idx);
+    for (int64_t t = 0; t < k; ++t) vals[t] = x[idx[t]];
+  } else {
+    // (Supports of a few percent of the row: the branch-free compaction,
+    // where few_positions_above's branch would often be mispredicted.)
+    k = positions_above(x, n, m, std::nextafter(static_cast<acc_t>(shift) - acc_t(1) / b, ninf), vals, idx);
+  }
+  return listed_probs<acc_t, FAM>(vals, idx, k, shift, b, norm);
+}
+
 // The entries of x[0:n] whose y = x - m is above `cut`, as y, into dst (not
 // aliasing x); returns their count. One pass: a row's shift candidates.
 template <typename acc_t>
@@ -541,8 +627,7 @@ inline int64_t shifted_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, acc_
   int64_t k = 0, j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     const V v = V::loadu(x + j) - vm;
-    const int keep = lane_mask<acc_t>(v > vcut);
-    k += left_pack(dst + k, v, keep);
+    k += left_pack(dst + k, v, gt_mask<acc_t>(v, vcut));
   }
   for (; j < n; ++j) {
     const acc_t v = x[j] - m;
@@ -990,11 +1075,19 @@ inline acc_t ranked_entmax15_shift(const acc_t* y, int64_t k, acc_t* work) {
 // when they are few, else (or when the ranks' choice is not confirmed) by
 // find_shift over the same list, which holds the support either way.
 template <typename acc_t>
+//
+// With pos (then out is null), the candidates' positions are gathered too
+// (room for n + Vec<acc_t>::size()), and *k_out gets their count: cand[0:k]
+// (y = x - m) and pos[0:k] hold the support, for a caller that lists it.
 inline acc_t solve_entmax15_from_lanes(const acc_t* x, int64_t n, acc_t m, acc_t* out, acc_t* cand, acc_t* work,
-                                       const acc_t* lanes) {
+                                       const acc_t* lanes, acc_t* norm_out = nullptr, int32_t* pos = nullptr,
+                                       int64_t* k_out = nullptr) {
   const acc_t b(0.5);
   const acc_t start = subset_start<acc_t, Family::kEntmax15>(lanes, m, b);
-  int64_t k = shifted_above(x, n, m, start - acc_t(2), cand);
+  auto gather = [&](acc_t cut) {
+    return pos ? positions_above(x, n, m, cut, cand, pos) : shifted_above(x, n, m, cut, cand);
+  };
+  int64_t k = gather(start - acc_t(2));
   acc_t c = k <= kRankedMax<acc_t> ? ranked_entmax15_shift<acc_t>(cand, k, work)
                                    : std::numeric_limits<acc_t>::quiet_NaN();
   acc_t norm = acc_t(1);
@@ -1002,10 +1095,12 @@ inline acc_t solve_entmax15_from_lanes(const acc_t* x, int64_t n, acc_t m, acc_t
   if (!(c >= start)) {
     // The start was not left of the shift (by rounding, or ties): the list
     // may miss part of the support. From c = 0, which is left.
-    k = shifted_above(x, n, m, acc_t(-2), cand);
+    k = gather(acc_t(-2));
     c = find_shift<acc_t, Family::kEntmax15>(cand, k, b, work, &norm);
   }
-  write_probs<acc_t, Family::kEntmax15>(x, n, m, c, b, norm, out);
+  if (k_out) *k_out = k;
+  if (norm_out) *norm_out = norm;
+  if (out) write_probs<acc_t, Family::kEntmax15>(x, n, m, c, b, norm, out);
   return c;
 }
 
@@ -1066,12 +1161,15 @@ inline void write_probs_edge(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t 
 // the entries above -1/b only, gathered in one pass (for random scores a
 // tenth of the row for entmax15), and the row itself is read once more, to
 // write the probabilities.
+//
+// entmax15 also solves without writing (out null), for a caller that gathers
+// the support itself (support_list): *norm_out gets the factor.
 template <typename acc_t, Family FAM>
 inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, acc_t* cand, acc_t* work,
-                       int32_t* idx, const acc_t* lanes = nullptr) {
+                       int32_t* idx, const acc_t* lanes = nullptr, acc_t* norm_out = nullptr) {
   static_assert(FAM != Family::kSoftmax, "softmax rows have no shift search");
   if constexpr (FAM == Family::kEntmax15) {
-    if (lanes) return solve_entmax15_from_lanes<acc_t>(x, n, m, out, cand, work, lanes);
+    if (lanes) return solve_entmax15_from_lanes<acc_t>(x, n, m, out, cand, work, lanes, norm_out);
   }
   if constexpr (FAM == Family::kGeneric) {
     if (b > acc_t(0) && b < acc_t(1)) return solve_generic_convex<acc_t>(x, n, m, b, out, cand, work, idx, lanes);
@@ -1091,6 +1189,10 @@ inline acc_t solve_row(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, 
   }
   acc_t norm;
   const acc_t c = find_shift<acc_t, FAM>(cand, k, b, work, &norm);
+  if constexpr (FAM == Family::kEntmax15) {
+    if (norm_out) *norm_out = norm;
+    if (!out) return c;
+  }
   if constexpr (FAM == Family::kGeneric) {
     if (b > acc_t(1)) {
       write_probs_edge<acc_t>(x, n, m, c, b, out, work, idx);
