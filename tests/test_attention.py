@@ -463,6 +463,29 @@ def test_support_lists_that_overflow_within_a_block(normalizer, dtype):
         assert err <= bound, (normalizer, name, err, bound)
 
 
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15"])
+def test_row_starts_from_strided_maxima(normalizer, magnitude):
+    """The rows' searches start from the maxima of 64 strided parts of the row
+    (the row's last entries, past a multiple of 64, are in none): rows whose
+    largest scores sit in that tail, or are tied across parts, at large and
+    tiny magnitudes, match the reference in float32 and bfloat16."""
+    B, H, L, S, E = 1, 1, 8, 70, 64
+    q, k, v = make_qkv(B, H, H, L, S, E, E, seed=4)
+    k[..., 66:, :] = 2.0 * q[..., :4, :].transpose(0, 1).reshape(1, 1, 4, E)  # row i's best key in the tail
+    k[..., 10:40:10, :] = k[..., 5:6, :]  # a key tied with three others in other parts
+    q[..., 4:, :] = 3.0 * k[..., 5, :].unsqueeze(-2)  # rows whose best keys are the tied ones
+    q = q * magnitude
+    for dtype, tol in ((torch.float32, TOL[torch.float32]), (torch.bfloat16, None)):
+        xs = [t.to(dtype) for t in (q, k, v)]
+        out = attnkern.attention(*xs, normalizer=normalizer, backend="cpu")
+        ref = ref_attention(*(t.double() for t in xs), None, False, normalizer, None)
+        if tol is not None:
+            assert_close_tol(out, ref, tol, f"{normalizer} {magnitude}")
+        else:  # the bfloat16 scores' rounding, then the output's
+            assert (out.double() - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 1e-3
+
+
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "fully_masked"])
 @pytest.mark.parametrize("normalizer", NORMALIZERS)
 def test_gradcheck_float64(normalizer, mask_kind):

@@ -208,13 +208,21 @@ inline void gemm_packed_cols(int64_t m, int64_t n, int64_t j0, int64_t j1, int64
 // y (m x w, row stride ldy) = scale · q_rows · kᵀ over keys [j0, j0 + w) plus
 // the mask, -inf above the causal diagonal, from half-type q and K (P.q16;
 // j0 a multiple of 64). Returns false (nothing done) without them.
+// With scale_later given, a caller that scales each row itself (scale_row_max)
+// may be left to: where no additive mask follows the scale and the scale is
+// positive (the causal -inf stays -inf), *scale_later is set and the rows are
+// left unscaled.
 template <typename acc_t>
 inline bool scores_half_masked(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
-                               int64_t w, acc_t* y, int64_t ldy) {
+                               int64_t w, acc_t* y, int64_t ldy, bool* scale_later = nullptr) {
   if constexpr (std::is_same_v<acc_t, float>) {
     if (P.q16) {
       scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
-      scale_scores(y, m, w, ldy, P.scale);
+      if (scale_later && !P.mask && P.scale > acc_t(0) && P.scale < std::numeric_limits<acc_t>::infinity()) {
+        *scale_later = true;
+      } else {
+        scale_scores(y, m, w, ldy, P.scale);
+      }
       mask_scores(P, bi, h, i0, m, j0, w, y, ldy);
       return true;
     }
@@ -235,9 +243,11 @@ inline void gemm_unpacked_keys(int64_t m, int64_t w, int64_t K, acc_t alpha, con
 // y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
 // diagonal: in the half type (P.q16), over the packed key panels (P.kp) when there
 // are, else BLAS.
+// (scale_later: as scores_half_masked's.)
 template <typename acc_t>
-inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y) {
-  if (scores_half_masked(P, bi, h, i0, m, 0, n, y, n)) return;
+inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y,
+                        bool* scale_later = nullptr) {
+  if (scores_half_masked(P, bi, h, i0, m, 0, n, y, n, scale_later)) return;
   const acc_t* q = P.q_rows(bi, h, i0);
   if (P.kp) {
     gemm_packed_cols<acc_t>(m, n, 0, n, P.E, P.scale, q, P.kp_head(bi, h / P.group()), y);

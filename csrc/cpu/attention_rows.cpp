@@ -68,8 +68,10 @@ void gather_listed(const acc_t* y, int64_t m, int64_t n, Workspace<acc_t>& ws) {
 // Returns false, with every row's probabilities written in place as
 // normalize_scores writes them, once the lists pass `limit` entries or a row
 // is NaN: then the block's P·V runs over the rows.
+// With scale_rows, y's rows are scaled by `scale` in their max pass first.
 template <typename acc_t, Family FAM>
-bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float* c, Workspace<acc_t>& ws) {
+bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float* c, Workspace<acc_t>& ws,
+                  bool scale_rows, acc_t scale) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   reserve_lists(ws, limit, n);
   ws.ptr.assign(m + 1, 0);
@@ -79,8 +81,8 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float*
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * n;
     acc_t lanes_buf[kStartLanes<acc_t>];
-    acc_t* lanes = start_lanes<acc_t, FAM>(lanes_buf, n);
-    const acc_t mx = row_max(row, n, lanes);
+    acc_t* lanes = n >= kStartLanes<acc_t> ? lanes_buf : nullptr;  // (both families start from them)
+    const acc_t mx = scale_rows ? scale_row_max(row, n, scale, lanes) : row_max(row, n, lanes);
     ws.rmax[r] = mx;
     ws.ptr[r + 1] = ws.ptr[r];
     if (mx == -inf) {  // no allowed key: zeros
@@ -94,11 +96,23 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float*
     }
     acc_t norm = 1;
     double shift;
-    // entmax15 with lanes gathers its candidates with their positions, and
-    // they hold the support: no further pass over the row.
+    // With lanes, the candidates are gathered with their positions, and they
+    // hold the support: no further pass over the row.
     int64_t candidates = -1;
     if constexpr (FAM == Family::kSparsemax) {
-      shift = sparsemax_threshold<acc_t>(row, n, mx, work);
+      if (lanes) {
+        const acc_t cut = sparsemax_subset_cut<acc_t>(lanes, mx);
+        const int64_t k = few_above(row, n, cut, work, ws.pidx.data());
+        if (listed) {  // (the solve compacts work in place)
+          const int64_t t0 = ws.ptr[r];
+          std::copy_n(work, k, ws.pvals.data() + t0);
+          std::copy_n(ws.pidx.data(), k, ws.idx.data() + t0);
+          candidates = k;
+        }
+        shift = sparsemax_threshold_listed<acc_t>(work, k, mx);
+      } else {
+        shift = sparsemax_threshold<acc_t>(row, n, mx, work);
+      }
       c[r] = static_cast<float>(mx + static_cast<acc_t>(shift - static_cast<double>(mx)));
     } else {
       int32_t* pos = listed && lanes ? ws.pidx.data() : nullptr;
@@ -116,8 +130,10 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float*
     acc_t* pv = ws.pvals.data() + t0;
     int32_t* ix = ws.idx.data() + t0;
     if (candidates >= 0) {
-      std::copy_n(work, candidates, pv);
-      std::copy_n(ws.pidx.data(), candidates, ix);
+      if constexpr (FAM != Family::kSparsemax) {  // (sparsemax copied them before its solve)
+        std::copy_n(work, candidates, pv);
+        std::copy_n(ws.pidx.data(), candidates, ix);
+      }
       ws.ptr[r + 1] = t0 + listed_probs<acc_t, FAM>(pv, ix, candidates, shift, b, norm);
     } else {
       ws.ptr[r + 1] = t0 + support_list<acc_t, FAM>(row, n, mx, shift, b, norm, pv, ix);
@@ -427,7 +443,8 @@ template <typename acc_t, Family FAM>
 void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
                   float* c, Workspace<acc_t>& ws) {
   acc_t* y = ws.y.data();
-  score_block(P, bi, h, i0, m, n, y);
+  bool scale_later = false;
+  score_block(P, bi, h, i0, m, n, y, kListed<acc_t, FAM> && !P.drop.on ? &scale_later : nullptr);
   const acc_t b = P.b[h];
   const acc_t* vh = P.v_head(bi, h / P.group());
   const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
@@ -441,7 +458,7 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   // (Dropout scales the kept weights of whole rows: those rows are written.)
   if constexpr (kListed<acc_t, FAM>) {
     if (!P.drop.on) {
-      if (solve_listed<acc_t, FAM>(y, m, n, b, limit, c, ws)) return listed_pv();
+      if (solve_listed<acc_t, FAM>(y, m, n, b, limit, c, ws, scale_later, P.scale)) return listed_pv();
     } else {
       for (int64_t r = 0; r < m; ++r)
         c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * n, n, b, ws.work.data(), ws.pidx.data()));

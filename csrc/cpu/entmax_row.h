@@ -166,18 +166,26 @@ inline int64_t compact_above(const acc_t* src, int64_t n, acc_t cut, acc_t* dst,
 // branch, where compact_above's branch-free compaction pays a compress, a
 // store and its sum at every vector (on an AVX-512 Xeon, most of a sparsemax
 // row's time). Returns their count.
+// With pos, their positions are appended there too (room for n +
+// Vec<acc_t>::size()).
 template <typename acc_t>
-inline int64_t few_above(const acc_t* src, int64_t n, acc_t cut, acc_t* dst) {
+inline int64_t few_above(const acc_t* src, int64_t n, acc_t cut, acc_t* dst, int32_t* pos = nullptr) {
   using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
   const V vcut(cut);
   int64_t k = 0, j = 0;
-  for (; j + V::size() <= n; j += V::size()) {
+  for (; j + kLanes <= n; j += kLanes) {
     const V v = V::loadu(src + j);
     const int mask = gt_mask<acc_t>(v, vcut);
-    if (mask != 0) k += left_pack(dst + k, v, mask);
+    if (mask == 0) continue;
+    if (pos) left_pack_index<kLanes>(pos + k, static_cast<int32_t>(j), mask);
+    k += left_pack(dst + k, v, mask);
   }
-  for (; j < n; ++j)
-    if (src[j] > cut) dst[k++] = src[j];
+  for (; j < n; ++j) {
+    if (!(src[j] > cut)) continue;
+    if (pos) pos[k] = static_cast<int32_t>(j);
+    dst[k++] = src[j];
+  }
   return k;
 }
 
@@ -228,8 +236,59 @@ inline acc_t floor_to(double t) {
 // size (a float32 row of 32768 near-equal scores then summed to 1 - 1e-4).
 // work: scratch of n entries (the candidates).
 template <typename acc_t>
+inline double sparsemax_threshold_listed(acc_t* work, int64_t k, acc_t m);
+
+template <typename acc_t>
 inline double sparsemax_threshold(const acc_t* x, int64_t n, acc_t m, acc_t* work) {
-  int64_t k = few_above(x, n, floor_to<acc_t>(static_cast<double>(m) - 1.0), work);
+  return sparsemax_threshold_listed(work, few_above(x, n, floor_to<acc_t>(static_cast<double>(m) - 1.0), work), m);
+}
+
+// How many running maxima row_max hands the searches' starts (subset_start,
+// sparsemax_subset_cut), and start_lanes the buffer for them when the family
+// uses them and the row has that many entries (else nullptr: row_max keeps
+// none).
+template <typename acc_t>
+constexpr int64_t kStartLanes = 4 * Vec<acc_t>::size();
+
+// A cut below sparsemax's threshold θ of a row with max m, from a subset of
+// its entries (sub: row_max's kStartLanes running maxima): Michelot's
+// iterations on the subset, vectorized in acc_t, whose θ is at most the
+// row's (an added entry can only raise it). Each step keeps the entries
+// above its θ less a margin that covers the rounding of the step's sum, so
+// the set stays a superset of the subset's support and the cut returned is
+// below the subset's exact θ. Entries above it are the row's candidates:
+// with the maxima of 64 strided parts, about the support itself, where the
+// cut m - 1 keeps several times as many on random scores.
+template <typename acc_t>
+inline acc_t sparsemax_subset_cut(const acc_t* sub, acc_t m) {
+  using V = Vec<acc_t>;
+  constexpr int kVecs = static_cast<int>(kStartLanes<acc_t> / V::size());
+  const acc_t floor_cut = floor_to<acc_t>(static_cast<double>(m) - 1.0);
+  const acc_t margin = acc_t(2 * kStartLanes<acc_t>) * std::numeric_limits<acc_t>::epsilon() * (std::abs(m) + 1);
+  acc_t cut = floor_cut;
+  int64_t last = -1;
+  for (int it = 0; it < 2 * kStartLanes<acc_t>; ++it) {
+    const V vcut(cut), zero(0);
+    V sum(0);
+    int64_t cnt = 0;
+    for (int i = 0; i < kVecs; ++i) {
+      const V v = V::loadu(sub + i * V::size());
+      const V keep = v > vcut;
+      sum += V::blendv(zero, v, keep);
+      cnt += __builtin_popcount(static_cast<unsigned>(lane_mask<acc_t>(keep)));
+    }
+    if (cnt == 0 || cnt == last) break;
+    last = cnt;
+    cut = std::max(floor_cut, (hsum(sum) - acc_t(1)) / acc_t(cnt) - margin);
+  }
+  return cut;
+}
+
+// Sparsemax's threshold θ from a list work[0:k] of a row's entries (max m)
+// that holds its support, in increasing position order; the list is
+// compacted in place. (sparsemax_threshold says how.)
+template <typename acc_t>
+inline double sparsemax_threshold_listed(acc_t* work, int64_t k, acc_t m) {
   acc_t sum = 0;
   for (int64_t t = 0; t < k; ++t) sum += work[t];
   // The iterations in acc_t first (their sums come with the compaction), to
@@ -585,11 +644,15 @@ inline int64_t listed_probs(acc_t* vals, int32_t* idx, int64_t k, double shift, 
   } else {
     write_probs<acc_t, FAM>(vals, k, acc_t(0), static_cast<acc_t>(shift), b, norm, vals);
   }
+  // (Without a branch: on entmax15's candidate lists, some zeros in between,
+  // one was mispredicted at every few entries.)
   int64_t kept = 0;
   for (int64_t t = 0; t < k; ++t) {
-    if (vals[t] == acc_t(0)) continue;
-    vals[kept] = vals[t];
-    idx[kept++] = idx[t];
+    const acc_t v = vals[t];
+    const int32_t j = idx[t];
+    vals[kept] = v;
+    idx[kept] = j;
+    kept += !(v == acc_t(0));
   }
   return kept;
 }
@@ -716,13 +779,6 @@ inline bool halley_norm_step(const ShiftSums<acc_t>& s, int64_t k, acc_t b, acc_
   c = next;
   return true;
 }
-
-// How many running maxima row_max hands the start of the generic family
-// and of entmax15 (subset_start), and the buffer for them when the
-// family uses them and the row has that many entries (else nullptr: row_max
-// keeps none).
-template <typename acc_t>
-constexpr int64_t kStartLanes = 4 * Vec<acc_t>::size();
 
 template <typename acc_t, Family FAM>
 inline acc_t* start_lanes(acc_t* buf, int64_t n) {

@@ -437,6 +437,36 @@ inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
   return max_from(y, j, n, m);
 }
 
+// row_max of y[0:n] scaled in place by `scale` first, in the same pass (the
+// scores of a half-type GEMM, which takes no factor, would otherwise be read
+// and written once more for it): the same values and lanes as scaling, then
+// row_max.
+template <typename acc_t>
+inline acc_t scale_row_max(acc_t* y, int64_t n, acc_t scale, acc_t* lanes = nullptr) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vs(scale);
+  if (n < 4 * W) {
+    for (int64_t j = 0; j < n; ++j) y[j] *= scale;
+    return row_max(y, n, lanes);
+  }
+  auto scaled = [&](int64_t j) {
+    const V v = V::loadu(y + j) * vs;
+    v.store(y + j);
+    return v;
+  };
+  V v0 = scaled(0), v1 = scaled(W), v2 = scaled(2 * W), v3 = scaled(3 * W);
+  int64_t j = 4 * W;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    v0 = at::vec::maximum(v0, scaled(j));
+    v1 = at::vec::maximum(v1, scaled(j + W));
+    v2 = at::vec::maximum(v2, scaled(j + 2 * W));
+    v3 = at::vec::maximum(v3, scaled(j + 3 * W));
+  }
+  for (int64_t t = j; t < n; ++t) y[t] *= scale;
+  return finish_row_max(y, j, n, v0, v1, v2, v3, lanes);
+}
+
 // 2^t, exactly 0 for t = -inf (and below -150), NaN for NaN: the
 // exponentials of the half-type softmax attention, taken in base 2 so that
 // the scale, log2(e) and the shift fold into one fma before it. At AVX512 a
