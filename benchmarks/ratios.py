@@ -128,8 +128,21 @@ def cpu_flags() -> list[str]:
 
 
 def code_commit() -> str:
-    """The checkout's commit (with "+changes" when the tracked files differ from it), or "unknown"."""
-    root = Path(__file__).resolve().parent.parent
+    """The commit of the attnkern this process imported, the code measured (with
+    "+changes" when its tracked files differ from it), or "unknown"; when the
+    script itself comes from another checkout (run from a worktree, attnkern
+    from an installed one), both are named, so a table cannot credit the wrong
+    code."""
+    measured = Path(attnkern.__file__).resolve().parent.parent
+    script = Path(__file__).resolve().parent.parent
+    commit = checkout_commit(measured)
+    if script != measured:
+        commit += f" (attnkern imported from {measured}; this script from {script} at {checkout_commit(script)})"
+    return commit
+
+
+def checkout_commit(root: Path) -> str:
+    """The commit of the git checkout at root, "+changes" when its tracked files differ, or "unknown"."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
