@@ -612,24 +612,6 @@ inline void write_probs_sparse(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_
   scatter_row<acc_t>(vals, idx, k, acc_t(1), n, out);
 }
 
-// The positions of the entries of x[0:n] with (x - m) > cut, appended to idx
-// (room for n + Vec<acc_t>::size()), for a row with few of them (few_above
-// says why). Returns their count.
-template <typename acc_t>
-inline int64_t few_positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, int32_t* idx) {
-  using V = Vec<acc_t>;
-  constexpr int kLanes = V::size();
-  const V vm(m), vcut(cut);
-  int64_t k = 0, j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const int mask = gt_mask<acc_t>(V::loadu(x + j) - vm, vcut);
-    if (mask != 0) k += left_pack_index<kLanes>(idx + k, static_cast<int32_t>(j), mask);
-  }
-  for (; j < n; ++j)
-    if (x[j] - m > cut) idx[k++] = static_cast<int32_t>(j);
-  return k;
-}
-
 // The probabilities of a row on a list of its entries that holds the
 // support: vals[0:k] (sparsemax: the scores x; else y = x - m) become what
 // write_sparsemax (p = [x - θ]_+, shift θ) or write_probs (p = norm · φ(y -
@@ -670,11 +652,10 @@ inline int64_t support_list(const acc_t* x, int64_t n, acc_t m, double shift, ac
   int64_t k;
   if constexpr (FAM == Family::kSparsemax) {
     // (x > floor_to(θ) holds exactly when x > θ.)
-    k = few_positions_above(x, n, acc_t(0), std::nextafter(floor_to<acc_t>(shift), ninf), idx);
-    for (int64_t t = 0; t < k; ++t) vals[t] = x[idx[t]];
+    k = few_above(x, n, std::nextafter(floor_to<acc_t>(shift), ninf), vals, idx);
   } else {
     // (Supports of a few percent of the row: the branch-free compaction,
-    // where few_positions_above's branch would often be mispredicted.)
+    // where few_above's branch would often be mispredicted.)
     k = positions_above(x, n, m, std::nextafter(static_cast<acc_t>(shift) - acc_t(1) / b, ninf), vals, idx);
   }
   return listed_probs<acc_t, FAM>(vals, idx, k, shift, b, norm);
