@@ -365,6 +365,18 @@ bool all_softmax_family(Family fam, const Tensor& alpha) {
   return true;
 }
 
+// The half-type score GEMMs' operands on P: q in dt (rows of Ep values) and
+// K packed by pack_keys, held by q16 and k16.
+template <typename acc_t>
+void set_half_scores(Problem<acc_t>& P, const HalfGemm& hg, const Tensor& q_in, const Tensor& k_in,
+                     at::ScalarType dt, int64_t Ep, Tensor& q16, Tensor& k16) {
+  q16 = padded(q_in, dt, Ep);
+  k16 = pack_heads16(hg, padded(k_in, dt, Ep), false);
+  P.hg = hg;
+  P.q16 = static_cast<const h16*>(q16.const_data_ptr());
+  P.k16 = static_cast<const h16*>(k16.const_data_ptr());
+}
+
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const c10::optional<Tensor>& mask_in, bool is_causal, double scale,
                                          c10::string_view normalizer, const c10::optional<Tensor>& alpha_in,
@@ -399,11 +411,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
       if (gemm16) {
-        q16 = padded(q_in, dt, Ep);
-        k16 = pack_heads16(hg, padded(k_in, dt, Ep), false);
-        P.hg = hg;
-        P.q16 = static_cast<const h16*>(q16.const_data_ptr());
-        P.k16 = static_cast<const h16*>(k16.const_data_ptr());
+        set_half_scores(P, hg, q_in, k_in, dt, Ep, q16, k16);
         if (has_softmax_head(P)) {
           v16 = pack_heads16(hg, padded(v_in, dt, Evp), true);
           P.v16 = static_cast<const h16*>(v16.const_data_ptr());
@@ -520,13 +528,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
       // heads, whose half-type path needs every operand in the half type.
       const bool scores16 = !gemm16 && std::is_same_v<scalar_t, float> && c.L > kDecodeRows && c.S > 0 &&
                             (want_alpha || !has_softmax_head(P)) && half_gemm_enabled(dt, &hg);
-      if (scores16) {
-        q16 = padded(q_in, dt, Ep);
-        k16 = pack_heads16(hg, padded(k_in, dt, Ep), false);
-        P.hg = hg;
-        P.q16 = static_cast<const h16*>(q16.const_data_ptr());
-        P.k16 = static_cast<const h16*>(k16.const_data_ptr());
-      }
+      if (scores16) set_half_scores(P, hg, q_in, k_in, dt, Ep, q16, k16);
       if (!gemm16 && c.L > kPackRows) {
         // Key and value panels for the S and dP GEMMs of every normalizer (a
         // few query rows read K and V as they are).

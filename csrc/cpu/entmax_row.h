@@ -164,8 +164,8 @@ inline int64_t compact_above(const acc_t* src, int64_t n, acc_t cut, acc_t* dst,
 // src), for a pass over a whole row that keeps few of them (a row's first
 // candidates): a vector with none costs a load, a compare and a predicted
 // branch, where compact_above's branch-free compaction pays a compress, a
-// store and its sum at every vector (on an AVX-512 Xeon, most of a sparsemax
-// row's time). Returns their count.
+// store and its sum at every vector (docs/benchmarks.md has the profile).
+// Returns their count.
 // With pos, their positions are appended there too (room for n +
 // Vec<acc_t>::size()).
 template <typename acc_t>
