@@ -417,34 +417,70 @@ inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
 }
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-// The dot products of x[0:n] with the eight rows k, k + ld, ..., k + 7·ld
-// into out[0:8]. The eight vectors of partial sums are reduced together (a
-// transposed horizontal sum: six hadds, two permutes and an add for all
-// eight), where eight dots each end in their own horizontal sum; with
-// E = 64 those sums were a third of a decoding's score work.
-inline void dot8(const float* x, const float* k, int64_t ld, int64_t n, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  int64_t e = 0;
-  for (; e + 8 <= n; e += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + e);
-    a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(k + e), a0);
-    a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(k + ld + e), a1);
-    a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(k + 2 * ld + e), a2);
-    a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(k + 3 * ld + e), a3);
-    a4 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(k + 4 * ld + e), a4);
-    a5 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(k + 5 * ld + e), a5);
-    a6 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(k + 6 * ld + e), a6);
-    a7 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(k + 7 * ld + e), a7);
-  }
+// Lane i of the result = the sum of a[i]'s lanes: a transposed horizontal sum
+// (six hadds, two permutes and an add for all eight), where eight separate
+// horizontal sums cost more than the dots they end when rows are short.
+inline __m256 hsum8(const __m256* a) {
   // hadd pairs within each 128-bit half: u0 = [Σa0..Σa3 of the low halves |
   // the same of the high halves], u1 likewise for a4..a7.
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// out[i] = x[0:n] · rows[i][0:n] for the eight rows, reduced together
+// (hsum8): with E = 64 separate sums were a third of a decoding's score work.
+inline void dot8_rows(const float* x, const float* const* rows, int64_t n, float* out) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  int64_t e = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n >= 16) {
+    __m512 w[8];
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_setzero_ps();
+    for (; e + 16 <= n; e += 16) {
+      const __m512 xv = _mm512_loadu_ps(x + e);
+      for (int i = 0; i < 8; ++i) w[i] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(rows[i] + e), w[i]);
+    }
+    for (int i = 0; i < 8; ++i)
+      a[i] = _mm256_add_ps(_mm512_castps512_ps256(w[i]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[i]), 1)));
+  }
+#endif
+  for (; e + 8 <= n; e += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + e);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows[i] + e), a[i]);
+  }
+  _mm256_storeu_ps(out, hsum8(a));
   for (; e < n; ++e)
-    for (int i = 0; i < 8; ++i) out[i] += x[e] * k[i * ld + e];
+    for (int i = 0; i < 8; ++i) out[i] += x[e] * rows[i][e];
+}
+
+// The dot products of x[0:n] with the eight rows k, k + ld, ..., k + 7·ld.
+inline void dot8(const float* x, const float* k, int64_t ld, int64_t n, float* out) {
+  const float* rows[8];
+  for (int i = 0; i < 8; ++i) rows[i] = k + i * ld;
+  dot8_rows(x, rows, n, out);
 }
 #endif
+
+// out[t] = x[0:n] · v[idx[t], 0:n] (row stride ldv) for t < cnt: the sparse
+// backward's dP, eight entries at a time where dot8_rows applies.
+template <typename acc_t>
+inline void dots_listed(const acc_t* x, const int32_t* idx, int64_t cnt, const acc_t* v, int64_t ldv, int64_t n,
+                        acc_t* out) {
+  int64_t t = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    for (; t + 8 <= cnt; t += 8) {
+      const float* rows[8];
+      for (int i = 0; i < 8; ++i) rows[i] = v + static_cast<int64_t>(idx[t + i]) * ldv;
+      dot8_rows(x, rows, n, out + t);
+    }
+  }
+#endif
+  for (; t < cnt; ++t) out[t] = dot(x, v + static_cast<int64_t>(idx[t]) * ldv, n);
+}
 
 // dot against a row of bfloat16 / float16 values, widened a vector at a time.
 template <typename half_t, std::enable_if_t<at::is_reduced_floating_point_v<half_t>, int> = 0>
@@ -515,6 +551,7 @@ struct Workspace {
   std::vector<acc_t> mrow, lsum;    // softmax forward: running max and sum per row
   std::vector<acc_t> lse;           // softmax backward: the shift per row
   std::vector<acc_t> dps, kept, pkept;
+  std::vector<acc_t> gk;            // the sparse backward's g = p^(2-α) of one row's entries
   std::vector<float> keep;
   std::vector<int32_t> pidx, idx;
   std::vector<int64_t> ptr;

@@ -330,6 +330,39 @@ void backward_rows(acc_t* y, acc_t* d, int64_t m, int64_t n, const std::vector<s
   }
 }
 
+// ds = scale · g · (dp - Σ g dp / Σ g) over one row's listed entries p[0:k]
+// (all in the support), in place in dp; g = p^(2-α) is taken once per entry,
+// a vector at a time (g_of), into gk.
+template <typename acc_t, Family FAM>
+void listed_vjp(const acc_t* p, acc_t* dp, int64_t k, acc_t b, acc_t scale, std::vector<acc_t>& gk) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  if (static_cast<int64_t>(gk.size()) < k) gk.resize(k);
+  acc_t* g = gk.data();
+  V vs(0), vd(0);
+  int64_t t = 0;
+  for (; t + W <= k; t += W) {
+    const V gv = g_of<acc_t, FAM>(V::loadu(p + t), b);
+    gv.store(g + t);
+    vs += gv;
+    vd += gv * V::loadu(dp + t);
+  }
+  if (t < k) {
+    const int rest = static_cast<int>(k - t);
+    const V gv = g_of<acc_t, FAM>(load_tail(p + t, rest, acc_t(0)), b);  // (g = 0 past the list)
+    gv.store(g + t, rest);
+    vs += gv;
+    vd += gv * load_tail(dp + t, rest, acc_t(0));
+  }
+  const acc_t gsum = hsum(vs), gdp = hsum(vd);
+  const V vmean(gsum > acc_t(0) ? gdp / gsum : acc_t(0)), vscale(scale);
+  for (t = 0; t + W <= k; t += W) (vscale * V::loadu(g + t) * (V::loadu(dp + t) - vmean)).store(dp + t);
+  if (t < k) {
+    const int rest = static_cast<int>(k - t);
+    (vscale * V::loadu(g + t, rest) * (V::loadu(dp + t, rest) - vmean)).store(dp + t, rest);
+  }
+}
+
 // Backward of a block of rows over their supports (CSR idx/pvals/ptr), entry by
 // entry: dp = dO·v_j, ds = scale·g·(dp - Σg dp/Σg), dq = Σ ds k_j, then key by
 // key dk_j += Σ ds q and dv_j += Σ p·keep dO.
@@ -343,7 +376,7 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
   const std::vector<int64_t>& ptr = ws.ptr;
   const acc_t* pv = ws.pvals.data();
   const int64_t total = ptr[m];
-  // By entry (CSR order): dp, then ds in its place; the weight p·keep of dV.
+  // By entry (CSR order): dp, then ds in its place; dV's weight p·keep.
   std::vector<acc_t>& dps = ws.dps;
   std::vector<acc_t>& pk = ws.kept;
   dps.resize(total);
@@ -358,26 +391,28 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
       std::fill(dqr, dqr + P.E, acc_t(0));
       continue;
     }
-    acc_t gsum = 0, gdp = 0;
-    math::AlphaGradSums asums;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j = idx[t];
-      // With dropout, dp_j = dO·v_j · keep_j / (1 - p).
-      const acc_t kj = drop.on ? static_cast<acc_t>(dropout_keep(drop, row0 + r, j)) * dscale : acc_t(1);
-      const acc_t dpj = kj == acc_t(0) ? acc_t(0) : kj * dot(dor, vh + j * P.Ev, P.Ev);
-      pk[t] = kj;
-      dps[t] = dpj;
-      if (!edge) {  // (α > 2 takes its own sums: math::edge_vjp)
-        const acc_t g = math::entmax_g_from_p<acc_t>(pv[t], b, FAM);
-        gsum += g;
-        gdp += g * dpj;
+    const int64_t k = t1 - t0;
+    acc_t* dpr = dps.data() + t0;
+    acc_t* pkr = pk.data() + t0;
+    dots_listed(dor, idx.data() + t0, k, vh, P.Ev, P.Ev, dpr);
+    if (drop.on) {
+      // dp_j = dO·v_j · keep_j / (1 - p); a dropped entry's dp and weight
+      // are 0 whatever v_j holds.
+      for (int64_t t = 0; t < k; ++t) {
+        const acc_t kj = static_cast<acc_t>(dropout_keep(drop, row0 + r, idx[t0 + t])) * dscale;
+        pkr[t] = kj == acc_t(0) ? acc_t(0) : pv[t0 + t] * kj;
+        dpr[t] = kj == acc_t(0) ? acc_t(0) : kj * dpr[t];
       }
-      if (dalpha) asums.add(static_cast<double>(pv[t]), static_cast<double>(dpj), b);
+    } else {
+      std::copy(pv + t0, pv + t1, pkr);
     }
-    if (dalpha) *dalpha += asums.grad(static_cast<double>(b));
+    if (dalpha) {
+      math::AlphaGradSums asums;
+      for (int64_t t = t0; t < t1; ++t) asums.add(static_cast<double>(pv[t]), static_cast<double>(dps[t]), b);
+      *dalpha += asums.grad(static_cast<double>(b));
+    }
     if (edge) {
       // α > 2: in double, relative to a pivot (math::edge_vjp says why).
-      const int64_t k = t1 - t0;
       edge_buf.resize(3 * k);
       for (int64_t t = t0; t < t1; ++t) {
         edge_buf[t - t0] = static_cast<double>(pv[t]);
@@ -387,11 +422,8 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
       math::entmax_edge_vjp(pe, pe + k, pe + 2 * k, k, static_cast<double>(b));
       for (int64_t t = t0; t < t1; ++t) dps[t] = P.scale * static_cast<acc_t>(edge_buf[2 * k + t - t0]);
     } else {
-      const acc_t mean = gsum > acc_t(0) ? gdp / gsum : acc_t(0);
-      for (int64_t t = t0; t < t1; ++t)
-        dps[t] = P.scale * math::entmax_g_from_p<acc_t>(pv[t], b, FAM) * (dps[t] - mean);
+      listed_vjp<acc_t, FAM>(pv + t0, dpr, k, b, P.scale, ws.gk);
     }
-    for (int64_t t = t0; t < t1; ++t) pk[t] = pk[t] == acc_t(0) ? acc_t(0) : pv[t] * pk[t];
     // dq = Σ ds k_j, in registers.
     accumulate_listed(dps.data() + t0, idx.data() + t0, t1 - t0, kh, P.E, P.E, dqr);
   }
