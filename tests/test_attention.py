@@ -463,6 +463,32 @@ def test_support_lists_that_overflow_within_a_block(normalizer, dtype):
         assert err <= bound, (normalizer, name, err, bound)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
+def test_nan_row_inside_a_block_of_listed_rows(normalizer, dtype):
+    """A NaN query row among rows whose supports are listed from their scores
+    (S >= 64, peaked scores): the NaN row's output is NaN; the rows before it
+    (listed) and after it (solved once the block gave up its lists) match the
+    run without the NaN, which matches the reference (float32)."""
+    q, k, v = make_qkv(1, 1, 1, 48, 200, 64, 64, spread=1.5, seed=5)
+    bad = q.clone()
+    bad[0, 0, 20, 3] = math.nan
+    alpha = torch.tensor([1.3]) if normalizer == "entmax" else None
+
+    def run(q):
+        return attnkern.attention(q.to(dtype), k.to(dtype), v.to(dtype), normalizer=normalizer, alpha=alpha,
+                                  backend="cpu").float()
+
+    out, out_bad = run(q), run(bad)
+    assert out_bad[0, 0, 20].isnan().all()
+    keep = torch.ones(48, dtype=torch.bool)
+    keep[20] = False
+    assert torch.isfinite(out_bad[0, 0, keep]).all()
+    torch.testing.assert_close(out_bad[0, 0, keep], out[0, 0, keep], atol=1e-6, rtol=1e-5)
+    if dtype == torch.float32:
+        assert_close_tol(out, ref_attention(q, k, v, None, False, normalizer, alpha), TOL[dtype], normalizer)
+
+
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])
 @pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15"])
 def test_row_starts_from_strided_maxima(normalizer, magnitude):

@@ -157,6 +157,82 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float*
   return false;
 }
 
+// solve_listed for α-entmax with 0 < b < 1 (1 < α < 2), whose start and
+// candidates come from the row's strided maxima (listed_candidates): a row
+// whose candidates ListedSearch can search is listed from them; any other
+// (its start refused, or the list over a quarter of the row) is solved and
+// written whole, and its support read back from the written row. Once the
+// lists pass `limit` or a row is NaN, the rows listed so far are written
+// from their lists, the rest solved in place (normalize_scores), and false
+// is returned.
+template <typename acc_t>
+bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float* c, Workspace<acc_t>& ws) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  reserve_lists(ws, limit, n);
+  ws.ptr.assign(m + 1, 0);
+  acc_t* cand = ws.work.data();  // n entries, then the search's scratch
+  acc_t* p = cand + n;
+  bool gave_up = false;
+  int64_t r = 0;
+  for (; r < m; ++r) {
+    acc_t* row = y + r * n;
+    acc_t lanes_buf[kStartLanes<acc_t>];
+    acc_t* lanes = n >= kStartLanes<acc_t> ? lanes_buf : nullptr;
+    const acc_t mx = row_max(row, n, lanes);
+    const int64_t t0 = ws.ptr[r];
+    ws.ptr[r + 1] = t0;
+    if (mx == -inf) {  // no allowed key: zeros
+      c[r] = std::numeric_limits<float>::infinity();
+      continue;
+    }
+    if (mx != mx || mx == inf) {
+      gave_up = true;
+      break;
+    }
+    acc_t* pv = ws.pvals.data() + t0;
+    int32_t* ix = ws.idx.data() + t0;
+    int64_t kept = -1;
+    if (lanes) {
+      acc_t start;
+      const int64_t k = listed_candidates<acc_t>(row, n, mx, b, lanes, cand, ix, start);
+      if (4 * k <= n) {
+        ListedSearch<acc_t> search(cand, ix, k, n, start, b, shift_upper_memo<acc_t>(n, b), p, nullptr);
+        while (search.advance()) {
+        }
+        if (!search.refused) {
+          c[r] = static_cast<float>(mx + search.c);
+          // The candidates' probabilities, those outside the support (0) dropped.
+          kept = 0;
+          for (int64_t t = 0; t < k; ++t) {
+            const acc_t pt = p[t];
+            pv[kept] = pt * search.norm;
+            ix[kept] = ix[t];
+            kept += !(pt == acc_t(0));
+          }
+        }
+      }
+    }
+    if (kept < 0) {
+      c[r] = static_cast<float>(mx + solve_generic_convex<acc_t>(row, n, mx, b, row, cand, p, ws.pidx.data(), nullptr));
+      kept = positions_above(row, n, acc_t(0), acc_t(0), pv, ix);
+    }
+    ws.ptr[r + 1] = t0 + kept;
+    if (ws.ptr[r + 1] > limit) {
+      gave_up = true;
+      ++r;
+      break;
+    }
+  }
+  if (!gave_up) return true;
+  for (int64_t t = 0; t < r; ++t)
+    scatter_row<acc_t>(ws.pvals.data() + ws.ptr[t], ws.idx.data() + ws.ptr[t], ws.ptr[t + 1] - ws.ptr[t], acc_t(1),
+                       n, y + t * n);
+  for (; r < m; ++r)
+    c[r] = static_cast<float>(normalize_scores<acc_t, Family::kGeneric>(y + r * n, n, b, ws.work.data(),
+                                                                          ws.pidx.data()));
+  return false;
+}
+
 // p = φ_b(s - c) (sparsemax: [s - θ]_+) for one row of scores (in place). In
 // double, the float32 shift is refined by one Newton step so that p matches
 // the forward to double precision (c is stored in float32 by the contract).
@@ -488,13 +564,15 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
     }
   };
   // (Dropout scales the kept weights of whole rows: those rows are written.)
-  if constexpr (kListed<acc_t, FAM>) {
-    if (!P.drop.on) {
-      if (solve_listed<acc_t, FAM>(y, m, n, b, limit, c, ws, scale_later, P.scale)) return listed_pv();
+  const bool generic_listed = FAM == Family::kGeneric && b > acc_t(0) && b < acc_t(1);
+  if (!P.drop.on && (kListed<acc_t, FAM> || generic_listed)) {
+    bool listed;
+    if constexpr (kListed<acc_t, FAM>) {
+      listed = solve_listed<acc_t, FAM>(y, m, n, b, limit, c, ws, scale_later, P.scale);
     } else {
-      for (int64_t r = 0; r < m; ++r)
-        c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * n, n, b, ws.work.data(), ws.pidx.data()));
+      listed = solve_listed_generic<acc_t>(y, m, n, b, limit, c, ws);
     }
+    if (listed) return listed_pv();
   } else {
     for (int64_t r = 0; r < m; ++r)
       c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * n, n, b, ws.work.data(), ws.pidx.data()));

@@ -848,6 +848,7 @@ struct ListedSearch {
   bool finish = false;
   bool refused = false;  // the start was not left of the shift (nothing written)
   int it = 0;
+  acc_t norm = 1;        // once written: the factor 1 / Σp
 
   ListedSearch(const acc_t* y_, const int32_t* pos_, int64_t k_, int64_t n_, acc_t c_, acc_t b_, acc_t hi_,
                acc_t* p_, acc_t* out_)
@@ -871,9 +872,11 @@ struct ListedSearch {
     return write(listed_probs<acc_t>(y, k, c, b, p));
   }
 
-  // out = p / sum at the list's positions, zero elsewhere; false (the row is done).
+  // out = p · norm at the list's positions, zero elsewhere (out null: p and
+  // norm are left for the caller); false (the row is done).
   bool write(acc_t sum) {
-    scatter_row<acc_t>(p, pos, k, sum > acc_t(0) ? acc_t(1) / sum : acc_t(1), n, out);
+    norm = sum > acc_t(0) ? acc_t(1) / sum : acc_t(1);
+    if (out) scatter_row<acc_t>(p, pos, k, norm, n, out);
     return false;
   }
 };
