@@ -518,10 +518,41 @@ inline void write_probs(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, ac
   if (j < n) probs((load_tail(x + j, n - j, m) - vm) - vc).store(out + j, static_cast<int>(n - j));
 }
 
-// Positions (idx) and values y = x - m (vals) of the entries of x[0:n] with
-// y above `cut`; returns their count.
+// Positions (idx) and values y = x - m (vals, not aliasing x) of the entries
+// of x[0:n] with y above `cut`; returns their count.
 template <typename acc_t>
 inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, acc_t* vals, int32_t* idx) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    // The pass compacts positions only (one compression a vector, the
+    // positions advanced by an add, not broadcast): it was bound by the
+    // shuffle port, which every compression and broadcast takes. The
+    // values of the entries kept, a small part of the row, are gathered
+    // afterwards.
+    const __m512 vm = _mm512_set1_ps(m), vcut = _mm512_set1_ps(cut);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t k = 0, j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __mmask16 in = _mm512_cmp_ps_mask(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm), vcut, _CMP_GT_OQ);
+      _mm512_storeu_si512(idx + k, _mm512_maskz_compress_epi32(in, pos));
+      k += __builtin_popcount(in);
+      pos = _mm512_add_epi32(pos, step);
+    }
+    for (; j < n; ++j)
+      if (x[j] - m > cut) idx[k++] = static_cast<int32_t>(j);
+    int64_t t = 0;
+    for (; t + 16 <= k; t += 16)
+      _mm512_storeu_ps(vals + t, _mm512_sub_ps(_mm512_i32gather_ps(_mm512_loadu_si512(idx + t), x, 4), vm));
+    if (t < k) {
+      const __mmask16 rest = static_cast<__mmask16>((1u << (k - t)) - 1);
+      const __m512 g =
+          _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rest, _mm512_maskz_loadu_epi32(rest, idx + t), x, 4);
+      _mm512_mask_storeu_ps(vals + t, rest, _mm512_sub_ps(g, vm));
+    }
+    return k;
+  }
+#endif
   using V = Vec<acc_t>;
   constexpr int kLanes = V::size();
   const V vm(m), vcut(cut);
