@@ -257,6 +257,38 @@ inline bool half_gemm_enabled(at::ScalarType dtype, HalfGemm* g = nullptr, const
   return true;
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// dst row i (16 words at byte stride dst_stride) = word i of each of the 16
+// rows of src (byte stride src_stride): a 16 x 16 transpose of 32-bit words
+// in registers (unpacks of words and pairs, then of 128-bit lanes).
+inline void transpose_words16(const void* src, int64_t src_stride, void* dst, int64_t dst_stride) {
+  const char* s = static_cast<const char*>(src);
+  char* d = static_cast<char*>(dst);
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(s + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(d + i * dst_stride, r[i]);
+}
+#endif
+
 // K of one head (S rows of E values, row stride ld; E even) as blocks of 64
 // keys, zero keys past S: block t is the B operand (E x 64, leading dim 64)
 // of the scores against keys [64t, 64t + 64), dst[t·64·E + b_at(vnni, e, jj,
@@ -268,12 +300,21 @@ inline void pack_keys(bool vnni, const h16* src, int64_t S, int64_t E, int64_t l
     if (vnni) {
       // A pair of values of a key row is one 32-bit word of the pair's row:
       // a transpose of 32-bit words (memcpy: h16 rows need not be 4-aligned).
-      for (int64_t jj = 0; jj < kVnniBlock; ++jj) {
-        const int64_t j = t * kVnniBlock + jj;
-        for (int64_t e2 = 0; e2 < E / 2; ++e2) {
-          uint32_t word = 0;
-          if (j < S) std::memcpy(&word, src + j * ld + 2 * e2, sizeof(word));
-          std::memcpy(blk + (e2 * kVnniBlock + jj) * 2, &word, sizeof(word));
+      for (int64_t jj0 = 0; jj0 < kVnniBlock; jj0 += 16) {
+        const int64_t j0 = t * kVnniBlock + jj0;
+        int64_t e2 = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+        if (j0 + 16 <= S)
+          for (; e2 + 16 <= E / 2; e2 += 16)
+            transpose_words16(src + j0 * ld + 2 * e2, 2 * ld, blk + (e2 * kVnniBlock + jj0) * 2, 4 * kVnniBlock);
+#endif
+        for (int64_t jj = jj0; jj < jj0 + 16; ++jj) {
+          const int64_t j = t * kVnniBlock + jj;
+          for (int64_t w = e2; w < E / 2; ++w) {
+            uint32_t word = 0;
+            if (j < S) std::memcpy(&word, src + j * ld + 2 * w, sizeof(word));
+            std::memcpy(blk + (w * kVnniBlock + jj) * 2, &word, sizeof(word));
+          }
         }
       }
       continue;
@@ -300,7 +341,16 @@ inline void pack_values(bool vnni, const h16* src, int64_t S, int64_t Ev, int64_
         const h16* a = j < S ? src + j * ld + c0 : nullptr;
         const h16* b = j + 1 < S ? src + (j + 1) * ld + c0 : nullptr;
         h16* out = blk + j * bw;
-        for (int64_t c = 0; c < bw; ++c) {
+        int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+        if (a && b)  // sixteen pairs at a time: a's values in the low halves of the words, b's in the high
+          for (; c + 16 <= bw; c += 16) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c)));
+            _mm512_storeu_si512(out + 2 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+          }
+#endif
+        for (; c < bw; ++c) {
           out[2 * c] = a ? a[c] : 0;
           out[2 * c + 1] = b ? b[c] : 0;
         }
