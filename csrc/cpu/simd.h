@@ -411,23 +411,14 @@ inline acc_t finish_row_max(const acc_t* y, int64_t j, int64_t n, Vec<acc_t> v0,
 // n >= 4 · V::size(), also the 4 · V::size() running maxima it reduces:
 // position j counts in lane j mod 4 · V::size() (the scalar tail in none),
 // so they are the maxima of disjoint sets, i.e. distinct entries of y.
+template <typename acc_t, typename Load>
+inline acc_t row_max_by_blocks(const acc_t* y, int64_t n, acc_t* lanes, Load load);
+
 template <typename acc_t>
 inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
   using V = Vec<acc_t>;
+  if (n >= 4 * V::size()) return row_max_by_blocks(y, n, lanes, [&](int64_t j) { return V::loadu(y + j); });
   int64_t j = 0;
-  if (n >= 4 * V::size()) {
-    // Four running maxima: at::vec::maximum propagates NaN (a compare and a
-    // blend after the max), a chain too long for one accumulator.
-    V v0 = V::loadu(y), v1 = V::loadu(y + V::size()), v2 = V::loadu(y + 2 * V::size()),
-      v3 = V::loadu(y + 3 * V::size());
-    for (j = 4 * V::size(); j + 4 * V::size() <= n; j += 4 * V::size()) {
-      v0 = at::vec::maximum(v0, V::loadu(y + j));
-      v1 = at::vec::maximum(v1, V::loadu(y + j + V::size()));
-      v2 = at::vec::maximum(v2, V::loadu(y + j + 2 * V::size()));
-      v3 = at::vec::maximum(v3, V::loadu(y + j + 3 * V::size()));
-    }
-    return finish_row_max(y, j, n, v0, v1, v2, v3, lanes);
-  }
   acc_t m = -std::numeric_limits<acc_t>::infinity();
   if (n >= V::size()) {
     V v0 = V::loadu(y);
@@ -437,6 +428,42 @@ inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
   return max_from(y, j, n, m);
 }
 
+// row_max for n >= 4 · V::size(), with load(j) the vector at y + j (which
+// may also write it: scale_row_max). Four running maxima: at::vec::maximum
+// propagates NaN (a compare and a blend after the max), a chain too long for
+// one accumulator. At AVX-512 float the maxima are plain vmaxps and a NaN is
+// remembered in a mask instead (two of the four operations a vector took
+// were on the shuffle port).
+template <typename acc_t, typename Load>
+inline acc_t row_max_by_blocks(const acc_t* y, int64_t n, acc_t* lanes, Load load) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  V v0 = load(0), v1 = load(W), v2 = load(2 * W), v3 = load(3 * W);
+  int64_t j = 4 * W;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    auto unordered = [](const V& v) { return _mm512_cmp_ps_mask(__m512(v), __m512(v), _CMP_UNORD_Q); };
+    __mmask16 nan = unordered(v0) | unordered(v1) | unordered(v2) | unordered(v3);
+    __m512 a0 = v0, a1 = v1, a2 = v2, a3 = v3;
+    for (; j + 4 * W <= n; j += 4 * W) {
+      const V w0 = load(j), w1 = load(j + W), w2 = load(j + 2 * W), w3 = load(j + 3 * W);
+      nan |= unordered(w0) | unordered(w1) | unordered(w2) | unordered(w3);
+      a0 = _mm512_max_ps(a0, w0), a1 = _mm512_max_ps(a1, w1);
+      a2 = _mm512_max_ps(a2, w2), a3 = _mm512_max_ps(a3, w3);
+    }
+    const float m = finish_row_max(y, j, n, V(a0), V(a1), V(a2), V(a3), lanes);
+    return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+  }
+#endif
+  for (; j + 4 * W <= n; j += 4 * W) {
+    v0 = at::vec::maximum(v0, load(j));
+    v1 = at::vec::maximum(v1, load(j + W));
+    v2 = at::vec::maximum(v2, load(j + 2 * W));
+    v3 = at::vec::maximum(v3, load(j + 3 * W));
+  }
+  return finish_row_max(y, j, n, v0, v1, v2, v3, lanes);
+}
+
 // row_max of y[0:n] scaled in place by `scale` first, in the same pass (the
 // scores of a half-type GEMM, which takes no factor, would otherwise be read
 // and written once more for it): the same values and lanes as scaling, then
@@ -444,27 +471,18 @@ inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
 template <typename acc_t>
 inline acc_t scale_row_max(acc_t* y, int64_t n, acc_t scale, acc_t* lanes = nullptr) {
   using V = Vec<acc_t>;
-  constexpr int64_t W = V::size();
-  const V vs(scale);
-  if (n < 4 * W) {
+  if (n < 4 * V::size()) {
     for (int64_t j = 0; j < n; ++j) y[j] *= scale;
     return row_max(y, n, lanes);
   }
-  auto scaled = [&](int64_t j) {
+  const V vs(scale);
+  // (Entries past the last whole block are scaled here; finish_row_max reads them.)
+  for (int64_t t = n - n % (4 * V::size()); t < n; ++t) y[t] *= scale;
+  return row_max_by_blocks(y, n, lanes, [&](int64_t j) {
     const V v = V::loadu(y + j) * vs;
     v.store(y + j);
     return v;
-  };
-  V v0 = scaled(0), v1 = scaled(W), v2 = scaled(2 * W), v3 = scaled(3 * W);
-  int64_t j = 4 * W;
-  for (; j + 4 * W <= n; j += 4 * W) {
-    v0 = at::vec::maximum(v0, scaled(j));
-    v1 = at::vec::maximum(v1, scaled(j + W));
-    v2 = at::vec::maximum(v2, scaled(j + 2 * W));
-    v3 = at::vec::maximum(v3, scaled(j + 3 * W));
-  }
-  for (int64_t t = j; t < n; ++t) y[t] *= scale;
-  return finish_row_max(y, j, n, v0, v1, v2, v3, lanes);
+  });
 }
 
 // 2^t, exactly 0 for t = -inf (and below -150), NaN for NaN: the
