@@ -202,13 +202,7 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit
         if (!search.refused) {
           c[r] = static_cast<float>(mx + search.c);
           // The candidates' probabilities, those outside the support (0) dropped.
-          kept = 0;
-          for (int64_t t = 0; t < k; ++t) {
-            const acc_t pt = p[t];
-            pv[kept] = pt * search.norm;
-            ix[kept] = ix[t];
-            kept += !(pt == acc_t(0));
-          }
+          kept = drop_zeros<acc_t>(p, ix, k, search.norm, pv);
         }
       }
     }

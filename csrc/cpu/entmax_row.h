@@ -643,6 +643,37 @@ inline void write_probs_sparse(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_
   scatter_row<acc_t>(vals, idx, k, acc_t(1), n, out);
 }
 
+// The entries of p[0:k] other than 0 (a NaN stays), times norm, into out
+// (which may be p) in order, and their positions idx[0:k] alike, in place;
+// returns their count. out needs room for a whole vector past it. Without a
+// branch (on entmax15's candidate lists, some zeros in between, one was
+// mispredicted every few entries), and at AVX-512 float a vector at a time.
+template <typename acc_t>
+inline int64_t drop_zeros(const acc_t* p, int32_t* idx, int64_t k, acc_t norm, acc_t* out) {
+  int64_t kept = 0, t = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m512 vnorm = _mm512_set1_ps(norm);
+    for (; t + 16 <= k; t += 16) {
+      const __m512 v = _mm512_loadu_ps(p + t);
+      const __m512i at = _mm512_loadu_si512(idx + t);
+      const __mmask16 nonzero = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      _mm512_storeu_ps(out + kept, _mm512_maskz_compress_ps(nonzero, _mm512_mul_ps(v, vnorm)));
+      _mm512_storeu_si512(idx + kept, _mm512_maskz_compress_epi32(nonzero, at));
+      kept += __builtin_popcount(nonzero);
+    }
+  }
+#endif
+  for (; t < k; ++t) {
+    const acc_t v = p[t];
+    const int32_t j = idx[t];
+    out[kept] = v * norm;
+    idx[kept] = j;
+    kept += !(v == acc_t(0));
+  }
+  return kept;
+}
+
 // The probabilities of a row on a list of its entries that holds the
 // support: vals[0:k] (sparsemax: the scores x; else y = x - m) become what
 // write_sparsemax (p = [x - θ]_+, shift θ) or write_probs (p = norm · φ(y -
@@ -657,17 +688,7 @@ inline int64_t listed_probs(acc_t* vals, int32_t* idx, int64_t k, double shift, 
   } else {
     write_probs<acc_t, FAM>(vals, k, acc_t(0), static_cast<acc_t>(shift), b, norm, vals);
   }
-  // (Without a branch: on entmax15's candidate lists, some zeros in between,
-  // one was mispredicted at every few entries.)
-  int64_t kept = 0;
-  for (int64_t t = 0; t < k; ++t) {
-    const acc_t v = vals[t];
-    const int32_t j = idx[t];
-    vals[kept] = v;
-    idx[kept] = j;
-    kept += !(v == acc_t(0));
-  }
-  return kept;
+  return drop_zeros<acc_t>(vals, idx, k, acc_t(1), vals);
 }
 
 // The non-zero entries of a row's probabilities, as positions (idx) and
