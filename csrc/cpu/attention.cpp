@@ -79,7 +79,7 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   const int64_t tasks = P.B * P.H * nb;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Workspace<acc_t> ws;
-    ws.y.resize(BM * std::max<int64_t>({all_softmax ? 0 : P.S, half ? half_tile_ld(tile) : tile, 1}));
+    ws.y.resize(BM * std::max<int64_t>({all_softmax ? 0 : rows_ld(P.S, half), half ? half_tile_ld(tile) : tile, 1}));
     ws.work.resize(std::max<int64_t>(2 * P.S, 1));  // normalize_scores: candidates + scratch
     ws.pidx.resize(P.S + Vec<acc_t>::size());  // (room for whole-vector stores)
     ws.mrow.resize(BM);

@@ -240,14 +240,15 @@ inline void gemm_unpacked_keys(int64_t m, int64_t w, int64_t K, acc_t alpha, con
   for (int64_t r = 0; r < m; ++r) std::fill(y + r * ldy + w, y + (r + 1) * ldy, acc_t(0));
 }
 
-// y (m x n, row stride n) = scale · q_rows · kᵀ + mask, -inf above the causal
+// y (m x n, row stride ld) = scale · q_rows · kᵀ + mask, -inf above the causal
 // diagonal: in the half type (P.q16), over the packed key panels (P.kp) when there
-// are, else BLAS.
+// are, else BLAS. ld may exceed n only with P.q16 (rows_ld).
 // (scale_later: as scores_half_masked's.)
 template <typename acc_t>
 inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* y,
-                        bool* scale_later = nullptr) {
-  if (scores_half_masked(P, bi, h, i0, m, 0, n, y, n, scale_later)) return;
+                        int64_t ld, bool* scale_later = nullptr) {
+  if (scores_half_masked(P, bi, h, i0, m, 0, n, y, ld, scale_later)) return;
+  TORCH_INTERNAL_ASSERT(ld == n, "score rows of stride ld > n come only from half-type GEMMs");
   const acc_t* q = P.q_rows(bi, h, i0);
   if (P.kp) {
     gemm_packed_cols<acc_t>(m, n, 0, n, P.E, P.scale, q, P.kp_head(bi, h / P.group()), y);
@@ -295,17 +296,18 @@ inline void apply_dropout(const Dropout& d, acc_t* y, int64_t m, int64_t n, int6
   }
 }
 
-// Runs of consecutive key blocks of y (m x n) holding any non-zero (or NaN)
-// entry, as [start, end) key ranges.
+// Runs of consecutive key blocks of y (m x n, row stride ld) holding any
+// non-zero (or NaN) entry, as [start, end) key ranges.
 template <typename acc_t>
-inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, std::vector<std::pair<int64_t, int64_t>>& runs) {
+inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, int64_t ld,
+                         std::vector<std::pair<int64_t, int64_t>>& runs) {
   using V = Vec<acc_t>;
   runs.clear();
   for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
     const int64_t j1 = std::min(n, j0 + kBlockN);
     bool any = false;
     for (int64_t r = 0; r < m && !any; ++r) {
-      const acc_t* row = y + r * n;
+      const acc_t* row = y + r * ld;
       int64_t j = j0;
       if (j1 - j0 >= V::size()) {
         V vm = V::loadu(row + j);
@@ -325,15 +327,15 @@ inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, std::vector<std::
   }
 }
 
-// The support of each row of y (m x n) as CSR: the indices of the non-zero
+// The support of each row of y (m x n, row stride ld) as CSR: the indices of the non-zero
 // (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]] (idx may be longer than
 // ptr[m]). Gives up (returns
 // false) once there are more than `limit` entries. One pass, by vector
 // compaction of the lane masks (a counting pass first made the block's
 // scores be read twice: 8% of entmax15 attention's forward).
 template <typename acc_t>
-inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit, std::vector<int32_t>& idx,
-                            std::vector<int64_t>& ptr) {
+inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t ld, int64_t limit,
+                            std::vector<int32_t>& idx, std::vector<int64_t>& ptr) {
   using V = Vec<acc_t>;
   constexpr int kLanes = V::size();
   const V zero(0);
@@ -345,7 +347,7 @@ inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t limit,
   int32_t* const first = idx.data();
   int32_t* out = first;
   for (int64_t r = 0; r < m; ++r) {
-    const acc_t* row = y + r * n;
+    const acc_t* row = y + r * ld;
     int64_t j = 0;
     for (; j + kLanes <= n; j += kLanes)
       out += left_pack_index<kLanes>(out, static_cast<int32_t>(j), lane_mask<acc_t>(V::loadu(row + j) != zero));
@@ -523,6 +525,11 @@ inline int64_t softmax_block_keys(bool half) {
 // to a panel, plus 16 floats, so that the rows of a tile are not a power of
 // two apart (1, 2 or 4 KiB strides put a tile's 16 rows in a few L1 sets).
 inline int64_t half_tile_ld(int64_t w) { return round_up_panel<float>(w) + 16; }
+
+// Row stride of the sparse rows' block of scores over n keys: with half-type
+// GEMMs (half), half_tile_ld's, for the same reason (S = 2048 put rows 8 KiB
+// apart); else n (the float32 GEMMs write rows of stride n).
+inline int64_t rows_ld(int64_t n, bool half) { return half ? half_tile_ld(n) : n; }
 
 // Decoding: softmax problems with at most this many query rows run split over
 // chunks of kDecodeKeys keys (a fixed partition: results do not depend on the

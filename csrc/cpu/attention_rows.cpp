@@ -54,24 +54,25 @@ void reserve_lists(Workspace<acc_t>& ws, int64_t limit, int64_t n) {
   if (ws.pvals.size() < room) ws.pvals.resize(room);
 }
 
-// ws.pvals = the entries of y (m x n) at the CSR positions ws.idx / ws.ptr.
+// ws.pvals = the entries of y (m rows of stride ld) at the CSR positions
+// ws.idx / ws.ptr.
 template <typename acc_t>
-void gather_listed(const acc_t* y, int64_t m, int64_t n, Workspace<acc_t>& ws) {
+void gather_listed(const acc_t* y, int64_t m, int64_t ld, Workspace<acc_t>& ws) {
   if (ws.pvals.size() < ws.idx.size()) ws.pvals.resize(ws.idx.size());
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t t = ws.ptr[r]; t < ws.ptr[r + 1]; ++t) ws.pvals[t] = y[r * n + ws.idx[t]];
+    for (int64_t t = ws.ptr[r]; t < ws.ptr[r + 1]; ++t) ws.pvals[t] = y[r * ld + ws.idx[t]];
 }
 
-// The forward's rows of a listed family: solves each row of scores y (m x n)
-// for its shift (c[r], as normalize_scores returns it) and gathers its
+// The forward's rows of a listed family: solves each row of scores y (m x n,
+// row stride ld) for its shift (c[r], as normalize_scores returns it) and gathers its
 // support as CSR lists (ws.idx, ws.pvals, ws.ptr) without writing the row.
 // Returns false, with every row's probabilities written in place as
 // normalize_scores writes them, once the lists pass `limit` entries or a row
 // is NaN: then the block's P·V runs over the rows.
 // With scale_rows, y's rows are scaled by `scale` in their max pass first.
 template <typename acc_t, Family FAM>
-bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float* c, Workspace<acc_t>& ws,
-                  bool scale_rows, acc_t scale) {
+bool solve_listed(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t limit, float* c,
+                  Workspace<acc_t>& ws, bool scale_rows, acc_t scale) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   reserve_lists(ws, limit, n);
   ws.ptr.assign(m + 1, 0);
@@ -79,7 +80,7 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float*
   acc_t* work = ws.work.data();
   bool listed = true;
   for (int64_t r = 0; r < m; ++r) {
-    acc_t* row = y + r * n;
+    acc_t* row = y + r * ld;
     acc_t lanes_buf[kStartLanes<acc_t>];
     acc_t* lanes = n >= kStartLanes<acc_t> ? lanes_buf : nullptr;  // (both families start from them)
     const acc_t mx = scale_rows ? scale_row_max(row, n, scale, lanes) : row_max(row, n, lanes);
@@ -142,7 +143,7 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float*
   }
   if (listed) return true;
   for (int64_t r = 0; r < m; ++r) {
-    acc_t* row = y + r * n;
+    acc_t* row = y + r * ld;
     const acc_t mx = ws.rmax[r];
     if (mx == -inf) {
       std::fill(row, row + n, acc_t(0));
@@ -166,7 +167,8 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float*
 // from their lists, the rest solved in place (normalize_scores), and false
 // is returned.
 template <typename acc_t>
-bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit, float* c, Workspace<acc_t>& ws) {
+bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t limit, float* c,
+                          Workspace<acc_t>& ws) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   reserve_lists(ws, limit, n);
   ws.ptr.assign(m + 1, 0);
@@ -175,7 +177,7 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit
   bool gave_up = false;
   int64_t r = 0;
   for (; r < m; ++r) {
-    acc_t* row = y + r * n;
+    acc_t* row = y + r * ld;
     acc_t lanes_buf[kStartLanes<acc_t>];
     acc_t* lanes = n >= kStartLanes<acc_t> ? lanes_buf : nullptr;
     const acc_t mx = row_max(row, n, lanes);
@@ -220,9 +222,9 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, acc_t b, int64_t limit
   if (!gave_up) return true;
   for (int64_t t = 0; t < r; ++t)
     scatter_row<acc_t>(ws.pvals.data() + ws.ptr[t], ws.idx.data() + ws.ptr[t], ws.ptr[t + 1] - ws.ptr[t], acc_t(1),
-                       n, y + t * n);
+                       n, y + t * ld);
   for (; r < m; ++r)
-    c[r] = static_cast<float>(normalize_scores<acc_t, Family::kGeneric>(y + r * n, n, b, ws.work.data(),
+    c[r] = static_cast<float>(normalize_scores<acc_t, Family::kGeneric>(y + r * ld, n, b, ws.work.data(),
                                                                           ws.pidx.data()));
   return false;
 }
@@ -545,8 +547,9 @@ template <typename acc_t, Family FAM>
 void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
                   float* c, Workspace<acc_t>& ws) {
   acc_t* y = ws.y.data();
+  const int64_t ld = rows_ld(n, P.q16 != nullptr);
   bool scale_later = false;
-  score_block(P, bi, h, i0, m, n, y, kListed<acc_t, FAM> && !P.drop.on ? &scale_later : nullptr);
+  score_block(P, bi, h, i0, m, n, y, ld, kListed<acc_t, FAM> && !P.drop.on ? &scale_later : nullptr);
   const acc_t b = P.b[h];
   const acc_t* vh = P.v_head(bi, h / P.group());
   const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
@@ -562,21 +565,21 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   if (!P.drop.on && (kListed<acc_t, FAM> || generic_listed)) {
     bool listed;
     if constexpr (kListed<acc_t, FAM>) {
-      listed = solve_listed<acc_t, FAM>(y, m, n, b, limit, c, ws, scale_later, P.scale);
+      listed = solve_listed<acc_t, FAM>(y, m, n, ld, b, limit, c, ws, scale_later, P.scale);
     } else {
-      listed = solve_listed_generic<acc_t>(y, m, n, b, limit, c, ws);
+      listed = solve_listed_generic<acc_t>(y, m, n, ld, b, limit, c, ws);
     }
     if (listed) return listed_pv();
   } else {
     for (int64_t r = 0; r < m; ++r)
-      c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * n, n, b, ws.work.data(), ws.pidx.data()));
+      c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * ld, n, b, ws.work.data(), ws.pidx.data()));
   }
-  if (P.drop.on) apply_dropout(P.drop, y, m, n, n, P.row_id(bi, h, i0), 0);
-  if (collect_support(y, m, n, limit, ws.idx, ws.ptr)) {
-    gather_listed(y, m, n, ws);
+  if (P.drop.on) apply_dropout(P.drop, y, m, n, ld, P.row_id(bi, h, i0), 0);
+  if (collect_support(y, m, n, ld, limit, ws.idx, ws.ptr)) {
+    gather_listed(y, m, ld, ws);
     return listed_pv();
   }
-  nonzero_runs(y, m, n, ws.runs);
+  nonzero_runs(y, m, n, ld, ws.runs);
   if (ws.runs.empty()) {
     std::fill(o, o + m * P.Ev, acc_t(0));
     return;
@@ -585,7 +588,7 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   // layout: its width Ev is a multiple of the panel).
   bool first = true;
   for (auto [j0, j1] : ws.runs) {
-    tile_gemm<acc_t>(m, P.Ev, j1 - j0, acc_t(1), y + j0, n, 1, vh + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev, !first);
+    tile_gemm<acc_t>(m, P.Ev, j1 - j0, acc_t(1), y + j0, ld, 1, vh + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev, !first);
     first = false;
   }
 }
@@ -613,7 +616,7 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   const acc_t* qb = P.q_rows(bi, h, i0);
   acc_t* y = ws.y.data();
   acc_t* d = ws.d.data();
-  score_block(P, bi, h, i0, m, n, y);
+  score_block(P, bi, h, i0, m, n, y, n);
   const acc_t b = P.b[h];
   // α > 2 always goes entry by entry, where its mean is pivoted.
   const int64_t max_entries = b > acc_t(1) ? m * n : static_cast<int64_t>(kSparseDensity * m * n);
@@ -627,7 +630,7 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   for (int64_t r = 0; r < m; ++r)
     recompute_probs<acc_t, FAM>(y + r * n, n, static_cast<acc_t>(c[r]), b, ws.work.data(), ws.pidx.data());
   if constexpr (FAM != Family::kSoftmax) {
-    if (collect_support(y, m, n, max_entries, ws.idx, ws.ptr)) {
+    if (collect_support(y, m, n, n, max_entries, ws.idx, ws.ptr)) {
       gather_listed(y, m, n, ws);
       return sparse_rows();
     }
@@ -636,7 +639,7 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   if (FAM == Family::kSoftmax && !P.mask) {
     runs.assign(1, {0, n});
   } else {
-    nonzero_runs(y, m, n, runs);
+    nonzero_runs(y, m, n, n, runs);
   }
   if (runs.empty()) {
     std::fill(dqb, dqb + m * P.E, acc_t(0));
