@@ -549,18 +549,38 @@ constexpr int64_t kPackRows = 16;
 
 using Runs = std::vector<std::pair<int64_t, int64_t>>;
 
+// Storage on 64-byte boundaries: with the scratch rows at whatever offset
+// the heap gave (a heap that never maps, as a long-running process's),
+// the compaction passes over the scores ran at half speed in some processes.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
+
 // Per-thread scratch of the block functions (sized by the schedulers in
 // attention.cpp).
 template <typename acc_t>
 struct Workspace {
-  std::vector<acc_t> y, d;          // scores / probabilities and dP of a block
-  std::vector<acc_t> work;          // two rows: shift candidates and search scratch, support values
+  LineVector<acc_t> y, d;           // scores / probabilities and dP of a block
+  LineVector<acc_t> work;           // two rows: shift candidates and search scratch, support values
   std::vector<acc_t> mrow, lsum;    // softmax forward: running max and sum per row
   std::vector<acc_t> lse;           // softmax backward: the shift per row
   std::vector<acc_t> dps, kept, pkept;
   std::vector<acc_t> gk;            // the sparse backward's g = p^(2-α) of one row's entries
   std::vector<float> keep;
-  std::vector<int32_t> pidx, idx;
+  LineVector<int32_t> pidx;
+  std::vector<int32_t> idx;
   std::vector<int64_t> ptr;
   std::vector<acc_t> pvals;         // the probabilities at idx (CSR with idx and ptr)
   std::vector<double> rshift;       // per row of a block: the shift found (support_list's)
