@@ -770,6 +770,11 @@ inline bool write_if_converged(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_
   return true;
 }
 
+// Newton's steps on the strided maxima that start entmax15's rows
+// (subset_start): each shortens the candidate list that the rank rule's
+// quadratic pass then runs over.
+constexpr int kEntmax15LaneSteps = 2;
+
 // entmax15's Newton steps from c = 0 that give solve_generic_convex its start.
 constexpr int kEntmax15StartSteps = 3;
 
@@ -823,31 +828,32 @@ inline acc_t* start_lanes(acc_t* buf, int64_t n) {
 // the row's max m and 4 · V::size() distinct entries of it (lanes: row_max's
 // running maxima). A sum over a subset of the entries is at most the row's,
 // so a point where the subset's sum is at least 1 is left of the row's
-// shift. From c = 0 (the max alone gives φ(0) = 1), Newton's step on the
-// subset's norm h = (Σp)^b, convex and decreasing in c, lands left of the
+// shift. From c = 0 (the max alone gives φ(0) = 1), Newton's steps on the
+// subset's norm h = (Σp)^b, convex and decreasing in c, stay left of the
 // subset's root, hence of the row's, up to rounding. The caller gathers the
 // entries that can be in the support right of the point and confirms the
 // point afterwards, at no cost: the search's first evaluation there must
 // find Σp >= 1 (ListedSearch), or the shift found must not be left of it
 // (solve_entmax15_from_lanes); else (by rounding, or ties) it starts over
-// from c = 0. Checking the subset's sum at the point first, as an earlier
-// version did, cost a tenth of a row's time at α = 1.3 on a Zen 5 (its powers
-// and sums, a chain of dependent operations, on the way to the gather). On
-// random rows of 1024 at α = 1.3 the point is at 89% of the shift, and the
-// entries that can still be in the support at 1.3 times the support (at
-// c = 0: 4.7 times). A second step shortens the list (to 1.1 times with
-// AVX-512's 64 maxima, 1.2 with AVX2's 32) but cost more than that saved on a
-// Zen 5 at both widths (per row: 1.15 → 1.06 µs at AVX2, 0.99 → 0.95 µs at
-// AVX-512).
+// from c = 0. More steps shorten the list of candidates: worth a second one
+// for entmax15, whose rank rule is quadratic in the list, not for the
+// generic family's powers (docs/benchmarks.md has the measurements).
 template <typename acc_t, Family FAM = Family::kGeneric>
-inline acc_t subset_start(const acc_t* lanes, acc_t m, acc_t b) {
+inline acc_t subset_start(const acc_t* lanes, acc_t m, acc_t b, int steps = 1) {
   using V = Vec<acc_t>;
   const V vm(m);
-  V sp(0), sg(0), sh(0);
-  for (int i = 0; i < 4; ++i) add_shift_terms<acc_t, FAM>(V::loadu(lanes + i * V::size()) - vm, b, sp, sg, sh);
-  const acc_t sum_p = hsum(sp), sum_g = hsum(sg);
-  const acc_t next = sum_g > acc_t(0) ? math::entmax_norm_residual<acc_t>(sum_p, b) / sum_g : acc_t(0);
-  return next > acc_t(0) ? next : acc_t(0);
+  acc_t c = 0;
+  for (int step = 0; step < steps; ++step) {
+    const V vc(c);
+    V sp(0), sg(0), sh(0);
+    for (int i = 0; i < 4; ++i)
+      add_shift_terms<acc_t, FAM>((V::loadu(lanes + i * V::size()) - vm) - vc, b, sp, sg, sh);
+    const acc_t sum_p = hsum(sp), sum_g = hsum(sg);
+    const acc_t move = sum_g > acc_t(0) ? math::entmax_norm_residual<acc_t>(sum_p, b) / sum_g : acc_t(0);
+    if (!(move > acc_t(0))) break;
+    c += move;
+  }
+  return c;
 }
 
 // The generic family's probabilities (0 < b < 1) over a list of entries
@@ -1175,7 +1181,7 @@ inline acc_t solve_entmax15_from_lanes(const acc_t* x, int64_t n, acc_t m, acc_t
                                        const acc_t* lanes, acc_t* norm_out = nullptr, int32_t* pos = nullptr,
                                        int64_t* k_out = nullptr) {
   const acc_t b(0.5);
-  const acc_t start = subset_start<acc_t, Family::kEntmax15>(lanes, m, b);
+  const acc_t start = subset_start<acc_t, Family::kEntmax15>(lanes, m, b, kEntmax15LaneSteps);
   auto gather = [&](acc_t cut) {
     return pos ? positions_above(x, n, m, cut, cand, pos) : shifted_above(x, n, m, cut, cand);
   };
