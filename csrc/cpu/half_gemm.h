@@ -301,9 +301,9 @@ inline void pack_keys(bool vnni, const h16* src, int64_t S, int64_t E, int64_t l
       // A pair of values of a key row is one 32-bit word of the pair's row:
       // a transpose of 32-bit words (memcpy: h16 rows need not be 4-aligned).
       for (int64_t jj0 = 0; jj0 < kVnniBlock; jj0 += 16) {
-        const int64_t j0 = t * kVnniBlock + jj0;
         int64_t e2 = 0;
 #if defined(CPU_CAPABILITY_AVX512)
+        const int64_t j0 = t * kVnniBlock + jj0;
         if (j0 + 16 <= S)
           for (; e2 + 16 <= E / 2; e2 += 16)
             transpose_words16(src + j0 * ld + 2 * e2, 2 * ld, blk + (e2 * kVnniBlock + jj0) * 2, 4 * kVnniBlock);
