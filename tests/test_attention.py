@@ -422,7 +422,7 @@ def test_sparse_and_dense_block_paths(normalizer, spread, dtype):
         assert_close_tol(g, w, tol, f"{normalizer} {name}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
 def test_support_lists_that_overflow_within_a_block(normalizer, dtype):
     """Query blocks whose first rows are peaked (a few keys each: their supports
@@ -453,8 +453,9 @@ def test_support_lists_that_overflow_within_a_block(normalizer, dtype):
             assert_close_tol(g, w, TOL[dtype] if name == "out" else GRAD_TOL[dtype], f"{normalizer} {name}")
         return
     # The float32 kernel on the rounded inputs: the same scores up to the
-    # order of their sums, the same weights and products in float32; the
-    # bfloat16 results differ by their final rounding.
+    # order of their sums, the same weights and products in float32 (V read
+    # as it is by the listed and the dense P·V); the half-type results
+    # differ by their final rounding.
     q, k, v = (t.to(dtype).double() for t in (q, k, v))
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, run(torch.float32), strict=True):
         assert g.dtype == dtype
@@ -463,7 +464,30 @@ def test_support_lists_that_overflow_within_a_block(normalizer, dtype):
         assert err <= bound, (normalizer, name, err, bound)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ev", [59, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
+def test_half_values_read_as_they_are(normalizer, dtype, ev):
+    """Sparse heads of bfloat16 / float16 inputs read V in its own type: their
+    outputs (value head dims 59 and 64, peaked and flat rows: listed and
+    dense P·V) match the float32 kernel on the same rounded inputs up to the
+    output's rounding, with a softmax head beside them."""
+    B, H, L, S, E = 1, 2, 96, 150, 64
+    q, k, v = make_qkv(B, H, H, L, S, E, ev, seed=7)
+    row_spread = torch.full((L, 1), 2.5, dtype=torch.float64)
+    row_spread[64:] = 1e-3  # the second block: flat rows, every key in the support
+    q = (q * row_spread).to(dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    alpha = torch.tensor([1.3, 1.0]) if normalizer == "entmax" else None
+    got = attnkern.attention(q, k, v, normalizer=normalizer, alpha=alpha, backend="cpu")
+    want = attnkern.attention(q.float(), k.float(), v.float(), normalizer=normalizer, alpha=alpha, backend="cpu")
+    assert got.dtype == dtype and got.shape == (B, H, L, ev)
+    # (bfloat16 scores come from bfloat16 GEMMs on AMX, float32's from float32 ones.)
+    bound = 2 * 2.0**-8 * want.abs().max().item() + 1e-3 * want.abs().max().item()
+    assert (got.float() - want).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
 def test_nan_row_inside_a_block_of_listed_rows(normalizer, dtype):
     """A NaN query row among rows whose supports are listed from their scores

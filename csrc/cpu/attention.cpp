@@ -401,9 +401,13 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     const at::ScalarType dt = gemm_dtype(q_in.scalar_type());
     HalfGemm hg;
     const bool gemm16 = std::is_same_v<scalar_t, float> && c.L > kDecodeRows && c.S > 0 && half_gemm_enabled(dt, &hg);
+    // The heads that are not softmax read bfloat16 / float16 V as it is
+    // (Problem::v_rows_half).
+    const bool v_rows_half =
+        std::is_same_v<scalar_t, float> && (v_in.scalar_type() == at::kBFloat16 || v_in.scalar_type() == at::kHalf);
     Tensor q = gemm16 ? Tensor() : padded(q_in, c.acc, Ep);
     Tensor k = half_kv || gemm16 ? Tensor() : padded(k_in, c.acc, Ep);
-    Tensor v = half_kv || gemm16 ? Tensor() : padded(v_in, c.acc, Evp);
+    Tensor v, v_rows;
     Tensor k_half = half_kv ? k_in.contiguous() : Tensor(), v_half = half_kv ? v_in.contiguous() : Tensor();
     Tensor q16, k16, v16;
     Tensor out_p = at::empty({c.B, c.H, c.L, Evp}, q_in.options().dtype(c.acc));
@@ -416,10 +420,19 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
           v16 = pack_heads16(hg, padded(v_in, dt, Evp), true);
           P.v16 = static_cast<const h16*>(v16.const_data_ptr());
         }
-        if (!all_softmax_heads(P)) {
-          v = padded(v_in, c.acc, Evp);
-          P.v = v.const_data_ptr<scalar_t>();
-        }
+      }
+      if (v_rows_half && !all_softmax_heads(P)) {
+        v_rows = v_in.contiguous();
+        P.v_rows_half = v_rows.const_data_ptr();
+        P.half_is_bf16 = v_in.scalar_type() == at::kBFloat16;
+        P.ev_half = c.Ev;
+      }
+      // V widened: for the softmax heads of float32 GEMMs, and for the other
+      // heads unless they read it as it is.
+      const bool softmax_reads_v = has_softmax_head(P) && !half_kv && !gemm16;
+      if (softmax_reads_v || (!all_softmax_heads(P) && !P.v_rows_half)) {
+        v = padded(v_in, c.acc, Evp);
+        P.v = v.const_data_ptr<scalar_t>();
       }
       if (half_kv) {
         P.k_half = k_half.const_data_ptr(), P.v_half = v_half.const_data_ptr();

@@ -103,6 +103,12 @@ struct Problem {
   const void* v_half = nullptr;
   bool half_is_bf16 = true;
   int64_t e_half = 0, ev_half = 0;
+  // The forward of the heads that are not softmax, with bfloat16 / float16
+  // inputs: V as it is (rows of ev_half values, of the type half_is_bf16
+  // says), which their P·V over the support lists reads directly, gathering
+  // half the cache lines of widened rows; their dense P·V widens the key
+  // runs it needs. v is then null unless a softmax head reads it.
+  const void* v_rows_half = nullptr;
   // bfloat16 / float16 inputs whose GEMMs run in their own type (half_gemm.h;
   // hg says which and how): q as rows of E values, K and V of every
   // (batch, kv-head) packed by pack_keys (round_up_vnni(S) · E entries
@@ -368,41 +374,116 @@ inline void axpy(acc_t* y, const acc_t* x, acc_t a, int64_t n) {
   for (; e < n; ++e) y[e] += a * x[e];
 }
 
-// o[0:ev] = Σ_t x[t] · v[idx[t], 0:ev] (row stride ldv) over a list of cnt
-// entries, o overwritten, or added to with `accumulate`; ev a multiple of two
-// vectors. The columns run in register blocks of four vectors: an axpy per
-// entry carries o through a store and a reload each time (the sparse P·V
-// spent most of its time there). Entries are added in list order, each as
-// axpy adds it.
-template <typename acc_t>
-inline void accumulate_listed(const acc_t* x, const int32_t* idx, int64_t cnt, const acc_t* v, int64_t ldv,
-                              int64_t ev, acc_t* o, bool accumulate = false) {
+// A vector of acc_t from v (acc_t itself, or bfloat16 / float16 widened to float).
+template <typename acc_t, typename src_t>
+inline Vec<acc_t> load_widened(const src_t* v) {
+  if constexpr (std::is_same_v<src_t, acc_t>) {
+    return Vec<acc_t>::loadu(v);
+  } else {
+    Vec<float> out;
+    at::vec::load_to_float(v, out);
+    return out;
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// accumulate_listed_cols for bfloat16 rows of V (NV even). A bfloat16 is
+// the high half of its float, so interleaving its words with zeros (one
+// shuffle per 16 values) widens them, where a zero-extension and a shift
+// took two vector operations: with one FMA each, the widening had been two
+// thirds of the P·V's work. The interleave leaves each 32 columns in the
+// order {0-3, 8-11, 16-19, 24-27}, {4-7, 12-15, 20-23, 28-31}; the
+// accumulators keep it and the stores undo it.
+template <int NV>
+inline void accumulate_listed_cols_bf16(const float* x, const int32_t* idx, int64_t cnt, const c10::BFloat16* v,
+                                        int64_t ldv, int64_t c, float* o, bool accumulate) {
+  static_assert(NV % 2 == 0, "32 columns at a time");
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i from_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i from_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 a[NV], b[NV];
+  for (int i = 0; i < NV; i += 2) {
+    b[i] = b[i + 1] = _mm512_setzero_ps();
+    if (accumulate) {
+      const __m512 o0 = _mm512_loadu_ps(o + c + 16 * i), o1 = _mm512_loadu_ps(o + c + 16 * i + 16);
+      a[i] = _mm512_permutex2var_ps(o0, to_lo, o1), a[i + 1] = _mm512_permutex2var_ps(o0, to_hi, o1);
+    } else {
+      a[i] = a[i + 1] = _mm512_setzero_ps();
+    }
+  }
+  auto row = [&](int64_t t) { return reinterpret_cast<const char*>(v + static_cast<int64_t>(idx[t]) * ldv + c); };
+  auto add_row = [&](__m512* acc, __m512 xt, const char* r) {
+    for (int i = 0; i < NV; i += 2) {
+      const __m512i w = _mm512_loadu_si512(r + 32 * i);
+      acc[i] = _mm512_fmadd_ps(xt, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w)), acc[i]);
+      acc[i + 1] = _mm512_fmadd_ps(xt, _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w)), acc[i + 1]);
+    }
+  };
+  int64_t t = 0;
+  for (; t + 2 <= cnt; t += 2) {
+    add_row(a, _mm512_set1_ps(x[t]), row(t));
+    add_row(b, _mm512_set1_ps(x[t + 1]), row(t + 1));
+  }
+  if (t < cnt) add_row(a, _mm512_set1_ps(x[t]), row(t));
+  for (int i = 0; i < NV; i += 2) {
+    const __m512 lo = _mm512_add_ps(a[i], b[i]), hi = _mm512_add_ps(a[i + 1], b[i + 1]);
+    _mm512_storeu_ps(o + c + 16 * i, _mm512_permutex2var_ps(lo, from_0, hi));
+    _mm512_storeu_ps(o + c + 16 * i + 16, _mm512_permutex2var_ps(lo, from_1, hi));
+  }
+}
+#endif
+
+// accumulate_listed's columns [c, c + NV vectors): the even and the odd
+// entries go to two sets of accumulators, added at the end (one set is a
+// chain of dependent FMAs, which ran at half the FMA units' rate).
+template <int NV, typename acc_t, typename src_t>
+inline void accumulate_listed_cols(const acc_t* x, const int32_t* idx, int64_t cnt, const src_t* v, int64_t ldv,
+                                   int64_t c, acc_t* o, bool accumulate) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<src_t, c10::BFloat16> && NV % 2 == 0) {
+    return accumulate_listed_cols_bf16<NV>(x, idx, cnt, v, ldv, c, o, accumulate);
+  }
+#endif
   using V = Vec<acc_t>;
   constexpr int64_t W = V::size();
-  auto start = [&](int64_t c) { return accumulate ? V::loadu(o + c) : V(acc_t(0)); };
+  V a[NV], b[NV];
+  for (int i = 0; i < NV; ++i) a[i] = accumulate ? V::loadu(o + c + i * W) : V(acc_t(0)), b[i] = V(acc_t(0));
+  auto row = [&](int64_t t) { return v + static_cast<int64_t>(idx[t]) * ldv + c; };
+  int64_t t = 0;
+  for (; t + 2 <= cnt; t += 2) {
+    const V xa(x[t]), xb(x[t + 1]);
+    const src_t *va = row(t), *vb = row(t + 1);
+    for (int i = 0; i < NV; ++i) {
+      a[i] = at::vec::fmadd(xa, load_widened<acc_t>(va + i * W), a[i]);
+      b[i] = at::vec::fmadd(xb, load_widened<acc_t>(vb + i * W), b[i]);
+    }
+  }
+  if (t < cnt) {
+    const V xa(x[t]);
+    for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(xa, load_widened<acc_t>(row(t) + i * W), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) (a[i] + b[i]).store(o + c + i * W);
+}
+
+// o[0:ev] = Σ_t x[t] · v[idx[t], 0:ev] (row stride ldv) over a list of cnt
+// entries, o overwritten, or added to with `accumulate`; v in acc_t, or
+// bfloat16 / float16 for float (widened as read: half the cache lines to
+// gather). The columns run in register blocks of four vectors: an axpy per
+// entry carries o through a store and a reload each time (the sparse P·V
+// spent most of its time there).
+template <typename acc_t, typename src_t>
+inline void accumulate_listed(const acc_t* x, const int32_t* idx, int64_t cnt, const src_t* v, int64_t ldv,
+                              int64_t ev, acc_t* o, bool accumulate = false) {
+  constexpr int64_t W = Vec<acc_t>::size();
   int64_t c = 0;
-  for (; c + 4 * W <= ev; c += 4 * W) {
-    V a0 = start(c), a1 = start(c + W), a2 = start(c + 2 * W), a3 = start(c + 3 * W);
-    for (int64_t t = 0; t < cnt; ++t) {
-      const V xt(x[t]);
-      const acc_t* vr = v + static_cast<int64_t>(idx[t]) * ldv + c;
-      a0 = a0 + xt * V::loadu(vr), a1 = a1 + xt * V::loadu(vr + W);
-      a2 = a2 + xt * V::loadu(vr + 2 * W), a3 = a3 + xt * V::loadu(vr + 3 * W);
-    }
-    a0.store(o + c), a1.store(o + c + W), a2.store(o + c + 2 * W), a3.store(o + c + 3 * W);
-  }
-  for (; c + 2 * W <= ev; c += 2 * W) {
-    V a0 = start(c), a1 = start(c + W);
-    for (int64_t t = 0; t < cnt; ++t) {
-      const V xt(x[t]);
-      const acc_t* vr = v + static_cast<int64_t>(idx[t]) * ldv + c;
-      a0 = a0 + xt * V::loadu(vr), a1 = a1 + xt * V::loadu(vr + W);
-    }
-    a0.store(o + c), a1.store(o + c + W);
-  }
+  for (; c + 4 * W <= ev; c += 4 * W) accumulate_listed_cols<4>(x, idx, cnt, v, ldv, c, o, accumulate);
+  if (c + 2 * W <= ev) accumulate_listed_cols<2>(x, idx, cnt, v, ldv, c, o, accumulate), c += 2 * W;
+  if (c + W <= ev) accumulate_listed_cols<1>(x, idx, cnt, v, ldv, c, o, accumulate), c += W;
   for (; c < ev; ++c) {
     acc_t a = accumulate ? o[c] : acc_t(0);
-    for (int64_t t = 0; t < cnt; ++t) a += x[t] * v[static_cast<int64_t>(idx[t]) * ldv + c];
+    for (int64_t t = 0; t < cnt; ++t) a += x[t] * static_cast<acc_t>(v[static_cast<int64_t>(idx[t]) * ldv + c]);
     o[c] = a;
   }
 }
@@ -590,6 +671,7 @@ struct Workspace {
   std::vector<int64_t> cstart;
   std::vector<int32_t> crow;
   std::vector<acc_t> cds, cpk;
+  std::vector<acc_t> vwide;         // V's rows widened from P.v_rows_half, for a dense P·V
 };
 
 // attention_softmax.cpp: one block of m query rows from i0 of (batch bi, head

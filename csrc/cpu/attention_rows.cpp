@@ -165,10 +165,11 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t l
 // written whole, and its support read back from the written row. Once the
 // lists pass `limit` or a row is NaN, the rows listed so far are written
 // from their lists, the rest solved in place (normalize_scores), and false
-// is returned.
+// is returned. With scale_rows, y's rows are scores still to be scaled by
+// `scale` (> 0).
 template <typename acc_t>
 bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t limit, float* c,
-                          Workspace<acc_t>& ws) {
+                          Workspace<acc_t>& ws, bool scale_rows, acc_t scale) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   reserve_lists(ws, limit, n);
   ws.ptr.assign(m + 1, 0);
@@ -180,7 +181,11 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
     acc_t* row = y + r * ld;
     acc_t lanes_buf[kStartLanes<acc_t>];
     acc_t* lanes = n >= kStartLanes<acc_t> ? lanes_buf : nullptr;
-    const acc_t mx = row_max(row, n, lanes);
+    // With scale_rows the row stays unscaled unless solved whole: its max
+    // and lanes are scaled (exactly the scaled row's), and the candidates
+    // picked and scaled as they are gathered.
+    const acc_t raw_max = row_max(row, n, lanes);
+    const acc_t mx = scale_rows ? raw_max * scale : raw_max;
     const int64_t t0 = ws.ptr[r];
     ws.ptr[r + 1] = t0;
     if (mx == -inf) {  // no allowed key: zeros
@@ -195,8 +200,12 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
     int32_t* ix = ws.idx.data() + t0;
     int64_t kept = -1;
     if (lanes) {
-      acc_t start;
-      const int64_t k = listed_candidates<acc_t>(row, n, mx, b, lanes, cand, ix, start);
+      if (scale_rows)
+        for (int64_t i = 0; i < kStartLanes<acc_t>; ++i) lanes[i] *= scale;
+      const acc_t start = subset_start<acc_t>(lanes, mx, b);
+      const acc_t cut = start - acc_t(1) / b;
+      const int64_t k = scale_rows ? positions_above_scaled(row, n, raw_max, scale, cut, cand, ix)
+                                   : positions_above(row, n, mx, cut, cand, ix);
       if (4 * k <= n) {
         ListedSearch<acc_t> search(cand, ix, k, n, start, b, shift_upper_memo<acc_t>(n, b), p, nullptr);
         while (search.advance()) {
@@ -209,6 +218,8 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
       }
     }
     if (kept < 0) {
+      if (scale_rows)
+        for (int64_t j = 0; j < n; ++j) row[j] *= scale;
       c[r] = static_cast<float>(mx + solve_generic_convex<acc_t>(row, n, mx, b, row, cand, p, ws.pidx.data(), nullptr));
       kept = positions_above(row, n, acc_t(0), acc_t(0), pv, ix);
     }
@@ -220,6 +231,10 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
     }
   }
   if (!gave_up) return true;
+  // (Rows before r are written whole from their lists; the others are unscaled.)
+  if (scale_rows)
+    for (int64_t t = r; t < m; ++t)
+      for (int64_t j = 0; j < n; ++j) y[t * ld + j] *= scale;
   for (int64_t t = 0; t < r; ++t)
     scatter_row<acc_t>(ws.pvals.data() + ws.ptr[t], ws.idx.data() + ws.ptr[t], ws.ptr[t + 1] - ws.ptr[t], acc_t(1),
                        n, y + t * ld);
@@ -513,8 +528,9 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
   // Else the entries regrouped by key (CSC; each key's rows in increasing
   // order): dk_j and dv_j take all of the block's terms in registers, read
   // and written once per block instead of once per entry (the scattered
-  // axpys' stores were most of α = 1.3's backward). Either way each gets the
-  // same terms in the same order. A dropped entry (keep 0) adds 0·dO_r.
+  // axpys' stores were most of α = 1.3's backward). Which way a block goes
+  // depends on its entries alone, never on the thread count. A dropped entry
+  // (keep 0) adds 0·dO_r.
   std::vector<int64_t>& start = ws.cstart;
   std::vector<int32_t>& rows = ws.crow;
   std::vector<acc_t>& cds = ws.cds;
@@ -541,6 +557,26 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
 
 }  // namespace
 
+
+// Rows [j0, j1) of V from P.v_rows_half, widened to acc_t into buf (Ev
+// columns, the padding zero); returns buf.
+template <typename acc_t>
+const acc_t* widen_v_rows(const Problem<acc_t>& P, int64_t bi, int64_t hk, int64_t j0, int64_t j1,
+                          std::vector<acc_t>& buf) {
+  buf.assign((j1 - j0) * P.Ev, acc_t(0));
+  auto widen = [&](const auto* v) {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t e = 0; e < P.ev_half; ++e)
+        buf[(j - j0) * P.Ev + e] = static_cast<acc_t>(v[((bi * P.Hk + hk) * P.S + j) * P.ev_half + e]);
+  };
+  if (P.half_is_bf16) {
+    widen(static_cast<const c10::BFloat16*>(P.v_rows_half));
+  } else {
+    widen(static_cast<const c10::Half*>(P.v_rows_half));
+  }
+  return buf.data();
+}
+
 // Forward of a block of rows of one head, of family FAM (not softmax: its
 // heads take the tiled path).
 template <typename acc_t, Family FAM>
@@ -549,25 +585,39 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   acc_t* y = ws.y.data();
   const int64_t ld = rows_ld(n, P.q16 != nullptr);
   bool scale_later = false;
-  score_block(P, bi, h, i0, m, n, y, ld, kListed<acc_t, FAM> && !P.drop.on ? &scale_later : nullptr);
   const acc_t b = P.b[h];
-  const acc_t* vh = P.v_head(bi, h / P.group());
-  const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
-  // O row by row over the support lists (ws.idx, ws.pvals, ws.ptr).
-  auto listed_pv = [&] {
-    for (int64_t r = 0; r < m; ++r) {
-      const int64_t t0 = ws.ptr[r];
-      accumulate_listed(ws.pvals.data() + t0, ws.idx.data() + t0, ws.ptr[r + 1] - t0, vh, P.Ev, P.Ev, o + r * P.Ev);
-    }
-  };
   // (Dropout scales the kept weights of whole rows: those rows are written.)
   const bool generic_listed = FAM == Family::kGeneric && b > acc_t(0) && b < acc_t(1);
-  if (!P.drop.on && (kListed<acc_t, FAM> || generic_listed)) {
+  const bool listed_rows = !P.drop.on && (kListed<acc_t, FAM> || generic_listed);
+  score_block(P, bi, h, i0, m, n, y, ld, listed_rows ? &scale_later : nullptr);
+  const int64_t hk = h / P.group();
+  const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
+  // O row by row over the support lists (ws.idx, ws.pvals, ws.ptr), from V
+  // as it is (bfloat16 / float16: P.v_rows_half; the padded columns zero).
+  auto listed_pv = [&] {
+    auto rows = [&](const auto* v, int64_t ldv, int64_t ev) {
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t t0 = ws.ptr[r];
+        acc_t* orow = o + r * P.Ev;
+        accumulate_listed(ws.pvals.data() + t0, ws.idx.data() + t0, ws.ptr[r + 1] - t0, v, ldv, ev, orow);
+        std::fill(orow + ev, orow + P.Ev, acc_t(0));
+      }
+    };
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (P.v_rows_half) {
+        const int64_t off = (bi * P.Hk + hk) * P.S * P.ev_half;
+        if (P.half_is_bf16) return rows(static_cast<const c10::BFloat16*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
+        return rows(static_cast<const c10::Half*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
+      }
+    }
+    rows(P.v_head(bi, hk), P.Ev, P.Ev);
+  };
+  if (listed_rows) {
     bool listed;
     if constexpr (kListed<acc_t, FAM>) {
       listed = solve_listed<acc_t, FAM>(y, m, n, ld, b, limit, c, ws, scale_later, P.scale);
     } else {
-      listed = solve_listed_generic<acc_t>(y, m, n, ld, b, limit, c, ws);
+      listed = solve_listed_generic<acc_t>(y, m, n, ld, b, limit, c, ws, scale_later, P.scale);
     }
     if (listed) return listed_pv();
   } else {
@@ -588,7 +638,8 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   // layout: its width Ev is a multiple of the panel).
   bool first = true;
   for (auto [j0, j1] : ws.runs) {
-    tile_gemm<acc_t>(m, P.Ev, j1 - j0, acc_t(1), y + j0, ld, 1, vh + j0 * P.Ev, P.Ev, kPanel<acc_t>, o, P.Ev, !first);
+    const acc_t* vrun = P.v ? P.v_head(bi, hk) + j0 * P.Ev : widen_v_rows(P, bi, hk, j0, j1, ws.vwide);
+    tile_gemm<acc_t>(m, P.Ev, j1 - j0, acc_t(1), y + j0, ld, 1, vrun, P.Ev, kPanel<acc_t>, o, P.Ev, !first);
     first = false;
   }
 }

@@ -60,6 +60,23 @@ __attribute__((always_inline)) inline void add_shift_terms(const Vec<acc_t>& t, 
     sg += d;
     sh += V::blendv(vzero, vone, pos);
   } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (b >= kFastPowMinB<float>) {
+        // The same terms on one support mask (at::vec's compares and
+        // blends round-trip each mask through a vector).
+        const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(b), t, _mm512_set1_ps(1.0f));
+        const __mmask16 pos = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 p = pow_unit_masked(d, 1.0f / b, pos);
+        const __m512 r = recip<float>(V(d));
+        const __m512 g = _mm512_maskz_mul_ps(pos, p, r);
+        sp = _mm512_add_ps(sp, p);
+        sg = _mm512_add_ps(sg, g);
+        sh = _mm512_mask3_fmadd_ps(g, r, sh, pos);
+        return;
+      }
+    }
+#endif
     V bt = V(b) * t;
     V d = vone + bt;
     V pos = d > vzero;
@@ -518,38 +535,58 @@ inline void write_probs(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, ac
   if (j < n) probs((load_tail(x + j, n - j, m) - vm) - vc).store(out + j, static_cast<int>(n - j));
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The positions (idx) of the entries of x[0:n] whose vector lane `keep`
+// selects, in order; returns their count. The pass compacts positions only
+// (one compression a vector, the positions advanced by an add, not
+// broadcast): it was bound by the shuffle port, which every compression and
+// broadcast takes; callers gather the values of the few entries kept
+// (gather_listed_values).
+template <typename Keep>
+inline int64_t positions_where(const float* x, int64_t n, int32_t* idx, Keep keep) {
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t k = 0, j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __mmask16 in = keep(_mm512_loadu_ps(x + j));
+    _mm512_storeu_si512(idx + k, _mm512_maskz_compress_epi32(in, pos));
+    k += __builtin_popcount(in);
+    pos = _mm512_add_epi32(pos, step);
+  }
+  if (j < n) {
+    const __mmask16 rest = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __mmask16 in = keep(_mm512_maskz_loadu_ps(rest, x + j)) & rest;
+    _mm512_mask_storeu_epi32(idx + k, static_cast<__mmask16>((1u << __builtin_popcount(in)) - 1),
+                             _mm512_maskz_compress_epi32(in, pos));
+    k += __builtin_popcount(in);
+  }
+  return k;
+}
+
+// vals[t] = value(x[idx[t]]) for t < k.
+template <typename Value>
+inline void gather_listed_values(const float* x, const int32_t* idx, int64_t k, float* vals, Value value) {
+  int64_t t = 0;
+  for (; t + 16 <= k; t += 16) _mm512_storeu_ps(vals + t, value(_mm512_i32gather_ps(_mm512_loadu_si512(idx + t), x, 4)));
+  if (t < k) {
+    const __mmask16 rest = static_cast<__mmask16>((1u << (k - t)) - 1);
+    const __m512 g = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rest, _mm512_maskz_loadu_epi32(rest, idx + t), x, 4);
+    _mm512_mask_storeu_ps(vals + t, rest, value(g));
+  }
+}
+#endif
+
 // Positions (idx) and values y = x - m (vals, not aliasing x) of the entries
 // of x[0:n] with y above `cut`; returns their count.
 template <typename acc_t>
 inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, acc_t* vals, int32_t* idx) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
-    // The pass compacts positions only (one compression a vector, the
-    // positions advanced by an add, not broadcast): it was bound by the
-    // shuffle port, which every compression and broadcast takes. The
-    // values of the entries kept, a small part of the row, are gathered
-    // afterwards.
     const __m512 vm = _mm512_set1_ps(m), vcut = _mm512_set1_ps(cut);
-    const __m512i step = _mm512_set1_epi32(16);
-    __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    int64_t k = 0, j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const __mmask16 in = _mm512_cmp_ps_mask(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm), vcut, _CMP_GT_OQ);
-      _mm512_storeu_si512(idx + k, _mm512_maskz_compress_epi32(in, pos));
-      k += __builtin_popcount(in);
-      pos = _mm512_add_epi32(pos, step);
-    }
-    for (; j < n; ++j)
-      if (x[j] - m > cut) idx[k++] = static_cast<int32_t>(j);
-    int64_t t = 0;
-    for (; t + 16 <= k; t += 16)
-      _mm512_storeu_ps(vals + t, _mm512_sub_ps(_mm512_i32gather_ps(_mm512_loadu_si512(idx + t), x, 4), vm));
-    if (t < k) {
-      const __mmask16 rest = static_cast<__mmask16>((1u << (k - t)) - 1);
-      const __m512 g =
-          _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rest, _mm512_maskz_loadu_epi32(rest, idx + t), x, 4);
-      _mm512_mask_storeu_ps(vals + t, rest, _mm512_sub_ps(g, vm));
-    }
+    const int64_t k = positions_where(x, n, idx, [&](__m512 v) {
+      return _mm512_cmp_ps_mask(_mm512_sub_ps(v, vm), vcut, _CMP_GT_OQ);
+    });
+    gather_listed_values(x, idx, k, vals, [&](__m512 v) { return _mm512_sub_ps(v, vm); });
     return k;
   }
 #endif
@@ -565,6 +602,38 @@ inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, ac
   }
   for (; j < n; ++j) {
     const acc_t v = x[j] - m;
+    if (v > cut) {
+      vals[k] = v;
+      idx[k++] = static_cast<int32_t>(j);
+    }
+  }
+  return k;
+}
+
+// positions_above for the scores scale · x of a row x not yet scaled (scale
+// > 0; m: x's max): the values are y = scale·x - scale·m, as the scaled row
+// gives them. On AVX-512 the pass compares x itself, against the cut taken
+// back to x's units and lowered by a few roundings, so the list may hold a
+// few entries more, with y a rounding or so below the cut: the search gives
+// them zero (φ vanishes there at any point right of the cut's start).
+template <typename acc_t>
+inline int64_t positions_above_scaled(const acc_t* x, int64_t n, acc_t m, acc_t scale, acc_t cut, acc_t* vals,
+                                      int32_t* idx) {
+  const acc_t ms = m * scale;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const float back = cut / scale;
+    const float thr = (m + back) - 8 * std::numeric_limits<float>::epsilon() * (std::abs(m) + std::abs(back));
+    const __m512 vthr = _mm512_set1_ps(thr), vs = _mm512_set1_ps(scale), vms = _mm512_set1_ps(ms);
+    const int64_t k =
+        positions_where(x, n, idx, [&](__m512 v) { return _mm512_cmp_ps_mask(v, vthr, _CMP_GT_OQ); });
+    gather_listed_values(x, idx, k, vals, [&](__m512 v) { return _mm512_sub_ps(_mm512_mul_ps(v, vs), vms); });
+    return k;
+  }
+#endif
+  int64_t k = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t v = x[j] * scale - ms;
     if (v > cut) {
       vals[k] = v;
       idx[k++] = static_cast<int32_t>(j);
@@ -864,6 +933,14 @@ inline acc_t listed_probs(const acc_t* y, int64_t k, acc_t c, acc_t b, acc_t* p)
   const V vc(c), vb(b), vone(1), vzero(0);
   const acc_t inv_b = acc_t(1) / b;
   auto phi = [&](const V& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (b >= kFastPowMinB<float>) {  // (one support mask, as add_shift_terms)
+        const __m512 d = _mm512_fmadd_ps(vb, _mm512_sub_ps(v, vc), vone);
+        return V(pow_unit_masked(d, inv_b, _mm512_cmp_ps_mask(d, vzero, _CMP_GT_OQ)));
+      }
+    }
+#endif
     const V bt = vb * (v - vc), d = vone + bt;
     return V::blendv(vzero,
                      b >= kFastPowMinB<acc_t> ? pow_unit<acc_t>(d, inv_b) : (bt.log1p() * V(inv_b)).exp(),

@@ -264,11 +264,11 @@ constexpr acc_t kFastPowMinB = acc_t(1.0 / 32);
 // the series), z - round(z) from reduce and 2^n from scalef. Throughput on
 // a Zen 5: 14 against 25 TSC ticks a vector, with the same accuracy (largest
 // relative error against double pow on 2^20 inputs equal to the portable
-// form's to two digits, at exponents 0.3 to 32).
-template <>
-__attribute__((always_inline)) inline Vec<float> pow_unit<float>(const Vec<float>& dv, float e) {
+// form's to two digits, at exponents 0.3 to 32). pow_unit_masked is the
+// body: d^e on the lanes of `keep`, zero on the others, whose d may be
+// anything (callers that mask d <= 0 skip pow_unit's clamp).
+__attribute__((always_inline)) inline __m512 pow_unit_masked(__m512 d, float e, __mmask16 keep) {
   const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 d = _mm512_max_ps(__m512(dv), _mm512_set1_ps(1.17549435e-38f));
   // d = m · 2^k, m in [0.75, 1.5): getmant's m, and getexp's exponent (that
   // of a mantissa in [1, 2)) one higher where m < 1 (the mantissa was halved).
   const __m512 m = _mm512_getmant_ps(d, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_src);
@@ -295,8 +295,13 @@ __attribute__((always_inline)) inline Vec<float> pow_unit<float>(const Vec<float
   t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(6.9314718e-01f));
   t = _mm512_fmadd_ps(t, f, one);
   // Results below 2^-126 are zero, as in the portable form.
-  return Vec<float>(_mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(z, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), t,
-                                           _mm512_sub_ps(z, f)));
+  return _mm512_maskz_scalef_ps(keep & _mm512_cmp_ps_mask(z, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), t,
+                                _mm512_sub_ps(z, f));
+}
+
+template <>
+__attribute__((always_inline)) inline Vec<float> pow_unit<float>(const Vec<float>& dv, float e) {
+  return Vec<float>(pow_unit_masked(_mm512_max_ps(__m512(dv), _mm512_set1_ps(1.17549435e-38f)), e, 0xffff));
 }
 #else
 template <>
