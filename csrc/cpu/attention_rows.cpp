@@ -79,11 +79,23 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t l
   ws.rshift.resize(m), ws.rmax.resize(m), ws.rnorm.resize(m);
   acc_t* work = ws.work.data();
   bool listed = true;
+  int64_t raw_rows = 0;  // rows [0, raw_rows) may be left unscaled (with scale_rows)
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * ld;
     acc_t lanes_buf[kStartLanes<acc_t>];
     acc_t* lanes = n >= kStartLanes<acc_t> ? lanes_buf : nullptr;  // (both families start from them)
-    const acc_t mx = scale_rows ? scale_row_max(row, n, scale, lanes) : row_max(row, n, lanes);
+    // A row whose support is listed from its candidates is not scaled: its
+    // max and lanes are (exactly as the scaled row's), and the candidates
+    // as they are gathered (positions_above_scaled).
+    const acc_t raw_scale = scale_rows && lanes && listed ? scale : acc_t(0);
+    acc_t mx;
+    if (raw_scale > acc_t(0)) {
+      mx = row_max(row, n, lanes) * scale;
+      for (int64_t i = 0; i < kStartLanes<acc_t>; ++i) lanes[i] *= scale;
+      raw_rows = r + 1;
+    } else {
+      mx = scale_rows ? scale_row_max(row, n, scale, lanes) : row_max(row, n, lanes);
+    }
     ws.rmax[r] = mx;
     ws.ptr[r + 1] = ws.ptr[r];
     if (mx == -inf) {  // no allowed key: zeros
@@ -103,7 +115,9 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t l
     if constexpr (FAM == Family::kSparsemax) {
       if (lanes) {
         const acc_t cut = sparsemax_subset_cut<acc_t>(lanes, mx);
-        const int64_t k = few_above(row, n, cut, work, ws.pidx.data());
+        const int64_t k = raw_scale > acc_t(0)
+                              ? positions_above_scaled(row, n, acc_t(0), raw_scale, cut, work, ws.pidx.data())
+                              : few_above(row, n, cut, work, ws.pidx.data());
         if (listed) {  // (the solve compacts work in place)
           const int64_t t0 = ws.ptr[r];
           std::copy_n(work, k, ws.pvals.data() + t0);
@@ -118,7 +132,7 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t l
     } else {
       int32_t* pos = listed && lanes ? ws.pidx.data() : nullptr;
       const acc_t cr = lanes ? solve_entmax15_from_lanes<acc_t>(row, n, mx, nullptr, work, work + n, lanes, &norm,
-                                                                pos, &candidates)
+                                                                pos, &candidates, raw_scale)
                              : solve_row<acc_t, FAM>(row, n, mx, b, nullptr, work, work + n, ws.pidx.data(),
                                                      nullptr, &norm);
       if (!pos) candidates = -1;
@@ -145,6 +159,8 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t l
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * ld;
     const acc_t mx = ws.rmax[r];
+    if (r < raw_rows)
+      for (int64_t j = 0; j < n; ++j) row[j] *= scale;
     if (mx == -inf) {
       std::fill(row, row + n, acc_t(0));
     } else if (mx != mx || mx == inf) {
@@ -204,7 +220,7 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
         for (int64_t i = 0; i < kStartLanes<acc_t>; ++i) lanes[i] *= scale;
       const acc_t start = subset_start<acc_t>(lanes, mx, b);
       const acc_t cut = start - acc_t(1) / b;
-      const int64_t k = scale_rows ? positions_above_scaled(row, n, raw_max, scale, cut, cand, ix)
+      const int64_t k = scale_rows ? positions_above_scaled(row, n, mx, scale, cut, cand, ix)
                                    : positions_above(row, n, mx, cut, cand, ix);
       if (4 * k <= n) {
         ListedSearch<acc_t> search(cand, ix, k, n, start, b, shift_upper_memo<acc_t>(n, b), p, nullptr);

@@ -610,30 +610,29 @@ inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, ac
   return k;
 }
 
-// positions_above for the scores scale · x of a row x not yet scaled (scale
-// > 0; m: x's max): the values are y = scale·x - scale·m, as the scaled row
-// gives them. On AVX-512 the pass compares x itself, against the cut taken
-// back to x's units and lowered by a few roundings, so the list may hold a
-// few entries more, with y a rounding or so below the cut: the search gives
-// them zero (φ vanishes there at any point right of the cut's start).
+// positions_above for the scores scale·x of a row x not yet scaled (scale
+// > 0), m being in the scores' units (their max, exactly scale·max(x); or
+// 0): the values are y = scale·x - m, as the scaled row gives them. On
+// AVX-512 the pass compares x itself, against the cut taken back to x's
+// units and lowered by a few roundings, so the list may hold a few entries
+// more, with y a rounding or so below the cut: the searches give them zero
+// (they are left of the support of any shift right of the cut).
 template <typename acc_t>
 inline int64_t positions_above_scaled(const acc_t* x, int64_t n, acc_t m, acc_t scale, acc_t cut, acc_t* vals,
                                       int32_t* idx) {
-  const acc_t ms = m * scale;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
-    const float back = cut / scale;
-    const float thr = (m + back) - 8 * std::numeric_limits<float>::epsilon() * (std::abs(m) + std::abs(back));
-    const __m512 vthr = _mm512_set1_ps(thr), vs = _mm512_set1_ps(scale), vms = _mm512_set1_ps(ms);
+    const float thr = (m + cut) / scale - 8 * std::numeric_limits<float>::epsilon() * (std::abs(m) + std::abs(cut)) / scale;
+    const __m512 vthr = _mm512_set1_ps(thr), vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m);
     const int64_t k =
         positions_where(x, n, idx, [&](__m512 v) { return _mm512_cmp_ps_mask(v, vthr, _CMP_GT_OQ); });
-    gather_listed_values(x, idx, k, vals, [&](__m512 v) { return _mm512_sub_ps(_mm512_mul_ps(v, vs), vms); });
+    gather_listed_values(x, idx, k, vals, [&](__m512 v) { return _mm512_sub_ps(_mm512_mul_ps(v, vs), vm); });
     return k;
   }
 #endif
   int64_t k = 0;
   for (int64_t j = 0; j < n; ++j) {
-    const acc_t v = x[j] * scale - ms;
+    const acc_t v = x[j] * scale - m;
     if (v > cut) {
       vals[k] = v;
       idx[k++] = static_cast<int32_t>(j);
@@ -1254,12 +1253,15 @@ template <typename acc_t>
 // With pos (then out is null), the candidates' positions are gathered too
 // (room for n + Vec<acc_t>::size()), and *k_out gets their count: cand[0:k]
 // (y = x - m) and pos[0:k] hold the support, for a caller that lists it.
+// With raw_scale > 0 too, x is the row still to be scaled by raw_scale, and
+// m its scaled max (positions_above_scaled).
 inline acc_t solve_entmax15_from_lanes(const acc_t* x, int64_t n, acc_t m, acc_t* out, acc_t* cand, acc_t* work,
                                        const acc_t* lanes, acc_t* norm_out = nullptr, int32_t* pos = nullptr,
-                                       int64_t* k_out = nullptr) {
+                                       int64_t* k_out = nullptr, acc_t raw_scale = acc_t(0)) {
   const acc_t b(0.5);
   const acc_t start = subset_start<acc_t, Family::kEntmax15>(lanes, m, b, kEntmax15LaneSteps);
   auto gather = [&](acc_t cut) {
+    if (raw_scale > acc_t(0)) return positions_above_scaled(x, n, m, raw_scale, cut, cand, pos);
     return pos ? positions_above(x, n, m, cut, cand, pos) : shifted_above(x, n, m, cut, cand);
   };
   int64_t k = gather(start - acc_t(2));
