@@ -453,7 +453,8 @@ def repeat_in_processes(args) -> None:
                 merged[key] = []
                 order.append(key)
             merged[key].append(r)
-    meta = runs[0]["machine"]
+    # (The processes' own command lines name their scratch output; the header names this one's.)
+    meta = dict(runs[0]["machine"], command=" ".join(["benchmarks/ratios.py", *sys.argv[1:]]))
     head = (f"{describe(meta)}\n"
             f"Ratio = attnkern time / baseline time (PyTorch's op; in the \"vs attnkern float32\" cases "
             f"attnkern's float32 attention): in each of {args.processes} processes the median of "
