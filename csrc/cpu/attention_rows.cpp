@@ -88,14 +88,10 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t l
     // max and lanes are (exactly as the scaled row's), and the candidates
     // as they are gathered (positions_above_scaled).
     const acc_t raw_scale = scale_rows && lanes && listed ? scale : acc_t(0);
-    acc_t mx;
-    if (raw_scale > acc_t(0)) {
-      mx = row_max(row, n, lanes) * scale;
-      for (int64_t i = 0; i < kStartLanes<acc_t>; ++i) lanes[i] *= scale;
-      raw_rows = r + 1;
-    } else {
-      mx = scale_rows ? scale_row_max(row, n, scale, lanes) : row_max(row, n, lanes);
-    }
+    if (raw_scale > acc_t(0)) raw_rows = r + 1;
+    const acc_t mx = raw_scale > acc_t(0) ? scaled_max_of(row, n, scale, lanes)
+                     : scale_rows          ? scale_row_max(row, n, scale, lanes)
+                                           : row_max(row, n, lanes);
     ws.rmax[r] = mx;
     ws.ptr[r + 1] = ws.ptr[r];
     if (mx == -inf) {  // no allowed key: zeros
@@ -159,8 +155,7 @@ bool solve_listed(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, int64_t l
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * ld;
     const acc_t mx = ws.rmax[r];
-    if (r < raw_rows)
-      for (int64_t j = 0; j < n; ++j) row[j] *= scale;
+    if (r < raw_rows) scale_rows_in_place(row, 0, 1, n, ld, scale);
     if (mx == -inf) {
       std::fill(row, row + n, acc_t(0));
     } else if (mx != mx || mx == inf) {
@@ -200,8 +195,7 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
     // With scale_rows the row stays unscaled unless solved whole: its max
     // and lanes are scaled (exactly the scaled row's), and the candidates
     // picked and scaled as they are gathered.
-    const acc_t raw_max = row_max(row, n, lanes);
-    const acc_t mx = scale_rows ? raw_max * scale : raw_max;
+    const acc_t mx = scale_rows ? scaled_max_of(row, n, scale, lanes) : row_max(row, n, lanes);
     const int64_t t0 = ws.ptr[r];
     ws.ptr[r + 1] = t0;
     if (mx == -inf) {  // no allowed key: zeros
@@ -216,12 +210,9 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
     int32_t* ix = ws.idx.data() + t0;
     int64_t kept = -1;
     if (lanes) {
-      if (scale_rows)
-        for (int64_t i = 0; i < kStartLanes<acc_t>; ++i) lanes[i] *= scale;
-      const acc_t start = subset_start<acc_t>(lanes, mx, b);
-      const acc_t cut = start - acc_t(1) / b;
-      const int64_t k = scale_rows ? positions_above_scaled(row, n, mx, scale, cut, cand, ix)
-                                   : positions_above(row, n, mx, cut, cand, ix);
+      acc_t start;
+      const int64_t k =
+          listed_candidates<acc_t>(row, n, mx, b, lanes, cand, ix, start, scale_rows ? scale : acc_t(0));
       if (4 * k <= n) {
         ListedSearch<acc_t> search(cand, ix, k, n, start, b, shift_upper_memo<acc_t>(n, b), p, nullptr);
         while (search.advance()) {
@@ -234,8 +225,7 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
       }
     }
     if (kept < 0) {
-      if (scale_rows)
-        for (int64_t j = 0; j < n; ++j) row[j] *= scale;
+      if (scale_rows) scale_rows_in_place(row, 0, 1, n, ld, scale);
       c[r] = static_cast<float>(mx + solve_generic_convex<acc_t>(row, n, mx, b, row, cand, p, ws.pidx.data(), nullptr));
       kept = positions_above(row, n, acc_t(0), acc_t(0), pv, ix);
     }
@@ -248,9 +238,7 @@ bool solve_listed_generic(acc_t* y, int64_t m, int64_t n, int64_t ld, acc_t b, i
   }
   if (!gave_up) return true;
   // (Rows before r are written whole from their lists; the others are unscaled.)
-  if (scale_rows)
-    for (int64_t t = r; t < m; ++t)
-      for (int64_t j = 0; j < n; ++j) y[t * ld + j] *= scale;
+  if (scale_rows) scale_rows_in_place(y, r, m, n, ld, scale);
   for (int64_t t = 0; t < r; ++t)
     scatter_row<acc_t>(ws.pvals.data() + ws.ptr[t], ws.idx.data() + ws.ptr[t], ws.ptr[t + 1] - ws.ptr[t], acc_t(1),
                        n, y + t * ld);
@@ -572,7 +560,6 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
 }
 
 }  // namespace
-
 
 // Rows [j0, j1) of V from P.v_rows_half, widened to acc_t into buf (Ev
 // columns, the padding zero); returns buf.

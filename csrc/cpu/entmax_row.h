@@ -1030,12 +1030,15 @@ inline bool solve_listed(const acc_t* y, const int32_t* pos, int64_t k, int64_t 
 // and row_max's lanes: the start c (subset_start, to be confirmed by the
 // search) and the candidates right of it, with their positions, in cand and
 // idx; returns their count (the list is for solve_listed when it is at most
-// a quarter of the row).
+// a quarter of the row). With raw_scale > 0, x is the row still to be scaled
+// by raw_scale, and m and lanes are scaled (positions_above_scaled).
 template <typename acc_t>
 inline int64_t listed_candidates(const acc_t* x, int64_t n, acc_t m, acc_t b, const acc_t* lanes, acc_t* cand,
-                                 int32_t* idx, acc_t& c) {
+                                 int32_t* idx, acc_t& c, acc_t raw_scale = acc_t(0)) {
   c = subset_start<acc_t>(lanes, m, b);
-  return positions_above(x, n, m, c - acc_t(1) / b, cand, idx);
+  const acc_t cut = c - acc_t(1) / b;
+  if (raw_scale > acc_t(0)) return positions_above_scaled(x, n, m, raw_scale, cut, cand, idx);
+  return positions_above(x, n, m, cut, cand, idx);
 }
 
 // The generic family with 0 < b < 1 (1 < α < 2), the range a learned α

@@ -469,6 +469,23 @@ inline acc_t row_max_by_blocks(const acc_t* y, int64_t n, acc_t* lanes, Load loa
   return finish_row_max(y, j, n, v0, v1, v2, v3, lanes);
 }
 
+// The max of scale · y[0:n] (scale > 0) without scaling y: row_max's, and
+// its lanes, scaled (exactly those of the scaled row).
+template <typename acc_t>
+inline acc_t scaled_max_of(const acc_t* y, int64_t n, acc_t scale, acc_t* lanes = nullptr) {
+  const acc_t m = row_max(y, n, lanes) * scale;
+  if (lanes && n >= 4 * Vec<acc_t>::size())
+    for (int64_t i = 0; i < 4 * Vec<acc_t>::size(); ++i) lanes[i] *= scale;
+  return m;
+}
+
+// Rows [r0, r1) of y (n values, row stride ld) times scale, in place.
+template <typename acc_t>
+inline void scale_rows_in_place(acc_t* y, int64_t r0, int64_t r1, int64_t n, int64_t ld, acc_t scale) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t j = 0; j < n; ++j) y[r * ld + j] *= scale;
+}
+
 // row_max of y[0:n] scaled in place by `scale` first, in the same pass (the
 // scores of a half-type GEMM, which takes no factor, would otherwise be read
 // and written once more for it): the same values and lanes as scaling, then
