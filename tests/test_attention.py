@@ -487,6 +487,42 @@ def test_half_values_read_as_they_are(normalizer, dtype, ev):
     assert (got.float() - want).abs().max().item() <= bound
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", ["softmax", "causal", "float_mask", "dropout", "gqa_odd_dims", "mixed_alpha"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_widened_in_the_kernel(dtype, case, threads, monkeypatch):
+    """bfloat16 / float16 inputs with float32 GEMMs (the type's half GEMMs
+    turned off) are widened in the kernel, q a block of rows and V a head at a
+    time, and the output written in the half type block by block: the softmax
+    heads' outputs are the float32 kernel's on the widened inputs, rounded once,
+    bit for bit, across heads that share a kv-head and heads of other
+    families between them (whose P·V reads V as it is)."""
+    monkeypatch.setenv("ATTNKERN_BF16_GEMM" if dtype == torch.bfloat16 else "ATTNKERN_FP16_GEMM", "0")
+    B, H, Hk, L, S, E, Ev = (1, 4, 2, 97, 75, 59, 40) if case == "gqa_odd_dims" else (2, 4, 4, 80, 130, 64, 64)
+    q, k, v = (t.to(dtype) for t in make_qkv(B, H, Hk, L, S, E, Ev, noncontig=True, seed=11, spread=1.5))
+    mask, causal = attention_mask({"causal": "causal", "float_mask": "float"}.get(case, "none"), B, H, L, S)
+    kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=True, backend="cpu")
+    if case == "dropout":  # (the seed is drawn from torch's generator: the same for both calls)
+        kw.update(dropout_p=0.3)
+    softmax_heads = list(range(H))
+    if case == "mixed_alpha":  # softmax-limit heads 0 and 2, sparse heads 1 and 3
+        kw.update(normalizer="entmax", alpha=torch.tensor([1.0, 1.5, 1.0, 2.0]))
+        softmax_heads = [0, 2]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(5)
+        got = attnkern.attention(q, k, v, **kw)
+        torch.manual_seed(5)
+        want = attnkern.attention(q.float(), k.float(), v.float(), **kw)
+    finally:
+        torch.set_num_threads(saved)
+    assert got.dtype == dtype and got.shape == (B, H, L, Ev)
+    assert torch.equal(got[:, softmax_heads], want[:, softmax_heads].to(dtype))
+    bound = 2.0**-7 * want.abs().max().item()  # (the other heads: their rounding, V read as it is)
+    assert (got.float() - want).abs().max().item() <= bound
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
 def test_nan_row_inside_a_block_of_listed_rows(normalizer, dtype):

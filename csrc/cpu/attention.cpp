@@ -66,11 +66,104 @@ void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
   });
 }
 
+// Where the forward's output goes: (B, H, L, ev) contiguous rows of dtype.
+// The kernels make rows of P.Ev accumulation-type values; where the output
+// holds them as they are they write there, else each block's rows are made in
+// scratch and converted, instead of a whole padded or float copy of the
+// output (a pass more, and fresh pages on every call).
+struct OutRows {
+  void* data;
+  at::ScalarType dtype;
+  int64_t ev;
+};
+
 template <typename acc_t>
-void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
+bool writes_in_place(const Problem<acc_t>& P, const OutRows& out) {
+  return out.dtype == c10::CppTypeToScalarType<acc_t>::value && out.ev == P.Ev;
+}
+
+// Output rows [row0, row0 + m) from m rows of accumulation-type values, ld apart.
+template <typename acc_t>
+void store_rows(const acc_t* o, int64_t m, int64_t ld, const OutRows& out, int64_t row0) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.dtype, "attnkern_store_rows", [&] {
+    scalar_t* dst = static_cast<scalar_t*>(out.data) + row0 * out.ev;
+    for (int64_t r = 0; r < m; ++r) convert_row(o + r * ld, dst + r * out.ev, out.ev);
+  });
+}
+
+// pack_panels of one head's keys src (S x E) into dst (round_up_panel(S) x
+// Ep of acc_t), converted and zero-padded a panel of keys at a time in keys
+// (scratch): no widened or padded copy of K first.
+template <typename acc_t, typename src_t>
+void pack_head(const src_t* src, int64_t S, int64_t E, int64_t Ep, acc_t* dst, LineVector<acc_t>& keys) {
+  if constexpr (std::is_same_v<src_t, acc_t>) {
+    if (E == Ep) return pack_panels(src, S, E, E, dst);
+  }
+  constexpr int64_t NR = kPanel<acc_t>;
+  keys.assign(NR * Ep, acc_t(0));  // (columns E.. stay zero)
+  for (int64_t j0 = 0; j0 < S; j0 += NR) {
+    const int64_t w = std::min(NR, S - j0);
+    for (int64_t j = 0; j < w; ++j) convert_row(src + (j0 + j) * E, keys.data() + j * Ep, E);
+    pack_panels(keys.data(), w, Ep, Ep, dst + j0 * Ep);
+  }
+}
+
+// Problem::k_src: Pt (the thread's copy of P) pointed at the key panels of
+// (bi, h)'s kv-head, packed into ws unless ws holds them already.
+template <typename acc_t>
+void pack_thread_keys(const Problem<acc_t>& P, int64_t bi, int64_t h, Problem<acc_t>& Pt, Workspace<acc_t>& ws) {
+  const int64_t head = bi * P.Hk + h / P.group(), Sp = round_up_panel<acc_t>(P.S);
+  if (!ws.k_panels.empty() && Pt.kp_head0 == head) return;
+  ws.k_panels.resize(Sp * P.E);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, P.k_src_type, "attnkern_pack_head", [&] {
+    const scalar_t* src = static_cast<const scalar_t*>(P.k_src) + head * P.S * P.k_src_e;
+    pack_head(src, P.S, P.k_src_e, P.E, ws.k_panels.data(), ws.keys);
+  });
+  Pt.kp = ws.k_panels.data(), Pt.kp_head0 = head;
+}
+
+// Problem::q_half: Pt (the thread's copy of P) pointed at the block's q rows
+// [i0, i0 + m) of (bi, h), widened into ws, and for a softmax head at its
+// kv-head's V, widened unless ws holds it already.
+template <typename acc_t>
+void widen_half_inputs(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, Problem<acc_t>& Pt,
+                       Workspace<acc_t>& ws) {
+  auto widen = [&](auto tag) {
+    using half_t = decltype(tag);
+    const int64_t row0 = P.row_id(bi, h, i0);
+    ws.q_wide.assign(m * P.E, acc_t(0));  // (columns e_half.. are the padding)
+    const half_t* q = static_cast<const half_t*>(P.q_half) + row0 * P.e_half;
+    for (int64_t r = 0; r < m; ++r) convert_row(q + r * P.e_half, ws.q_wide.data() + r * P.E, P.e_half);
+    Pt.q = ws.q_wide.data(), Pt.q_row0 = row0;
+    if (!P.widen_v_heads || P.fam[h] != Family::kSoftmax) {
+      Pt.v = nullptr;  // (the other heads read v_rows_half as it is)
+      return;
+    }
+    const int64_t head = bi * P.Hk + h / P.group();
+    if (!ws.v_wide.empty() && Pt.v == ws.v_wide.data() && Pt.v_head0 == head) return;
+    ws.v_wide.assign(P.S * P.Ev, acc_t(0));
+    const half_t* v = static_cast<const half_t*>(P.v_rows_half) + head * P.S * P.ev_half;
+    for (int64_t j = 0; j < P.S; ++j) convert_row(v + j * P.ev_half, ws.v_wide.data() + j * P.Ev, P.ev_half);
+    Pt.v = ws.v_wide.data(), Pt.v_head0 = head;
+  };
+  if (P.half_is_bf16) {
+    widen(c10::BFloat16());
+  } else {
+    widen(c10::Half());
+  }
+}
+
+template <typename acc_t>
+void forward_kernel(const Problem<acc_t>& P, const OutRows& out, float* shift) {
+  const bool in_place = writes_in_place(P, out);
+  if (decodes(P)) {
+    if (in_place) return decode_forward(P, static_cast<acc_t*>(out.data), shift);
+    std::vector<acc_t> rows(P.B * P.H * P.L * P.Ev);  // (at most kDecodeRows rows a head)
+    decode_forward(P, rows.data(), shift);
+    return store_rows(rows.data(), P.B * P.H * P.L, P.Ev, out, 0);
+  }
   // Softmax heads run online over key tiles and need only BM x
   // softmax_block_keys() of scores; the sparse normalizers need whole rows.
-  if (decodes(P)) return decode_forward(P, out, shift);
   const bool all_softmax = all_softmax_heads(P);
   const bool half = P.q16 != nullptr;
   const int64_t BM = all_softmax ? softmax_block_rows(P.L, half) : block_rows(P.S, P.L, sizeof(acc_t));
@@ -78,28 +171,33 @@ void forward_kernel(const Problem<acc_t>& P, acc_t* out, float* shift) {
   const int64_t nb = (P.L + BM - 1) / BM;
   const int64_t tasks = P.B * P.H * nb;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Problem<acc_t> Pt = P;  // (this thread's: q and V widened from the half type into ws)
     Workspace<acc_t> ws;
     ws.y.resize(BM * std::max<int64_t>({all_softmax ? 0 : rows_ld(P.S, half), half ? half_tile_ld(tile) : tile, 1}));
     ws.work.resize(std::max<int64_t>(2 * P.S, 1));  // normalize_scores: candidates + scratch
     ws.pidx.resize(P.S + Vec<acc_t>::size());  // (room for whole-vector stores)
     ws.mrow.resize(BM);
     ws.lsum.resize(BM);
+    if (!in_place) ws.out_rows.resize(BM * P.Ev);
     FlushDenormals ftz;
     HalfGemmScope gemm16(P.q16 != nullptr && !P.hg.emulated);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nb, bi = bh / P.H, h = bh % P.H;
       const int64_t i0 = zigzag(t % nb, nb) * BM, m = std::min(BM, P.L - i0);
       const int64_t n = P.keys_for(i0, m);
-      acc_t* o = out + (bh * P.L + i0) * P.Ev;
+      acc_t* o = in_place ? static_cast<acc_t*>(out.data) + (bh * P.L + i0) * P.Ev : ws.out_rows.data();
       float* c = shift + bh * P.L + i0;
+      if (n > 0 && P.k_src) pack_thread_keys(P, bi, h, Pt, ws);
+      if (n > 0 && P.q_half) widen_half_inputs(P, bi, h, i0, m, Pt, ws);
       if (n == 0) {
         std::fill(o, o + m * P.Ev, acc_t(0));
         std::fill(c, c + m, std::numeric_limits<float>::infinity());
       } else if (P.fam[h] == Family::kSoftmax) {
-        softmax_forward_block(P, bi, h, i0, m, n, ws.y.data(), o, c, ws.mrow.data(), ws.lsum.data());
+        softmax_forward_block(Pt, bi, h, i0, m, n, ws.y.data(), o, c, ws.mrow.data(), ws.lsum.data());
       } else {
-        rows_forward_block(P, bi, h, i0, m, n, o, c, ws);
+        rows_forward_block(Pt, bi, h, i0, m, n, o, c, ws);
       }
+      if (!in_place) store_rows(o, m, P.Ev, out, bh * P.L + i0);
     }
   });
 }
@@ -391,27 +489,30 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
   Tensor shift = at::empty({c.B, c.H, c.L}, q_in.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_fwd", [&] {
     const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
+    const bool half_in = std::is_same_v<scalar_t, float> &&
+                         (q_in.scalar_type() == at::kBFloat16 || q_in.scalar_type() == at::kHalf);
     // Softmax decoding of bfloat16 / float16 reads K and V as they are.
-    const bool half_kv = fam == Family::kSoftmax && c.L <= kDecodeRows &&
-                         (k_in.scalar_type() == at::kBFloat16 || k_in.scalar_type() == at::kHalf) &&
-                         v_in.scalar_type() == k_in.scalar_type() && std::is_same_v<scalar_t, float>;
+    const bool half_kv = fam == Family::kSoftmax && c.L <= kDecodeRows && half_in;
     // Half-type GEMMs (half_gemm.h) beyond decoding: q and K in the input's
     // half type (or bfloat16 for float32: gemm_dtype), V in it for the
     // softmax heads' P·V and in float32 for the others'.
     const at::ScalarType dt = gemm_dtype(q_in.scalar_type());
     HalfGemm hg;
     const bool gemm16 = std::is_same_v<scalar_t, float> && c.L > kDecodeRows && c.S > 0 && half_gemm_enabled(dt, &hg);
-    // The heads that are not softmax read bfloat16 / float16 V as it is
-    // (Problem::v_rows_half).
-    const bool v_rows_half =
-        std::is_same_v<scalar_t, float> && (v_in.scalar_type() == at::kBFloat16 || v_in.scalar_type() == at::kHalf);
-    Tensor q = gemm16 ? Tensor() : padded(q_in, c.acc, Ep);
-    Tensor k = half_kv || gemm16 ? Tensor() : padded(k_in, c.acc, Ep);
-    Tensor v, v_rows;
+    // Key panels for the score GEMMs of every normalizer, packed a head at a
+    // time from K as it is (Problem::k_src; a few query rows, decoding among
+    // them, read K unpacked: kPackRows).
+    const bool pack_k = !gemm16 && c.L > kPackRows;
+    // Half-type inputs with float32 GEMMs: q and V widened in the kernel
+    // (Problem::q_half).
+    const bool widen_blocks = half_in && pack_k;
+    Tensor q = gemm16 || widen_blocks ? Tensor() : padded(q_in, c.acc, Ep);
+    Tensor k = half_kv || gemm16 || pack_k ? Tensor() : padded(k_in, c.acc, Ep);
+    Tensor v, v_rows, q_rows, k_rows;
     Tensor k_half = half_kv ? k_in.contiguous() : Tensor(), v_half = half_kv ? v_in.contiguous() : Tensor();
     Tensor q16, k16, v16;
-    Tensor out_p = at::empty({c.B, c.H, c.L, Evp}, q_in.options().dtype(c.acc));
-    if (out_p.numel() > 0 || shift.numel() > 0) {
+    out = at::empty({c.B, c.H, c.L, c.Ev}, q_in.options());
+    if (out.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
       if (gemm16) {
@@ -421,15 +522,23 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
           P.v16 = static_cast<const h16*>(v16.const_data_ptr());
         }
       }
-      if (v_rows_half && !all_softmax_heads(P)) {
+      // The heads that are not softmax read bfloat16 / float16 V as it is
+      // (Problem::v_rows_half).
+      if (half_in && (widen_blocks || !all_softmax_heads(P))) {
         v_rows = v_in.contiguous();
         P.v_rows_half = v_rows.const_data_ptr();
         P.half_is_bf16 = v_in.scalar_type() == at::kBFloat16;
         P.ev_half = c.Ev;
       }
+      if (widen_blocks) {
+        q_rows = q_in.contiguous();
+        P.q_half = q_rows.const_data_ptr();
+        P.e_half = c.E;
+        P.widen_v_heads = has_softmax_head(P);
+      }
       // V widened: for the softmax heads of float32 GEMMs, and for the other
       // heads unless they read it as it is.
-      const bool softmax_reads_v = has_softmax_head(P) && !half_kv && !gemm16;
+      const bool softmax_reads_v = has_softmax_head(P) && !half_kv && !gemm16 && !widen_blocks;
       if (softmax_reads_v || (!all_softmax_heads(P) && !P.v_rows_half)) {
         v = padded(v_in, c.acc, Evp);
         P.v = v.const_data_ptr<scalar_t>();
@@ -439,15 +548,15 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
         P.half_is_bf16 = k_in.scalar_type() == at::kBFloat16;
         P.e_half = c.E, P.ev_half = c.Ev;
       }
-      // Key panels for the score GEMMs of every normalizer (a few query rows,
-      // decoding among them, read K as it is: kPackRows).
-      Tensor kpack = !gemm16 && c.L > kPackRows ? pack_heads<scalar_t>(k) : Tensor();
-      if (kpack.defined()) P.kp = kpack.const_data_ptr<scalar_t>();
-      forward_kernel<scalar_t>(P, out_p.mutable_data_ptr<scalar_t>(), shift.mutable_data_ptr<float>());
+      if (pack_k) {
+        k_rows = k_in.contiguous();
+        P.k_src = k_rows.const_data_ptr(), P.k_src_type = k_in.scalar_type(), P.k_src_e = c.E;
+      }
+      forward_kernel<scalar_t>(P, OutRows{out.mutable_data_ptr(), out.scalar_type(), c.Ev},
+                               shift.mutable_data_ptr<float>());
     }
-    out = Evp == c.Ev ? out_p : out_p.narrow(3, 0, c.Ev).contiguous();
   });
-  return {out.to(q_in.scalar_type()), shift};
+  return {out, shift};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(

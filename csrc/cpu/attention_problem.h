@@ -114,6 +114,23 @@ struct Problem {
   // (batch, kv-head) packed by pack_keys (round_up_vnni(S) · E entries
   // a head) and pack_values (round_up_vnni(S) · Ev; null when no head is
   // softmax); null otherwise.
+  // The forward of bfloat16 / float16 inputs whose GEMMs run in float32 (no
+  // half-type unit): q as it is (rows of e_half values, of the type
+  // half_is_bf16 says), which forward_kernel widens a block of rows at a time
+  // into its thread's scratch, and V (v_rows_half) widened a head at a time
+  // for the softmax heads (widen_v_heads), instead of float copies of the
+  // whole of q and V (a pass more, and fresh pages on every call). q and v
+  // then hold the rows from q_row0 and the heads from v_head0.
+  const void* q_half = nullptr;
+  bool widen_v_heads = false;
+  int64_t q_row0 = 0, v_head0 = 0;
+  // The forward's K as it is (rows of k_src_e values of k_src_type), which
+  // forward_kernel packs a head at a time into its thread's scratch (kp then
+  // holds the panels of the heads from kp_head0), instead of a packed copy of
+  // every head made before (fresh pages on every call).
+  const void* k_src = nullptr;
+  at::ScalarType k_src_type = at::kFloat;
+  int64_t k_src_e = 0, kp_head0 = 0;
   HalfGemm hg;
   const h16* q16 = nullptr;
   const h16* k16 = nullptr;
@@ -135,10 +152,12 @@ struct Problem {
   int64_t keys_seen(int64_t i, int64_t j0, int64_t w) const {
     return causal ? std::clamp<int64_t>(i + 1 - j0, 0, w) : w;
   }
-  const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0) * E; }
+  const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0 - q_row0) * E; }
   const acc_t* k_head(int64_t bi, int64_t hk) const { return k + (bi * Hk + hk) * S * E; }
-  const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk) * S * Ev; }
-  const acc_t* kp_head(int64_t bi, int64_t hk) const { return kp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * E; }
+  const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk - v_head0) * S * Ev; }
+  const acc_t* kp_head(int64_t bi, int64_t hk) const {
+    return kp + (bi * Hk + hk - kp_head0) * round_up_panel<acc_t>(S) * E;
+  }
   const acc_t* vp_head(int64_t bi, int64_t hk) const { return vp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * Ev; }
   const h16* q16_rows(int64_t bi, int64_t h, int64_t i0) const { return q16 + ((bi * H + h) * L + i0) * E; }
   const h16* k16_head(int64_t bi, int64_t hk) const { return k16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
@@ -672,6 +691,9 @@ struct Workspace {
   std::vector<int32_t> crow;
   std::vector<acc_t> cds, cpk;
   std::vector<acc_t> vwide;         // V's rows widened from P.v_rows_half, for a dense P·V
+  std::vector<acc_t> out_rows;      // a block's output rows, when the output takes them converted
+  LineVector<acc_t> q_wide, v_wide;  // a block's q rows and a head's V, widened (Problem::q_half)
+  LineVector<acc_t> k_panels, keys;  // a head's key panels (Problem::k_src), and one panel's keys
 };
 
 // attention_softmax.cpp: one block of m query rows from i0 of (batch bi, head

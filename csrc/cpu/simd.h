@@ -531,6 +531,26 @@ inline Vec<float> exp2_fast(const Vec<float>& t) {
 #endif
 }
 
+// dst[0:n] = src[0:n] converted (rounded to nearest even when narrowing):
+// whole vectors for float <-> bfloat16 / half, a scalar loop otherwise.
+template <typename src_t, typename dst_t>
+inline void convert_row(const src_t* src, dst_t* dst, int64_t n) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<src_t, float> && at::is_reduced_floating_point_v<dst_t>) {
+    using V = Vec<float>;
+    for (; j + 2 * V::size() <= n; j += 2 * V::size())
+      at::vec::convert_from_float<dst_t>(V::loadu(src + j), V::loadu(src + j + V::size())).store(dst + j);
+  } else if constexpr (at::is_reduced_floating_point_v<src_t> && std::is_same_v<dst_t, float>) {
+    using Vs = at::vec::Vectorized<src_t>;
+    for (; j + Vs::size() <= n; j += Vs::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<src_t>(Vs::loadu(src + j));
+      lo.store(dst + j);
+      hi.store(dst + j + Vec<float>::size());
+    }
+  }
+  for (; j < n; ++j) dst[j] = static_cast<dst_t>(src[j]);
+}
+
 // row_max for a bfloat16 / half row: widens src[0:n] into dst[0:n] (float,
 // exact) and returns row_max(dst, n, lanes), with the same lanes, in the
 // same pass. Widening first and taking the max after read the row twice,
