@@ -492,14 +492,17 @@ def test_half_values_read_as_they_are(normalizer, dtype, ev):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_widened_in_the_kernel(dtype, case, threads, monkeypatch):
     """bfloat16 / float16 inputs with float32 GEMMs (the type's half GEMMs
-    turned off) are widened in the kernel, q a block of rows and V a head at a
-    time, and the output written in the half type block by block: the softmax
-    heads' outputs are the float32 kernel's on the widened inputs, rounded once,
-    bit for bit, across heads that share a kv-head and heads of other
-    families between them (whose P·V reads V as it is)."""
+    turned off) are widened in the kernels, q and dO a block of rows and K
+    and V a head at a time, and the output written in the half type block by
+    block: the softmax heads' outputs are the float32 kernel's on the widened
+    inputs, rounded once, bit for bit, across heads that share a kv-head and
+    heads of other families between them (whose P·V reads V as it is); the
+    gradients match the float32 kernel's up to the rounding (δ = dO·O takes
+    the rounded output)."""
     monkeypatch.setenv("ATTNKERN_BF16_GEMM" if dtype == torch.bfloat16 else "ATTNKERN_FP16_GEMM", "0")
     B, H, Hk, L, S, E, Ev = (1, 4, 2, 97, 75, 59, 40) if case == "gqa_odd_dims" else (2, 4, 4, 80, 130, 64, 64)
-    q, k, v = (t.to(dtype) for t in make_qkv(B, H, Hk, L, S, E, Ev, noncontig=True, seed=11, spread=1.5))
+    q, k, v, go = make_qkv(B, H, Hk, L, S, E, Ev, noncontig=True, seed=11, spread=1.5, grad_out=True)
+    q, k, v, go = (t.to(dtype) for t in (q, k, v, go))
     mask, causal = attention_mask({"causal": "causal", "float_mask": "float"}.get(case, "none"), B, H, L, S)
     kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=True, backend="cpu")
     if case == "dropout":  # (the seed is drawn from torch's generator: the same for both calls)
@@ -508,19 +511,25 @@ def test_half_inputs_widened_in_the_kernel(dtype, case, threads, monkeypatch):
     if case == "mixed_alpha":  # softmax-limit heads 0 and 2, sparse heads 1 and 3
         kw.update(normalizer="entmax", alpha=torch.tensor([1.0, 1.5, 1.0, 2.0]))
         softmax_heads = [0, 2]
+
+    def run(dt):
+        xs = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(5)
+        out = attnkern.attention(*xs, **kw)
+        return [out, *torch.autograd.grad(out, xs, go.to(dt))]
+
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.manual_seed(5)
-        got = attnkern.attention(q, k, v, **kw)
-        torch.manual_seed(5)
-        want = attnkern.attention(q.float(), k.float(), v.float(), **kw)
+        got, want = run(dtype), run(torch.float32)
     finally:
         torch.set_num_threads(saved)
-    assert got.dtype == dtype and got.shape == (B, H, L, Ev)
-    assert torch.equal(got[:, softmax_heads], want[:, softmax_heads].to(dtype))
-    bound = 2.0**-7 * want.abs().max().item()  # (the other heads: their rounding, V read as it is)
-    assert (got.float() - want).abs().max().item() <= bound
+    assert got[0].dtype == dtype and got[0].shape == (B, H, L, Ev)
+    assert torch.equal(got[0][:, softmax_heads], want[0][:, softmax_heads].to(dtype))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert g.dtype == dtype
+        bound = 2.0**-7 * w.abs().max().item()  # (their rounding; V read as it is by the sparse heads)
+        assert (g.float() - w).abs().max().item() <= bound, name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

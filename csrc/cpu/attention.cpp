@@ -202,6 +202,71 @@ void forward_kernel(const Problem<acc_t>& P, const OutRows& out, float* shift) {
   });
 }
 
+// The backward's operands of kv-head `head` in ws, Pt (the thread's copy of
+// P) pointed at them: K and V widened (Problem::widen_kv) and their panels
+// (pack_k_task, pack_v_task).
+template <typename acc_t>
+void backward_task_operands(const Problem<acc_t>& P, int64_t head, Problem<acc_t>& Pt, Workspace<acc_t>& ws) {
+  const int64_t Sp = round_up_panel<acc_t>(P.S);
+  if (P.widen_kv) {
+    auto widen = [&](auto tag) {
+      using half_t = decltype(tag);
+      ws.k_wide.assign(P.S * P.E, acc_t(0));  // (columns k_src_e.. are the padding)
+      ws.v_wide.assign(P.S * P.Ev, acc_t(0));
+      const half_t* k = static_cast<const half_t*>(P.k_src) + head * P.S * P.k_src_e;
+      const half_t* v = static_cast<const half_t*>(P.v_rows_half) + head * P.S * P.ev_half;
+      for (int64_t j = 0; j < P.S; ++j) {
+        convert_row(k + j * P.k_src_e, ws.k_wide.data() + j * P.E, P.k_src_e);
+        convert_row(v + j * P.ev_half, ws.v_wide.data() + j * P.Ev, P.ev_half);
+      }
+    };
+    if (P.half_is_bf16) {
+      widen(c10::BFloat16());
+    } else {
+      widen(c10::Half());
+    }
+    Pt.k = ws.k_wide.data(), Pt.k_head0 = head;
+    Pt.v = ws.v_wide.data(), Pt.v_head0 = head;
+  }
+  const int64_t bi = head / P.Hk, hk = head % P.Hk;
+  if (P.pack_k_task) {
+    ws.k_panels.resize(Sp * P.E);
+    pack_panels(Pt.k_head(bi, hk), P.S, P.E, P.E, ws.k_panels.data());
+    Pt.kp = ws.k_panels.data(), Pt.kp_head0 = head;
+  }
+  if (P.pack_v_task) {
+    ws.v_panels.resize(Sp * P.Ev);
+    pack_panels(Pt.v_head(bi, hk), P.S, P.Ev, P.Ev, ws.v_panels.data());
+    Pt.vp = ws.v_panels.data(), Pt.vp_head0 = head;
+  }
+}
+
+// With Problem::widen_kv: Pt pointed at the block's q rows [i0, i0 + m) of
+// (bi, h) widened into ws; returns the block's dO rows widened into ws.
+template <typename acc_t>
+const acc_t* backward_block_operands(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m,
+                                     Problem<acc_t>& Pt, Workspace<acc_t>& ws) {
+  auto widen = [&](auto tag) {
+    using half_t = decltype(tag);
+    const int64_t row0 = P.row_id(bi, h, i0);
+    ws.q_wide.assign(m * P.E, acc_t(0));
+    ws.do_wide.assign(m * P.Ev, acc_t(0));
+    const half_t* q = static_cast<const half_t*>(P.q_half) + row0 * P.e_half;
+    const half_t* d = static_cast<const half_t*>(P.do_half) + row0 * P.ev_half;
+    for (int64_t r = 0; r < m; ++r) {
+      convert_row(q + r * P.e_half, ws.q_wide.data() + r * P.E, P.e_half);
+      convert_row(d + r * P.ev_half, ws.do_wide.data() + r * P.Ev, P.ev_half);
+    }
+    Pt.q = ws.q_wide.data(), Pt.q_row0 = row0;
+  };
+  if (P.half_is_bf16) {
+    widen(c10::BFloat16());
+  } else {
+    widen(c10::Half());
+  }
+  return ws.do_wide.data();
+}
+
 template <typename acc_t>
 void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* shift, const acc_t* delta, acc_t* dq,
                      acc_t* dk_acc, acc_t* dv_acc, int64_t nchunks, double* dalpha_acc) {
@@ -224,6 +289,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
   const int64_t buf =
       std::max<int64_t>({any_rows ? BM * P.S : 0, any_tiled ? BMs * (half ? half_tile_ld(tile) : tile) : 0, 1});
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Problem<acc_t> Pt = P;  // (this thread's: the task's and the block's operands in ws)
     Workspace<acc_t> ws;
     ws.y.resize(buf);
     ws.d.resize(buf);
@@ -236,6 +302,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
       const int64_t chunk = t % nchunks, bk = t / nchunks, bi = bk / P.Hk, hk = bk % P.Hk;
       acc_t* dk = dk_acc + (chunk * P.B * P.Hk + bk) * kv_head_k;
       acc_t* dv = dv_acc + (chunk * P.B * P.Hk + bk) * kv_head_v;
+      backward_task_operands(P, bk, Pt, ws);
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
         const int64_t bh = bi * P.H + h;
         double* da = dalpha_acc ? dalpha_acc + (chunk * P.B + bi) * P.H + h : nullptr;
@@ -247,13 +314,14 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
           acc_t* dqb = dq + (bh * P.L + i0) * P.E;
           const acc_t* dob = dout ? dout + (bh * P.L + i0) * P.Ev : nullptr;
           const float* c = shift + bh * P.L + i0;
+          if (n > 0 && P.widen_kv) dob = backward_block_operands(P, bi, h, i0, m, Pt, ws);
           if (n == 0) {
             std::fill(dqb, dqb + m * P.E, acc_t(0));
           } else if (tiled_h) {
-            softmax_backward_block(P, bi, h, i0, m, n, c, delta + bh * P.L + i0, dob, dqb, dk, dv, ws.y.data(),
+            softmax_backward_block(Pt, bi, h, i0, m, n, c, delta + bh * P.L + i0, dob, dqb, dk, dv, ws.y.data(),
                                    ws.d.data(), ws.lse.data(), ws.keep);
           } else {
-            rows_backward_block(P, bi, h, i0, m, n, c, dob, dqb, dk, dv, da, ws);
+            rows_backward_block(Pt, bi, h, i0, m, n, c, dob, dqb, dk, dv, da, ws);
           }
         }
       }
@@ -435,19 +503,6 @@ Tensor pack_heads16(const HalfGemm& g, const Tensor& x, bool values) {
   return packed;
 }
 
-// One packed copy (pack_panels) of each (batch, kv-head) of x (B, Hk, S, d).
-template <typename acc_t>
-Tensor pack_heads(const Tensor& x) {
-  const int64_t heads = x.size(0) * x.size(1), S = x.size(2), d = x.size(3), Sp = round_up_panel<acc_t>(S);
-  Tensor packed = at::empty({heads * Sp * d}, x.options());
-  const acc_t* src = x.const_data_ptr<acc_t>();
-  acc_t* dst = packed.mutable_data_ptr<acc_t>();
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pack_panels(src + i * S * d, S, d, d, dst + i * Sp * d);
-  });
-  return packed;
-}
-
 template <typename acc_t>
 bool has_softmax_head(const Problem<acc_t>& P) {
   return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
@@ -619,9 +674,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     // forward's shifts were found on.
     const bool rounded_qk = !gemm16 && dt != q_in.scalar_type() && c.L > kDecodeRows && c.S > 0;
     auto score_operand = [&](const Tensor& x) { return padded(rounded_qk ? x.to(dt) : x, c.acc, Ep); };
-    Tensor q = gemm16 ? Tensor() : score_operand(q_in), k = gemm16 ? Tensor() : score_operand(k_in);
-    Tensor v = gemm16 ? Tensor() : padded(v_in, c.acc, Evp);
-    Tensor dout = gemm16 ? Tensor() : padded(grad_out, c.acc, Evp);
+    // bfloat16 / float16 inputs with float32 GEMMs: q, K, V and dO widened in
+    // the kernel (Problem::widen_kv).
+    const bool widen_kv = !gemm16 && std::is_same_v<scalar_t, float> && at::isReducedFloatingType(q_in.scalar_type()) &&
+                          c.L > kPackRows;
+    const bool own_copies = gemm16 || widen_kv;
+    Tensor q = own_copies ? Tensor() : score_operand(q_in), k = own_copies ? Tensor() : score_operand(k_in);
+    Tensor v = own_copies ? Tensor() : padded(v_in, c.acc, Evp);
+    Tensor dout = own_copies ? Tensor() : padded(grad_out, c.acc, Evp);
+    Tensor q_rows, k_rows, v_rows, do_rows;
     auto opts = q_in.options().dtype(c.acc);
     Tensor dq_p = at::empty({c.B, c.H, c.L, Ep}, opts);
     Tensor dk_acc = at::zeros(gemm16 ? at::IntArrayRef{nchunks, c.B, c.Hk, Ep, Sa}
@@ -631,7 +692,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
-      Tensor kpack, vpack, q16, k16, do16, vk16, kv16, delta;
+      Tensor q16, k16, do16, vk16, kv16, delta;
       if (gemm16) {
         q16 = padded(q_in, dt, Ep);
         do16 = padded(grad_out, dt, Evp);
@@ -651,16 +712,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
       const bool scores16 = !gemm16 && std::is_same_v<scalar_t, float> && c.L > kDecodeRows && c.S > 0 &&
                             (want_alpha || !has_softmax_head(P)) && half_gemm_enabled(dt, &hg);
       if (scores16) set_half_scores(P, hg, q_in, k_in, dt, Ep, q16, k16);
-      if (!gemm16 && c.L > kPackRows) {
-        // Key and value panels for the S and dP GEMMs of every normalizer (a
-        // few query rows read K and V as they are).
-        if (!scores16) {
-          kpack = pack_heads<scalar_t>(k);
-          P.kp = kpack.const_data_ptr<scalar_t>();
-        }
-        vpack = pack_heads<scalar_t>(v);
-        P.vp = vpack.const_data_ptr<scalar_t>();
+      if (widen_kv) {
+        q_rows = q_in.contiguous(), k_rows = k_in.contiguous(), v_rows = v_in.contiguous();
+        do_rows = grad_out.contiguous();
+        P.widen_kv = true;
+        P.half_is_bf16 = q_in.scalar_type() == at::kBFloat16;
+        P.q_half = q_rows.const_data_ptr(), P.e_half = c.E;
+        P.k_src = k_rows.const_data_ptr(), P.k_src_e = c.E;
+        P.v_rows_half = v_rows.const_data_ptr(), P.do_half = do_rows.const_data_ptr(), P.ev_half = c.Ev;
       }
+      // Key and value panels for the S and dP GEMMs of every normalizer,
+      // packed a kv-head at a time (a few query rows read K and V as they are).
+      P.pack_k_task = !gemm16 && c.L > kPackRows && !scores16;
+      P.pack_v_task = !gemm16 && c.L > kPackRows;
       if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs
         // δ = dO·O per query row (its Σ_j p_j dp_j). The output of a half type
         // carries its rounding, which dS = P ⊙ (dP - δ) keeps on peaked rows;

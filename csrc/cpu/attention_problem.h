@@ -131,6 +131,15 @@ struct Problem {
   const void* k_src = nullptr;
   at::ScalarType k_src_type = at::kFloat;
   int64_t k_src_e = 0, kp_head0 = 0;
+  // The backward's operands made a task (one kv-head) at a time in the
+  // thread's workspace (backward_kernel): with bfloat16 / float16 inputs and
+  // float32 GEMMs (widen_kv), K and V widened from k_src and v_rows_half, and
+  // q and dO (do_half: rows of ev_half values) a block of rows at a time;
+  // K's and V's panels (pack_k_task, pack_v_task) packed from the rows.
+  // k, v, kp, vp then hold the heads from k_head0, v_head0, kp_head0, vp_head0.
+  bool widen_kv = false, pack_k_task = false, pack_v_task = false;
+  const void* do_half = nullptr;
+  int64_t k_head0 = 0, vp_head0 = 0;
   HalfGemm hg;
   const h16* q16 = nullptr;
   const h16* k16 = nullptr;
@@ -153,12 +162,14 @@ struct Problem {
     return causal ? std::clamp<int64_t>(i + 1 - j0, 0, w) : w;
   }
   const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0 - q_row0) * E; }
-  const acc_t* k_head(int64_t bi, int64_t hk) const { return k + (bi * Hk + hk) * S * E; }
+  const acc_t* k_head(int64_t bi, int64_t hk) const { return k + (bi * Hk + hk - k_head0) * S * E; }
   const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk - v_head0) * S * Ev; }
   const acc_t* kp_head(int64_t bi, int64_t hk) const {
     return kp + (bi * Hk + hk - kp_head0) * round_up_panel<acc_t>(S) * E;
   }
-  const acc_t* vp_head(int64_t bi, int64_t hk) const { return vp + (bi * Hk + hk) * round_up_panel<acc_t>(S) * Ev; }
+  const acc_t* vp_head(int64_t bi, int64_t hk) const {
+    return vp + (bi * Hk + hk - vp_head0) * round_up_panel<acc_t>(S) * Ev;
+  }
   const h16* q16_rows(int64_t bi, int64_t h, int64_t i0) const { return q16 + ((bi * H + h) * L + i0) * E; }
   const h16* k16_head(int64_t bi, int64_t hk) const { return k16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
   const h16* v16_head(int64_t bi, int64_t hk) const { return v16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
@@ -694,6 +705,7 @@ struct Workspace {
   std::vector<acc_t> out_rows;      // a block's output rows, when the output takes them converted
   LineVector<acc_t> q_wide, v_wide;  // a block's q rows and a head's V, widened (Problem::q_half)
   LineVector<acc_t> k_panels, keys;  // a head's key panels (Problem::k_src), and one panel's keys
+  LineVector<acc_t> k_wide, v_panels, do_wide;  // the backward's (Problem::widen_kv, pack_v_task)
 };
 
 // attention_softmax.cpp: one block of m query rows from i0 of (batch bi, head
