@@ -258,45 +258,49 @@ template <typename acc_t>
 constexpr acc_t kFastPowMinB = acc_t(1.0 / 32);
 
 #if defined(CPU_CAPABILITY_AVX512)
-// AVX-512: the same polynomials, with the instructions the set has for the
-// rest: the exponent and the mantissa in [0.75, 1.5) from getexp / getmant
-// (the mantissa's range is the fold above, |s| <= 0.2 with one more term of
-// the series), z - round(z) from reduce and 2^n from scalef. Throughput on
-// a Zen 5: 14 against 25 TSC ticks a vector, with the same accuracy (largest
-// relative error against double pow on 2^20 inputs equal to the portable
-// form's to two digits, at exponents 0.3 to 32). pow_unit_masked is the
-// body: d^e on the lanes of `keep`, zero on the others, whose d may be
-// anything (callers that mask d <= 0 skip pow_unit's clamp).
+// AVX-512: log2 d = k + log2 m with getexp's k and getmant's m in [1, 2);
+// the top four bits of m's fraction pick r ≈ 1/m from a table (r = 1 for m
+// in [1, 17/16), so that log2 1 is 0 exactly; else the reciprocal of the
+// interval's midpoint), and log2 m = log2(1 + u) - log2 r with u = m·r - 1,
+// |u| <= 1/16, by a degree-5 polynomial (fitted: error 7e-11). k is added
+// last, so that the one rounding of a large |log2 d| is the only large one.
+// Then 2^z, z = e·log2 d: f = z - floor(z) by vreduceps, a degree-6
+// polynomial of f (fitted, p(0) = 1: relative error 2e-9) and vscalefps,
+// which multiplies by 2^floor(z) itself. 22 operations a vector where the
+// atanh series and Taylor's polynomial took 32; the largest relative error
+// against double pow, on 2^22 inputs at exponents 0.3 to 32, is the same
+// or lower (it is the rounding of log2 d for small d, times e).
+// pow_unit_masked is the body: d^e on the lanes of `keep`, zero on the
+// others, whose d may be anything (callers that mask d <= 0 skip pow_unit's
+// clamp). Results below 2^-126 are zero, as in the portable form.
+alignas(64) inline constexpr float kPowRecip[16] = {
+    1.f,          0.914285719f, 0.864864886f, 0.820512831f, 0.780487776f, 0.744186044f, 0.711111128f, 0.680851042f,
+    0.653061211f, 0.627451003f, 0.603773594f, 0.581818163f, 0.561403513f, 0.542372882f, 0.524590135f, 0.507936537f};
+// -log2 of kPowRecip's (float) entries, rounded to float.
+alignas(64) inline constexpr float kPowLog2[16] = {
+    0.f,          0.129283011f, 0.209453329f, 0.285402209f, 0.357552052f, 0.426264763f, 0.491853058f, 0.554588914f,
+    0.614709854f, 0.67242527f,  0.727920413f, 0.781359732f, 0.832889974f, 0.882643044f, 0.930737436f, 0.977279842f};
+
 __attribute__((always_inline)) inline __m512 pow_unit_masked(__m512 d, float e, __mmask16 keep) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  // d = m · 2^k, m in [0.75, 1.5): getmant's m, and getexp's exponent (that
-  // of a mantissa in [1, 2)) one higher where m < 1 (the mantissa was halved).
-  const __m512 m = _mm512_getmant_ps(d, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_src);
-  const __m512 k1 = _mm512_getexp_ps(d);
-  const __m512 k = _mm512_mask_add_ps(k1, _mm512_cmp_ps_mask(m, one, _CMP_LT_OQ), k1, one);
-  const __m512 den = _mm512_add_ps(m, one);
-  __m512 r = _mm512_rcp14_ps(den);
-  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(den, r, _mm512_set1_ps(2.0f)));
-  const __m512 sv = _mm512_mul_ps(_mm512_sub_ps(m, one), r);
-  const __m512 s2 = _mm512_mul_ps(sv, sv);
-  __m512 q = _mm512_fmadd_ps(s2, _mm512_set1_ps(1.0f / 11), _mm512_set1_ps(1.0f / 9));
-  q = _mm512_fmadd_ps(q, s2, _mm512_set1_ps(1.0f / 7));
-  q = _mm512_fmadd_ps(q, s2, _mm512_set1_ps(1.0f / 5));
-  q = _mm512_fmadd_ps(q, s2, _mm512_set1_ps(1.0f / 3));
-  q = _mm512_fmadd_ps(q, s2, one);
-  const __m512 l2 = _mm512_fmadd_ps(_mm512_mul_ps(sv, q), _mm512_set1_ps(2.88539008f), k);
-  const __m512 z = _mm512_max_ps(_mm512_mul_ps(l2, _mm512_set1_ps(e)), _mm512_set1_ps(-127.0f));
-  const __m512 f = _mm512_reduce_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // z - round(z)
-  __m512 t = _mm512_fmadd_ps(f, _mm512_set1_ps(1.5252734e-05f), _mm512_set1_ps(1.5403530e-04f));
-  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(1.3333558e-03f));
-  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(9.6181291e-03f));
-  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(5.5504109e-02f));
-  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(2.4022651e-01f));
-  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(6.9314718e-01f));
-  t = _mm512_fmadd_ps(t, f, one);
-  // Results below 2^-126 are zero, as in the portable form.
-  return _mm512_maskz_scalef_ps(keep & _mm512_cmp_ps_mask(z, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), t,
-                                _mm512_sub_ps(z, f));
+  const __m512 m = _mm512_getmant_ps(d, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+  const __m512 k = _mm512_getexp_ps(d);
+  const __m512i row = _mm512_srli_epi32(_mm512_castps_si512(m), 19);  // (permutexvar reads its low 4 bits)
+  const __m512 r = _mm512_permutexvar_ps(row, _mm512_load_ps(kPowRecip));
+  const __m512 u = _mm512_fmsub_ps(m, r, _mm512_set1_ps(1.0f));
+  __m512 q = _mm512_fmadd_ps(u, _mm512_set1_ps(0.26670614f), _mm512_set1_ps(-0.36048585f));
+  q = _mm512_fmadd_ps(q, u, _mm512_set1_ps(0.48092213f));
+  q = _mm512_fmadd_ps(q, u, _mm512_set1_ps(-0.72134781f));
+  q = _mm512_fmadd_ps(q, u, _mm512_set1_ps(1.44269502f));
+  const __m512 l2 = _mm512_add_ps(k, _mm512_fmadd_ps(u, q, _mm512_permutexvar_ps(row, _mm512_load_ps(kPowLog2))));
+  const __m512 z = _mm512_mul_ps(l2, _mm512_set1_ps(e));
+  const __m512 f = _mm512_reduce_ps(z, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // z - floor(z)
+  __m512 t = _mm512_fmadd_ps(f, _mm512_set1_ps(2.1613044e-4f), _mm512_set1_ps(1.2467812e-3f));
+  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(9.6754553e-3f));
+  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(5.5485278e-2f));
+  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(2.4022931e-1f));
+  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(6.9314706e-1f));
+  t = _mm512_fmadd_ps(t, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep & _mm512_cmp_ps_mask(z, _mm512_set1_ps(-126.0f), _CMP_GE_OQ), t, z);
 }
 
 template <>
