@@ -488,7 +488,8 @@ def test_half_values_read_as_they_are(normalizer, dtype, ev):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("case", ["softmax", "causal", "float_mask", "dropout", "gqa_odd_dims", "mixed_alpha"])
+@pytest.mark.parametrize("case", ["softmax", "causal", "float_mask", "dropout", "gqa_odd_dims", "mixed_alpha",
+                                  "one_kv_head"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_widened_in_the_kernel(dtype, case, threads, monkeypatch):
     """bfloat16 / float16 inputs with float32 GEMMs (the type's half GEMMs
@@ -498,9 +499,12 @@ def test_half_inputs_widened_in_the_kernel(dtype, case, threads, monkeypatch):
     inputs, rounded once, bit for bit, across heads that share a kv-head and
     heads of other families between them (whose P·V reads V as it is); the
     gradients match the float32 kernel's up to the rounding (δ = dO·O takes
-    the rounded output)."""
+    the rounded output). With fewer kv-heads than threads the operands are
+    copied whole first instead (one_kv_head at 2 threads)."""
     monkeypatch.setenv("ATTNKERN_BF16_GEMM" if dtype == torch.bfloat16 else "ATTNKERN_FP16_GEMM", "0")
-    B, H, Hk, L, S, E, Ev = (1, 4, 2, 97, 75, 59, 40) if case == "gqa_odd_dims" else (2, 4, 4, 80, 130, 64, 64)
+    # (one_kv_head at 2 threads: fewer kv-heads than threads, whole-problem copies.)
+    B, H, Hk, L, S, E, Ev = {"gqa_odd_dims": (1, 4, 2, 97, 75, 59, 40), "one_kv_head": (1, 4, 1, 97, 75, 59, 40)}.get(
+        case, (2, 4, 4, 80, 130, 64, 64))
     q, k, v, go = make_qkv(B, H, Hk, L, S, E, Ev, noncontig=True, seed=11, spread=1.5, grad_out=True)
     q, k, v, go = (t.to(dtype) for t in (q, k, v, go))
     mask, causal = attention_mask({"causal": "causal", "float_mask": "float"}.get(case, "none"), B, H, L, S)

@@ -135,7 +135,8 @@ void widen_half_inputs(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i
     const half_t* q = static_cast<const half_t*>(P.q_half) + row0 * P.e_half;
     for (int64_t r = 0; r < m; ++r) convert_row(q + r * P.e_half, ws.q_wide.data() + r * P.E, P.e_half);
     Pt.q = ws.q_wide.data(), Pt.q_row0 = row0;
-    if (!P.widen_v_heads || P.fam[h] != Family::kSoftmax) {
+    if (!P.widen_v_heads) return;  // (V: P's whole widened copy)
+    if (P.fam[h] != Family::kSoftmax) {
       Pt.v = nullptr;  // (the other heads read v_rows_half as it is)
       return;
     }
@@ -208,7 +209,7 @@ void forward_kernel(const Problem<acc_t>& P, const OutRows& out, float* shift) {
 template <typename acc_t>
 void backward_task_operands(const Problem<acc_t>& P, int64_t head, Problem<acc_t>& Pt, Workspace<acc_t>& ws) {
   const int64_t Sp = round_up_panel<acc_t>(P.S);
-  if (P.widen_kv) {
+  if (P.widen_kv && !(Pt.k == ws.k_wide.data() && !ws.k_wide.empty() && Pt.k_head0 == head)) {
     auto widen = [&](auto tag) {
       using half_t = decltype(tag);
       ws.k_wide.assign(P.S * P.E, acc_t(0));  // (columns k_src_e.. are the padding)
@@ -229,12 +230,12 @@ void backward_task_operands(const Problem<acc_t>& P, int64_t head, Problem<acc_t
     Pt.v = ws.v_wide.data(), Pt.v_head0 = head;
   }
   const int64_t bi = head / P.Hk, hk = head % P.Hk;
-  if (P.pack_k_task) {
+  if (P.pack_k_task && !(!ws.k_panels.empty() && Pt.kp_head0 == head)) {
     ws.k_panels.resize(Sp * P.E);
     pack_panels(Pt.k_head(bi, hk), P.S, P.E, P.E, ws.k_panels.data());
     Pt.kp = ws.k_panels.data(), Pt.kp_head0 = head;
   }
-  if (P.pack_v_task) {
+  if (P.pack_v_task && !(!ws.v_panels.empty() && Pt.vp_head0 == head)) {
     ws.v_panels.resize(Sp * P.Ev);
     pack_panels(Pt.v_head(bi, hk), P.S, P.Ev, P.Ev, ws.v_panels.data());
     Pt.vp = ws.v_panels.data(), Pt.vp_head0 = head;
@@ -503,6 +504,27 @@ Tensor pack_heads16(const HalfGemm& g, const Tensor& x, bool values) {
   return packed;
 }
 
+// One packed copy (pack_panels) of each (batch, kv-head) of x (B, Hk, S, d).
+template <typename acc_t>
+Tensor pack_heads(const Tensor& x) {
+  const int64_t heads = x.size(0) * x.size(1), S = x.size(2), d = x.size(3), Sp = round_up_panel<acc_t>(S);
+  Tensor packed = at::empty({heads * Sp * d}, x.options());
+  const acc_t* src = x.const_data_ptr<acc_t>();
+  acc_t* dst = packed.mutable_data_ptr<acc_t>();
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pack_panels(src + i * S * d, S, d, d, dst + i * Sp * d);
+  });
+  return packed;
+}
+
+// Whether the kernels make K's and V's panels and widened copies a kv-head
+// at a time in each thread's workspace (Problem::k_src, widen_v_heads,
+// widen_kv, pack_k_task, pack_v_task) rather than for the whole problem
+// first: when there are at least as many kv-heads as threads. With fewer,
+// several threads would each hold a copy of the same head (a long single
+// head on many cores: many times the memory of one shared copy).
+bool operands_per_head(const Checked& c) { return c.B * c.Hk >= at::get_num_threads(); }
+
 template <typename acc_t>
 bool has_softmax_head(const Problem<acc_t>& P) {
   return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
@@ -557,12 +579,12 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     // Key panels for the score GEMMs of every normalizer, packed a head at a
     // time from K as it is (Problem::k_src; a few query rows, decoding among
     // them, read K unpacked: kPackRows).
-    const bool pack_k = !gemm16 && c.L > kPackRows;
-    // Half-type inputs with float32 GEMMs: q and V widened in the kernel
-    // (Problem::q_half).
+    const bool pack_k = !gemm16 && c.L > kPackRows, per_head = operands_per_head(c);
+    // Half-type inputs with float32 GEMMs: q (and V, per_head) widened in the
+    // kernel (Problem::q_half).
     const bool widen_blocks = half_in && pack_k;
     Tensor q = gemm16 || widen_blocks ? Tensor() : padded(q_in, c.acc, Ep);
-    Tensor k = half_kv || gemm16 || pack_k ? Tensor() : padded(k_in, c.acc, Ep);
+    Tensor k = half_kv || gemm16 || (pack_k && per_head) ? Tensor() : padded(k_in, c.acc, Ep);
     Tensor v, v_rows, q_rows, k_rows;
     Tensor k_half = half_kv ? k_in.contiguous() : Tensor(), v_half = half_kv ? v_in.contiguous() : Tensor();
     Tensor q16, k16, v16;
@@ -589,11 +611,11 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
         q_rows = q_in.contiguous();
         P.q_half = q_rows.const_data_ptr();
         P.e_half = c.E;
-        P.widen_v_heads = has_softmax_head(P);
+        P.widen_v_heads = per_head && has_softmax_head(P);
       }
       // V widened: for the softmax heads of float32 GEMMs, and for the other
       // heads unless they read it as it is.
-      const bool softmax_reads_v = has_softmax_head(P) && !half_kv && !gemm16 && !widen_blocks;
+      const bool softmax_reads_v = has_softmax_head(P) && !half_kv && !gemm16 && !P.widen_v_heads;
       if (softmax_reads_v || (!all_softmax_heads(P) && !P.v_rows_half)) {
         v = padded(v_in, c.acc, Evp);
         P.v = v.const_data_ptr<scalar_t>();
@@ -603,9 +625,13 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
         P.half_is_bf16 = k_in.scalar_type() == at::kBFloat16;
         P.e_half = c.E, P.ev_half = c.Ev;
       }
-      if (pack_k) {
+      Tensor kpack;
+      if (pack_k && per_head) {
         k_rows = k_in.contiguous();
         P.k_src = k_rows.const_data_ptr(), P.k_src_type = k_in.scalar_type(), P.k_src_e = c.E;
+      } else if (pack_k) {
+        kpack = pack_heads<scalar_t>(k);
+        P.kp = kpack.const_data_ptr<scalar_t>();
       }
       forward_kernel<scalar_t>(P, OutRows{out.mutable_data_ptr(), out.scalar_type(), c.Ev},
                                shift.mutable_data_ptr<float>());
@@ -676,8 +702,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     auto score_operand = [&](const Tensor& x) { return padded(rounded_qk ? x.to(dt) : x, c.acc, Ep); };
     // bfloat16 / float16 inputs with float32 GEMMs: q, K, V and dO widened in
     // the kernel (Problem::widen_kv).
-    const bool widen_kv = !gemm16 && std::is_same_v<scalar_t, float> && at::isReducedFloatingType(q_in.scalar_type()) &&
-                          c.L > kPackRows;
+    const bool per_head = operands_per_head(c);
+    const bool widen_kv = per_head && !gemm16 && std::is_same_v<scalar_t, float> &&
+                          at::isReducedFloatingType(q_in.scalar_type()) && c.L > kPackRows;
     const bool own_copies = gemm16 || widen_kv;
     Tensor q = own_copies ? Tensor() : score_operand(q_in), k = own_copies ? Tensor() : score_operand(k_in);
     Tensor v = own_copies ? Tensor() : padded(v_in, c.acc, Evp);
@@ -722,9 +749,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
         P.v_rows_half = v_rows.const_data_ptr(), P.do_half = do_rows.const_data_ptr(), P.ev_half = c.Ev;
       }
       // Key and value panels for the S and dP GEMMs of every normalizer,
-      // packed a kv-head at a time (a few query rows read K and V as they are).
-      P.pack_k_task = !gemm16 && c.L > kPackRows && !scores16;
-      P.pack_v_task = !gemm16 && c.L > kPackRows;
+      // packed a kv-head at a time where operands_per_head, else for every
+      // head first (a few query rows read K and V as they are).
+      const bool pack_kv = !gemm16 && c.L > kPackRows;
+      P.pack_k_task = pack_kv && per_head && !scores16;
+      P.pack_v_task = pack_kv && per_head;
+      Tensor kpack, vpack;
+      if (pack_kv && !per_head) {
+        if (!scores16) {
+          kpack = pack_heads<scalar_t>(k);
+          P.kp = kpack.const_data_ptr<scalar_t>();
+        }
+        vpack = pack_heads<scalar_t>(v);
+        P.vp = vpack.const_data_ptr<scalar_t>();
+      }
       if (has_softmax_head(P) && !want_alpha) {  // the tiled softmax backward runs
         // δ = dO·O per query row (its Σ_j p_j dp_j). The output of a half type
         // carries its rounding, which dS = P ⊙ (dP - δ) keeps on peaked rows;
