@@ -536,6 +536,21 @@ def test_half_inputs_widened_in_the_kernel(dtype, case, threads, monkeypatch):
         assert (g.float() - w).abs().max().item() <= bound, name
 
 
+@pytest.mark.parametrize("L", [3, 40])
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax"])
+def test_float8_inputs_widened_first(normalizer, L):
+    """float8 inputs, which the kernels do not read or write as they are, are
+    widened to float32 first and the output rounded once: the float32
+    kernel's output on the widened inputs, rounded, bit for bit (decoding and
+    packed keys alike)."""
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in make_qkv(1, 2, 2, L, 37, 16, 16, seed=4))
+    alpha = torch.tensor([1.3, 1.6]) if normalizer == "entmax" else None
+    got = attnkern.attention(q, k, v, normalizer=normalizer, alpha=alpha, backend="cpu")
+    want = attnkern.attention(q.float(), k.float(), v.float(), normalizer=normalizer, alpha=alpha, backend="cpu")
+    assert got.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8), want.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", "entmax"])
 def test_nan_row_inside_a_block_of_listed_rows(normalizer, dtype):

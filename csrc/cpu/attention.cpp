@@ -128,30 +128,20 @@ void pack_thread_keys(const Problem<acc_t>& P, int64_t bi, int64_t h, Problem<ac
 template <typename acc_t>
 void widen_half_inputs(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, Problem<acc_t>& Pt,
                        Workspace<acc_t>& ws) {
-  auto widen = [&](auto tag) {
-    using half_t = decltype(tag);
-    const int64_t row0 = P.row_id(bi, h, i0);
-    ws.q_wide.assign(m * P.E, acc_t(0));  // (columns e_half.. are the padding)
-    const half_t* q = static_cast<const half_t*>(P.q_half) + row0 * P.e_half;
-    for (int64_t r = 0; r < m; ++r) convert_row(q + r * P.e_half, ws.q_wide.data() + r * P.E, P.e_half);
-    Pt.q = ws.q_wide.data(), Pt.q_row0 = row0;
-    if (!P.widen_v_heads) return;  // (V: P's whole widened copy)
-    if (P.fam[h] != Family::kSoftmax) {
-      Pt.v = nullptr;  // (the other heads read v_rows_half as it is)
-      return;
-    }
-    const int64_t head = bi * P.Hk + h / P.group();
-    if (!ws.v_wide.empty() && Pt.v == ws.v_wide.data() && Pt.v_head0 == head) return;
-    ws.v_wide.assign(P.S * P.Ev, acc_t(0));
-    const half_t* v = static_cast<const half_t*>(P.v_rows_half) + head * P.S * P.ev_half;
-    for (int64_t j = 0; j < P.S; ++j) convert_row(v + j * P.ev_half, ws.v_wide.data() + j * P.Ev, P.ev_half);
-    Pt.v = ws.v_wide.data(), Pt.v_head0 = head;
-  };
-  if (P.half_is_bf16) {
-    widen(c10::BFloat16());
-  } else {
-    widen(c10::Half());
+  const int64_t row0 = P.row_id(bi, h, i0);
+  Pt.q = widen_half_rows(static_cast<const h16*>(P.q_half) + row0 * P.e_half, P.half_is_bf16, m, P.e_half, P.E,
+                         ws.q_wide);
+  Pt.q_row0 = row0;
+  if (!P.widen_v_heads) return;  // (V: P's whole widened copy)
+  if (P.fam[h] != Family::kSoftmax) {
+    Pt.v = nullptr;  // (the other heads read v_rows_half as it is)
+    return;
   }
+  const int64_t head = bi * P.Hk + h / P.group();
+  if (!ws.v_wide.empty() && Pt.v == ws.v_wide.data() && Pt.v_head0 == head) return;
+  Pt.v = widen_half_rows(static_cast<const h16*>(P.v_rows_half) + head * P.S * P.ev_half, P.half_is_bf16, P.S,
+                         P.ev_half, P.Ev, ws.v_wide);
+  Pt.v_head0 = head;
 }
 
 template <typename acc_t>
@@ -209,33 +199,20 @@ void forward_kernel(const Problem<acc_t>& P, const OutRows& out, float* shift) {
 template <typename acc_t>
 void backward_task_operands(const Problem<acc_t>& P, int64_t head, Problem<acc_t>& Pt, Workspace<acc_t>& ws) {
   const int64_t Sp = round_up_panel<acc_t>(P.S);
-  if (P.widen_kv && !(Pt.k == ws.k_wide.data() && !ws.k_wide.empty() && Pt.k_head0 == head)) {
-    auto widen = [&](auto tag) {
-      using half_t = decltype(tag);
-      ws.k_wide.assign(P.S * P.E, acc_t(0));  // (columns k_src_e.. are the padding)
-      ws.v_wide.assign(P.S * P.Ev, acc_t(0));
-      const half_t* k = static_cast<const half_t*>(P.k_src) + head * P.S * P.k_src_e;
-      const half_t* v = static_cast<const half_t*>(P.v_rows_half) + head * P.S * P.ev_half;
-      for (int64_t j = 0; j < P.S; ++j) {
-        convert_row(k + j * P.k_src_e, ws.k_wide.data() + j * P.E, P.k_src_e);
-        convert_row(v + j * P.ev_half, ws.v_wide.data() + j * P.Ev, P.ev_half);
-      }
-    };
-    if (P.half_is_bf16) {
-      widen(c10::BFloat16());
-    } else {
-      widen(c10::Half());
-    }
-    Pt.k = ws.k_wide.data(), Pt.k_head0 = head;
-    Pt.v = ws.v_wide.data(), Pt.v_head0 = head;
+  if (P.widen_kv && (ws.k_wide.empty() || Pt.k_head0 != head)) {
+    Pt.k = widen_half_rows(static_cast<const h16*>(P.k_src) + head * P.S * P.k_src_e, P.half_is_bf16, P.S,
+                           P.k_src_e, P.E, ws.k_wide);
+    Pt.v = widen_half_rows(static_cast<const h16*>(P.v_rows_half) + head * P.S * P.ev_half, P.half_is_bf16, P.S,
+                           P.ev_half, P.Ev, ws.v_wide);
+    Pt.k_head0 = Pt.v_head0 = head;
   }
   const int64_t bi = head / P.Hk, hk = head % P.Hk;
-  if (P.pack_k_task && !(!ws.k_panels.empty() && Pt.kp_head0 == head)) {
+  if (P.pack_k_task && (ws.k_panels.empty() || Pt.kp_head0 != head)) {
     ws.k_panels.resize(Sp * P.E);
     pack_panels(Pt.k_head(bi, hk), P.S, P.E, P.E, ws.k_panels.data());
     Pt.kp = ws.k_panels.data(), Pt.kp_head0 = head;
   }
-  if (P.pack_v_task && !(!ws.v_panels.empty() && Pt.vp_head0 == head)) {
+  if (P.pack_v_task && (ws.v_panels.empty() || Pt.vp_head0 != head)) {
     ws.v_panels.resize(Sp * P.Ev);
     pack_panels(Pt.v_head(bi, hk), P.S, P.Ev, P.Ev, ws.v_panels.data());
     Pt.vp = ws.v_panels.data(), Pt.vp_head0 = head;
@@ -247,25 +224,12 @@ void backward_task_operands(const Problem<acc_t>& P, int64_t head, Problem<acc_t
 template <typename acc_t>
 const acc_t* backward_block_operands(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m,
                                      Problem<acc_t>& Pt, Workspace<acc_t>& ws) {
-  auto widen = [&](auto tag) {
-    using half_t = decltype(tag);
-    const int64_t row0 = P.row_id(bi, h, i0);
-    ws.q_wide.assign(m * P.E, acc_t(0));
-    ws.do_wide.assign(m * P.Ev, acc_t(0));
-    const half_t* q = static_cast<const half_t*>(P.q_half) + row0 * P.e_half;
-    const half_t* d = static_cast<const half_t*>(P.do_half) + row0 * P.ev_half;
-    for (int64_t r = 0; r < m; ++r) {
-      convert_row(q + r * P.e_half, ws.q_wide.data() + r * P.E, P.e_half);
-      convert_row(d + r * P.ev_half, ws.do_wide.data() + r * P.Ev, P.ev_half);
-    }
-    Pt.q = ws.q_wide.data(), Pt.q_row0 = row0;
-  };
-  if (P.half_is_bf16) {
-    widen(c10::BFloat16());
-  } else {
-    widen(c10::Half());
-  }
-  return ws.do_wide.data();
+  const int64_t row0 = P.row_id(bi, h, i0);
+  Pt.q = widen_half_rows(static_cast<const h16*>(P.q_half) + row0 * P.e_half, P.half_is_bf16, m, P.e_half, P.E,
+                         ws.q_wide);
+  Pt.q_row0 = row0;
+  return widen_half_rows(static_cast<const h16*>(P.do_half) + row0 * P.ev_half, P.half_is_bf16, m, P.ev_half, P.Ev,
+                         ws.do_wide);
 }
 
 template <typename acc_t>
@@ -525,6 +489,10 @@ Tensor pack_heads(const Tensor& x) {
 // head on many cores: many times the memory of one shared copy).
 bool operands_per_head(const Checked& c) { return c.B * c.Hk >= at::get_num_threads(); }
 
+// bfloat16 and float16: the half types the kernels read as they are (float8
+// inputs, also reduced floating types, are widened to float32 copies first).
+bool is_half_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
 template <typename acc_t>
 bool has_softmax_head(const Problem<acc_t>& P) {
   return std::any_of(P.fam.begin(), P.fam.end(), [](Family f) { return f == Family::kSoftmax; });
@@ -566,8 +534,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
   Tensor shift = at::empty({c.B, c.H, c.L}, q_in.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_fwd", [&] {
     const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
-    const bool half_in = std::is_same_v<scalar_t, float> &&
-                         (q_in.scalar_type() == at::kBFloat16 || q_in.scalar_type() == at::kHalf);
+    const bool half_in = std::is_same_v<scalar_t, float> && is_half_type(q_in.scalar_type());
     // Softmax decoding of bfloat16 / float16 reads K and V as they are.
     const bool half_kv = fam == Family::kSoftmax && c.L <= kDecodeRows && half_in;
     // Half-type GEMMs (half_gemm.h) beyond decoding: q and K in the input's
@@ -588,8 +555,13 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     Tensor v, v_rows, q_rows, k_rows;
     Tensor k_half = half_kv ? k_in.contiguous() : Tensor(), v_half = half_kv ? v_in.contiguous() : Tensor();
     Tensor q16, k16, v16;
-    out = at::empty({c.B, c.H, c.L, c.Ev}, q_in.options());
-    if (out.numel() > 0 || shift.numel() > 0) {
+    // Whether the kernels read K and write the output in the input's dtype
+    // (pack_head, OutRows); other dtypes (float8) are widened to the
+    // accumulation type first and the output rounded after.
+    const bool as_is = is_half_type(q_in.scalar_type()) || q_in.scalar_type() == at::kFloat ||
+                       q_in.scalar_type() == at::kDouble;
+    Tensor out_k = at::empty({c.B, c.H, c.L, c.Ev}, q_in.options().dtype(as_is ? q_in.scalar_type() : c.acc));
+    if (out_k.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
       P.drop = drop;
       if (gemm16) {
@@ -627,15 +599,16 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
       }
       Tensor kpack;
       if (pack_k && per_head) {
-        k_rows = k_in.contiguous();
-        P.k_src = k_rows.const_data_ptr(), P.k_src_type = k_in.scalar_type(), P.k_src_e = c.E;
+        k_rows = as_is ? k_in.contiguous() : padded(k_in, c.acc, Ep);
+        P.k_src = k_rows.const_data_ptr(), P.k_src_type = k_rows.scalar_type(), P.k_src_e = k_rows.size(3);
       } else if (pack_k) {
         kpack = pack_heads<scalar_t>(k);
         P.kp = kpack.const_data_ptr<scalar_t>();
       }
-      forward_kernel<scalar_t>(P, OutRows{out.mutable_data_ptr(), out.scalar_type(), c.Ev},
+      forward_kernel<scalar_t>(P, OutRows{out_k.mutable_data_ptr(), out_k.scalar_type(), c.Ev},
                                shift.mutable_data_ptr<float>());
     }
+    out = as_is ? out_k : out_k.to(q_in.scalar_type());
   });
   return {out, shift};
 }
@@ -703,8 +676,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     // bfloat16 / float16 inputs with float32 GEMMs: q, K, V and dO widened in
     // the kernel (Problem::widen_kv).
     const bool per_head = operands_per_head(c);
-    const bool widen_kv = per_head && !gemm16 && std::is_same_v<scalar_t, float> &&
-                          at::isReducedFloatingType(q_in.scalar_type()) && c.L > kPackRows;
+    const bool widen_kv =
+        per_head && !gemm16 && std::is_same_v<scalar_t, float> && is_half_type(q_in.scalar_type()) && c.L > kPackRows;
     const bool own_copies = gemm16 || widen_kv;
     Tensor q = own_copies ? Tensor() : score_operand(q_in), k = own_copies ? Tensor() : score_operand(k_in);
     Tensor v = own_copies ? Tensor() : padded(v_in, c.acc, Evp);

@@ -679,6 +679,25 @@ struct CacheLineAllocator {
 template <typename T>
 using LineVector = std::vector<T, CacheLineAllocator<T>>;
 
+// rows x width bfloat16 (bf16) or float16 values from src, rows width apart,
+// widened into dst as rows of ld accumulation-type values (columns width..
+// zero); returns dst's data.
+template <typename Buf>
+const typename Buf::value_type* widen_half_rows(const h16* src, bool bf16, int64_t rows, int64_t width, int64_t ld,
+                                                Buf& dst) {
+  dst.assign(rows * ld, typename Buf::value_type(0));
+  auto widen = [&](auto tag) {
+    const auto* s = reinterpret_cast<const decltype(tag)*>(src);
+    for (int64_t r = 0; r < rows; ++r) convert_row(s + r * width, dst.data() + r * ld, width);
+  };
+  if (bf16) {
+    widen(c10::BFloat16());
+  } else {
+    widen(c10::Half());
+  }
+  return dst.data();
+}
+
 // Per-thread scratch of the block functions (sized by the schedulers in
 // attention.cpp).
 template <typename acc_t>

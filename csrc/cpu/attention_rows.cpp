@@ -566,18 +566,8 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
 template <typename acc_t>
 const acc_t* widen_v_rows(const Problem<acc_t>& P, int64_t bi, int64_t hk, int64_t j0, int64_t j1,
                           std::vector<acc_t>& buf) {
-  buf.assign((j1 - j0) * P.Ev, acc_t(0));
-  auto widen = [&](const auto* v) {
-    for (int64_t j = j0; j < j1; ++j)
-      for (int64_t e = 0; e < P.ev_half; ++e)
-        buf[(j - j0) * P.Ev + e] = static_cast<acc_t>(v[((bi * P.Hk + hk) * P.S + j) * P.ev_half + e]);
-  };
-  if (P.half_is_bf16) {
-    widen(static_cast<const c10::BFloat16*>(P.v_rows_half));
-  } else {
-    widen(static_cast<const c10::Half*>(P.v_rows_half));
-  }
-  return buf.data();
+  return widen_half_rows(static_cast<const h16*>(P.v_rows_half) + ((bi * P.Hk + hk) * P.S + j0) * P.ev_half,
+                         P.half_is_bf16, j1 - j0, P.ev_half, P.Ev, buf);
 }
 
 // Forward of a block of rows of one head, of family FAM (not softmax: its
