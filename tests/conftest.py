@@ -8,7 +8,7 @@ torch.compile's on-disk kernel cache (TORCHINDUCTOR_CACHE_DIR) does not key its
 compiled CPU kernels on ATEN_CPU_CAPABILITY: after a run at one level, a run at
 another reuses kernels generated for the wrong vector width (torch 2.14.1,
 measured here: heap corruption at AVX512 after an avx2 run, with or without
-attnkern). The suite may be run at every level (README, "One build for every CPU"), so each level gets
+attnkern). The suite may be run at every level (docs/design.md, "Runtime instruction-set dispatch"), so each level gets
 its own cache unless the caller chose one.
 """
 
