@@ -6,7 +6,8 @@ STAMP   := $(VENV)/.deps-installed
 BUILT   := $(VENV)/.attnkern-built
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml
 
-.PHONY: setup build demo test test-fast test-torch211 gpu-wheels gpu-check bench lint info clean experiments
+.PHONY: setup build demo test test-fast test-torch211 gpu-wheels gpu-check bench bench-quick docs lint info clean \
+	experiments
 
 # Everything the build, the tests and the experiments need besides torch and numpy.
 DEV_DEPS := ninja pybind11 setuptools wheel pytest pytest-benchmark hypothesis mpmath ruff "entmax==1.3" \
@@ -64,18 +65,32 @@ gpu-wheels:
 gpu-check:
 	$(PY) benchmarks/gpu_check.py --out $${OUT:-out/gpu-check}
 
+# make bench: the pytest-benchmark suites and the interleaved ratios against
+# PyTorch (about an hour on 2 cores), written as result files into
+# results/bench/<this CPU>/ (suites.json, ratios.json, with their .md and .png),
+# then the generated tables (make docs). bench-quick: the ratios at N = 2048 only.
+BENCH_DIR = results/bench/$$($(VPY) benchmarks/machine.py slug)
 bench: $(BUILT)
 	$(VPY) -m pytest -q benchmarks -o python_files='bench_*.py' --benchmark-only --benchmark-json=.benchmarks/latest.json \
 	    --benchmark-columns=median,iqr,rounds --benchmark-sort=name
-	$(VPY) benchmarks/report.py .benchmarks/latest.json
-	$(VPY) benchmarks/ratios.py --out results/bench/ratios
+	$(VPY) benchmarks/report.py .benchmarks/latest.json --out $(BENCH_DIR)/suites
+	$(VPY) benchmarks/ratios.py --out $(BENCH_DIR)/ratios
+	$(VPY) benchmarks/docs.py
 
-# Every attention experiment at --quick (minutes each on 2 cores) into results/experiments/.
+bench-quick: $(BUILT)
+	$(VPY) benchmarks/ratios.py --quick --out $(BENCH_DIR)/ratios-quick
+	$(VPY) benchmarks/docs.py
+
+# docs/benchmarks.md's tables and the README's figure, from the committed results.
+docs: $(BUILT)
+	$(VPY) benchmarks/docs.py
+
+# Every attention experiment at --quick (minutes each on 2 cores) into out/experiments/.
 EXPERIMENTS ?= copy relevance ktiw ibm1 multihead
 experiments: $(BUILT)
 	$(VPY) -m attnkern.experiments data fetch vader
 	for e in $(EXPERIMENTS); do \
-	    $(VPY) -m attnkern.experiments $$e --quick --jobs 2 --out results/experiments || exit 1; done
+	    $(VPY) -m attnkern.experiments $$e --quick --jobs 2 --out out/experiments || exit 1; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check attnkern tests benchmarks setup.py

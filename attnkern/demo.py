@@ -1,6 +1,6 @@
 """`make demo`: attnkern's kernels against the `entmax` package and PyTorch on this machine.
 
-Prints a table and writes results/demo.json and results/demo.md: for each
+Prints a table and writes out/demo.json and out/demo.md: for each
 normalizer, median forward and forward+backward times of attnkern, of the
 `entmax` package and of torch.softmax, and attnkern's largest difference to
 the float64 reference (values and gradients).
@@ -167,7 +167,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15, help="timed rounds per measurement (median)")
-    ap.add_argument("--out", default="results", help="folder for demo.json and demo.md")
+    ap.add_argument("--out", default="out", help="folder for demo.json and demo.md")
     ap.add_argument("--attention-n", type=int, default=2048, help="sequence length of the attention comparison")
     args = ap.parse_args(argv)
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"

@@ -22,6 +22,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import record
 
 import attnkern
 from attnkern.backends import reference
@@ -93,9 +94,9 @@ def test_attention(benchmark, provider, n, mode, kind):
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
     flops = 4 * B * H * n * n * E * (2.5 if mode == "fwd+bwd" else 1.0)
     source, op = provider.split("-", 1)
-    benchmark.extra_info.update(provider=source, op=op, n=n, mode=mode, kind=kind, B=B, H=H, E=E,
-                                gflops=flops / benchmark.stats.stats.median / 1e9,
-                                group="attention", shape=f"N={n} {kind}", baseline=provider == "sdpa-softmax")
+    record(benchmark, group="attention", op=op, provider=source, mode=mode, shape=f"N={n} {kind}",
+           baseline=provider == "sdpa-softmax", n=n, kind=kind, B=B, H=H, E=E,
+           gflops=flops / benchmark.stats.stats.median / 1e9)
     if kind == "local" or n == 2048:
         benchmark.extra_info["sparsemax_kept_fraction"] = kept_fraction(q, k)
 
@@ -144,7 +145,9 @@ def test_memory_16384(benchmark, provider):
 
     extra = benchmark.pedantic(fn, rounds=1, iterations=1)
     grads = 4 * B * H * n * E * 4  # out, dq, dk, dv in float32
-    benchmark.extra_info.update(provider=provider, n=n, mode="fwd+bwd memory", peak_bytes_above_inputs=extra,
-                                peak_bytes_above_inputs_and_grads=extra - grads,
-                                self_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    source, op = provider.split("-", 1)
+    record(benchmark, group="attention-memory", op=op, provider=source, mode="fwd+bwd", shape=f"N={n}",
+           baseline=provider == "sdpa-softmax", n=n, peak_bytes_above_inputs=extra,
+           peak_bytes_above_inputs_and_grads=extra - grads,
+           self_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     assert extra - grads < 1 << 30

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from conftest import record
 
 import attnkern
 
@@ -49,8 +50,8 @@ def inputs():
 def test_training_step(benchmark, provider, dropout):
     mod = make_module(provider, dropout).train()
     x = inputs()
-    benchmark.extra_info.update(group="mha-dropout", op=provider, baseline="torch", N=N, E=E, heads=HEADS,
-                                dropout=dropout)
+    record(benchmark, group="mha-dropout", op="training step", provider=provider, mode="fwd+bwd",
+           shape=f"N={N} E={E} heads={HEADS} dropout={dropout}", baseline=provider == "torch", dropout=dropout)
     benchmark.pedantic(step, args=(mod, x), rounds=5, warmup_rounds=1, iterations=1)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import entmax
 import pytest
 import torch
-from conftest import run
+from conftest import record, run
 
 import attnkern
 
@@ -62,8 +62,8 @@ LOSS_CASES = [(op, prov) for op, provs in LOSSES.items() for prov in provs]
 def test_normalizer(benchmark, op, provider, shape, mode):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     benchmark.group = f"normalizers {shape[0]}x{shape[1]} {mode}"
-    benchmark.extra_info.update(group="normalizers", op=op, provider=provider, mode=mode,
-                                shape="x".join(map(str, shape)), baseline=(provider == "torch"))
+    record(benchmark, group="normalizers", op=op, provider=provider, mode=mode, shape="x".join(map(str, shape)),
+           baseline=provider == "torch")
     # The entmax package sorts every row: a few rounds are enough to see it.
     rounds = 3 if provider == "entmax" else 15
     run(benchmark, OPS[op][provider], x, mode, rounds)
@@ -77,8 +77,8 @@ def test_loss(benchmark, op, provider, shape, mode):
     x = torch.randn(shape, generator=g)
     target = torch.randint(0, shape[1], (shape[0],), generator=g)
     benchmark.group = f"losses {shape[0]}x{shape[1]} {mode}"
-    benchmark.extra_info.update(group="losses", op=op, provider=provider, mode=mode,
-                                shape="x".join(map(str, shape)), baseline=(provider == "torch"))
+    record(benchmark, group="losses", op=op, provider=provider, mode=mode, shape="x".join(map(str, shape)),
+           baseline=provider == "torch")
     rounds = 3 if provider == "entmax" else 15
     fn = LOSSES[op][provider]
     run(benchmark, lambda t: fn(t, target), x, mode, rounds, grad=torch.ones(shape[0]))

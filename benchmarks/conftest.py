@@ -31,6 +31,14 @@ def steady_heap() -> bool:
 steady_heap()
 
 
+def record(benchmark, *, group: str, op: str, provider: str, mode: str, shape: str, baseline: bool, **extra):
+    """Stores what benchmarks/report.py reads about a timed benchmark: its
+    group, op, provider, mode and shape, and whether it is the baseline of its
+    (group, shape, mode); `extra` adds case-specific numbers."""
+    benchmark.extra_info.update(group=group, op=op, provider=provider, mode=mode, shape=shape, baseline=baseline,
+                                **extra)
+
+
 def run(benchmark, fn, x: torch.Tensor, mode: str, rounds: int, grad: torch.Tensor | None = None):
     """Times fn(x) ("fwd") or fn(x).backward(grad) ("fwdbwd"); medians come from `rounds` rounds."""
     if mode == "fwd":

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import statistics
 import subprocess
@@ -57,6 +56,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from conftest import steady_heap
+from machine import describe, machine_meta
 
 import attnkern
 
@@ -91,83 +91,6 @@ def attention_target(dtype, name: str, mode: str) -> float:
     if name == "causal":
         return table[("softmax", mode)] if amx else 1.0
     return table[(name, mode)]
-
-
-def cpu_model() -> str:
-    """The CPU's model name, with its family and model numbers (a virtual machine's
-    name can be as bare as "AMD EPYC"; family 25 model 17 says Zen 4)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return name
-
-
-# The instruction-set extensions a table names (those the kernels' speed
-# turns on), as /proc/cpuinfo spells them.
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
-             "amx_bf16", "amx_fp16")
-
-
-def cpu_flags() -> list[str]:
-    """The ISA_FLAGS this CPU has."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.partition(":")[2].split())
-                return [f for f in ISA_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
-
-
-def code_commit() -> str:
-    """The commit of the attnkern this process imported, the code measured (with
-    "+changes" when its tracked files differ from it), or "unknown"; when the
-    script itself comes from another checkout (run from a worktree, attnkern
-    from an installed one), both are named, so a table cannot credit the wrong
-    code."""
-    measured = Path(attnkern.__file__).resolve().parent.parent
-    script = Path(__file__).resolve().parent.parent
-    commit = checkout_commit(measured)
-    if script != measured:
-        commit += f" (attnkern imported from {measured}; this script from {script} at {checkout_commit(script)})"
-    return commit
-
-
-def checkout_commit(root: Path) -> str:
-    """The commit of the git checkout at root, "+changes" when its tracked files differ, or "unknown"."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "csrc", "attnkern", "benchmarks"],
-                               cwd=root).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty else "")
-
-
-def machine_meta() -> dict:
-    return dict(cpu=cpu_model(), isa_flags=cpu_flags(), attnkern_level=attnkern.isa.dispatch(),
-                torch=torch.__version__, torch_capability=torch.backends.cpu.get_cpu_capability(),
-                commit=code_commit(), command=" ".join(["benchmarks/ratios.py", *sys.argv[1:]]))
-
-
-def describe(meta: dict) -> str:
-    """The CPU, its instruction sets, attnkern's level and half-type GEMM units, torch's."""
-    level = meta["attnkern_level"]
-    return (f"Code: commit {meta.get('commit', '?')}; command: {meta.get('command', '?')}.\n"
-            f"CPU: {meta['cpu']}; instruction sets: {' '.join(meta.get('isa_flags') or ['?'])}; "
-            f"attnkern CPU kernels at {level.get('active', '?')} (this CPU runs up to {level.get('machine', '?')}), "
-            f"bfloat16 attention GEMMs: {level.get('bf16_gemm_unit', '?')}, "
-            f"float16: {level.get('fp16_gemm_unit', '?')}; torch {meta['torch']} "
-            f"CPU capability {meta['torch_capability']}.")
 
 
 # Seconds a case may take: slower cases get fewer rounds (at least one after the warm-up).
@@ -363,21 +286,15 @@ def main() -> None:
     def rounds_for(n):
         return max(3, args.rounds // 2) if n >= 8192 else args.rounds
 
-    meta = machine_meta()
-    head = (f"{describe(meta)}\n"
-            f"Ratio = attnkern time / baseline time (PyTorch's op; in the \"vs attnkern float32\" cases "
-            f"attnkern's float32 attention), median of interleaved rounds (< 1: attnkern faster); "
-            f"heap: {heap}.")
-    print(head, flush=True)
-    results, lines = [], [head, ""]
+    meta = dict(machine_meta("benchmarks/ratios.py"), heap=heap)
+    print(describe(meta), flush=True)
+    results = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for threads in args.threads:
             torch.set_num_threads(threads)
             title = f"### {dtype_name}, {threads} thread{'s' if threads > 1 else ''}"
             print(title, flush=True)
-            lines += [title, "", "| case | normalizer | mode | ratio | target | attnkern ms | baseline ms | rounds |",
-                      "|---|---|---|---:|---:|---:|---:|---:|"]
             groups = {"attention": lambda dt=dtype: attention_cases(sizes, dt, rounds_for),
                       "own32": lambda dt=dtype: own_float32_cases(sizes, dt, rounds_for),
                       "decode": lambda dt=dtype: decode_cases(dt, args.rounds),
@@ -391,17 +308,46 @@ def main() -> None:
                     row = (f"| {case} | {name} | {mode} | {t.ratio:.2f}{ok} | ≤ {target:g} | "
                            f"{t.ours * 1e3:.1f} | {t.theirs * 1e3:.1f} | {t.rounds} |")
                     print(row, flush=True)
-                    lines.append(row)
                     table.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode,
                                       ratio=t.ratio, target=target, ours_s=t.ours, torch_s=t.theirs, rounds=t.rounds,
                                       ours_faults=t.ours_faults, torch_faults=t.theirs_faults))
-            lines += ["", *fault_notes(table)]
             results += table
-    out = Path(args.out)
+    write(dict(machine=meta, processes=1, results=results), Path(args.out))
+
+
+def write(data: dict, out: Path) -> None:
+    """out.json (the result file) and out.md (render of it)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(dict(machine=meta, results=results), indent=1))
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    out.with_suffix(".md").write_text(render(data))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+
+
+def render(data: dict) -> str:
+    """The markdown tables of a result file of this script (one process, or
+    merged over several: then with each ratio's range over the processes)."""
+    meta, procs = data["machine"], data.get("processes", 1)
+    how = (f"in each of {procs} processes the median of interleaved rounds; here the median over the "
+           f"processes, with their range" if procs > 1 else "median of interleaved rounds")
+    heap = f" Heap: {meta['heap']}." if meta.get("heap") else ""
+    lines = [f"{describe(meta)}\nRatio = attnkern time / baseline time (PyTorch's op; in the \"vs attnkern "
+             f"float32\" cases attnkern's float32 attention; < 1: attnkern faster): {how}.{heap}", ""]
+    tables: dict[tuple, list[dict]] = {}
+    for r in data["results"]:
+        tables.setdefault((r["dtype"], r["threads"]), []).append(r)
+    for (dtype_name, threads), rows in tables.items():
+        lines += [f"### {dtype_name}, {threads} thread{'s' if threads > 1 else ''}", "",
+                  "| case | normalizer | mode | ratio |" + (" range |" if procs > 1 else "")
+                  + " target | attnkern ms | baseline ms | rounds |",
+                  "|---|---|---|---:|" + ("---:|" if procs > 1 else "") + "---:|---:|---:|---:|"]
+        for r in rows:
+            ok = "" if r["ratio"] <= r["target"] else " ✗"
+            spread = f" {r['ratio_min']:.2f}–{r['ratio_max']:.2f} |" if procs > 1 else ""
+            rounds = f"{r['processes']} × {r['rounds']}" if procs > 1 else f"{r['rounds']}"
+            lines.append(f"| {r['case']} | {r['normalizer']} | {r['mode']} | {r['ratio']:.2f}{ok} |{spread} "
+                         f"≤ {r['target']:g} | {r['ours_s'] * 1e3:.1f} | {r['torch_s'] * 1e3:.1f} | {rounds} |")
+        lines += ["", *fault_notes(rows, "the worst process's median" if procs > 1 else "median")]
+    return "\n".join(lines) + "\n"
 
 
 # Median page faults a timed call from which a case is named under its table.
@@ -455,43 +401,21 @@ def repeat_in_processes(args) -> None:
             merged[key].append(r)
     # (The processes' own command lines name their scratch output; the header names this one's.)
     meta = dict(runs[0]["machine"], command=" ".join(["benchmarks/ratios.py", *sys.argv[1:]]))
-    head = (f"{describe(meta)}\n"
-            f"Ratio = attnkern time / baseline time (PyTorch's op; in the \"vs attnkern float32\" cases "
-            f"attnkern's float32 attention): in each of {args.processes} processes the median of "
-            f"interleaved rounds; here the median over the processes, with their range.")
-    lines, results, title, table_from = [head, ""], [], None, 0
+    results = []
     for key in order:
         rs = merged[key]
         dtype_name, threads, case, name, mode = key
-        t = f"### {dtype_name}, {threads} thread{'s' if threads > 1 else ''}"
-        if t != title:
-            if title is not None:
-                lines += ["", *fault_notes(results[table_from:], "the worst process's median")]
-                table_from = len(results)
-            title = t
-            lines += [t, "",
-                      "| case | normalizer | mode | ratio | range | target | attnkern ms | baseline ms | rounds |",
-                      "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         ratios = [r["ratio"] for r in rs]
-        ratio, target = statistics.median(ratios), rs[0]["target"]
-        ours, theirs = statistics.median(r["ours_s"] for r in rs), statistics.median(r["torch_s"] for r in rs)
-        ok = "" if ratio <= target else " ✗"
-        lines.append(f"| {case} | {name} | {mode} | {ratio:.2f}{ok} | {min(ratios):.2f}–{max(ratios):.2f} | "
-                     f"≤ {target:g} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {len(rs)} × {rs[0]['rounds']} |")
-        results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode, ratio=ratio,
-                            ratio_min=min(ratios), ratio_max=max(ratios), ratios=ratios, target=target,
-                            ours_s=ours, torch_s=theirs, rounds=rs[0]["rounds"], processes=len(rs),
-                            ours_faults=max(r["ours_faults"] for r in rs),
+        results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode,
+                            ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                            ratios=ratios, target=rs[0]["target"],
+                            ours_s=statistics.median(r["ours_s"] for r in rs),
+                            torch_s=statistics.median(r["torch_s"] for r in rs), rounds=rs[0]["rounds"],
+                            processes=len(rs), ours_faults=max(r["ours_faults"] for r in rs),
                             torch_faults=max(r["torch_faults"] for r in rs)))
-    lines += ["", *fault_notes(results[table_from:], "the worst process's median")]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(dict(machine=meta, processes=args.processes, results=results),
-                                                   indent=1))
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    data = dict(machine=meta, processes=args.processes, results=results)
+    print(render(data))
+    write(data, Path(args.out))
 
 
 if __name__ == "__main__":

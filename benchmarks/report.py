@@ -1,43 +1,59 @@
-"""Turns a pytest-benchmark JSON file into a markdown table of ratios and a PNG plot.
+"""Turns a pytest-benchmark JSON file into a committed result file with its tables and plot.
 
-    python benchmarks/report.py .benchmarks/latest.json [--out results/bench]
+    python benchmarks/report.py .benchmarks/latest.json --out results/bench/<cpu>/suites
+    python benchmarks/report.py --render results/bench/<cpu>/suites.json   # .md and .png again
 
-Each benchmark's extra_info names its group, op, provider, mode and shape; the
-baseline of a (group, shape, mode) is the benchmark with baseline=True (torch's
-softmax for the normalizers, scaled_dot_product_attention for attention).
-Rows of group "triton-passes" (bench_triton_passes.py) are counts, not times:
-they get their own section.
+The result file (<out>.json) keeps, per benchmark, what its suite recorded
+(conftest.record: group, op, provider, mode, shape, baseline and extras) with
+its median and IQR, and the machine and code that produced it
+(machine.machine_meta); <out>.md and <out>.png are rendered from it alone,
+so docs/benchmarks.md can be regenerated from committed files. The baseline
+of a (group, shape, mode) is the benchmark with baseline=True (torch's softmax
+for the normalizers, scaled_dot_product_attention for attention). Rows of
+group "triton-passes" (bench_triton_passes.py) are counts, not times, and rows
+of group "attention-memory" peak bytes: each gets its own section.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import describe, machine_meta  # noqa: E402
 
-import attnkern
+# What every timed record must carry (conftest.record's arguments).
+RECORD_KEYS = ("group", "op", "provider", "mode", "shape", "baseline")
+# Groups that are not times: their own sections.
+PASSES_GROUP, MEMORY_GROUP = "triton-passes", "attention-memory"
 
 
 def load(path: str) -> tuple[list[dict], dict]:
+    """The records of a pytest-benchmark JSON file and its machine and commit
+    information. A record without one of RECORD_KEYS is an error naming the
+    benchmark (a suite that does not call conftest.record)."""
     data = json.loads(Path(path).read_text())
     rows = []
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
-        if "group" not in info:
-            continue
-        rows.append(dict(info, median_ms=b["stats"]["median"] * 1e3, iqr_ms=b["stats"]["iqr"] * 1e3))
-    return rows, data.get("machine_info", {})
+        if info.get("group") != PASSES_GROUP:
+            missing = [k for k in RECORD_KEYS if k not in info]
+            if missing:
+                raise ValueError(f"benchmark {b.get('fullname', b.get('name'))} records no {', '.join(missing)} "
+                                 f"(its suite must call conftest.record)")
+        rows.append(dict(info, name=b.get("fullname", b.get("name")), median_ms=b["stats"]["median"] * 1e3,
+                         iqr_ms=b["stats"]["iqr"] * 1e3, rounds=b["stats"]["rounds"]))
+    return rows, dict(cpu=data.get("machine_info", {}).get("cpu", {}).get("brand_raw"),
+                      commit=data.get("commit_info", {}).get("id"), dirty=data.get("commit_info", {}).get("dirty"))
 
 
 def table(rows: list[dict]) -> str:
     base = {}
     for r in rows:
-        if r.get("baseline"):
+        if r["baseline"]:
             base[(r["group"], r["shape"], r["mode"])] = r["median_ms"]
     by_op = defaultdict(dict)
     for r in rows:
@@ -56,6 +72,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def memory_section(rows: list[dict]) -> str:
+    """Peak resident memory of attention forward and backward (bench_attention.test_memory_16384)."""
+    if not rows:
+        return ""
+    out = ["## Peak memory of attention forward and backward", "",
+           "Resident memory above the inputs at its peak, measured in a fresh process (MiB; out, dq, dk, dv "
+           "included, then without them).", "",
+           "| shape | op | provider | peak MiB | without out and grads MiB |", "|---|---|---|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["shape"], r["provider"], r["op"])):
+        out.append(f"| {r['shape']} | {r['op']} | {r['provider']} | {r['peak_bytes_above_inputs'] / 2**20:.0f} | "
+                   f"{r['peak_bytes_above_inputs_and_grads'] / 2**20:.0f} |")
+    return "\n".join(out) + "\n"
+
+
 PASSES_TITLE = "Triton forward passes over K (interpreter, float32)"
 
 
@@ -63,7 +93,6 @@ def passes_section(rows: list[dict]) -> str:
     """The pass-count table of bench_triton_passes.py; "" without its rows."""
     if not rows:
         return ""
-    sys.path.insert(0, str(Path(__file__).parent))
     from bench_triton_passes import KINDS, NORMALIZERS, markdown
 
     def key(r):
@@ -78,6 +107,7 @@ def passes_section(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
+    """Bars of every timed benchmark's median, one panel per (group, shape, mode); False without matplotlib."""
     try:
         import matplotlib
 
@@ -99,31 +129,60 @@ def plot(rows: list[dict], path: Path) -> bool:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return True
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json")
-    ap.add_argument("--out", default="results/bench", help="prefix of the .md and .png written")
-    args = ap.parse_args()
-    rows, machine = load(args.json)
-    passes = [r for r in rows if r["group"] == "triton-passes"]
-    rows = [r for r in rows if r["group"] != "triton-passes"]
-    md = table(rows)
-    if passes:
-        md += "\n\n" + passes_section(passes)
-    cpu = machine.get("cpu", {}).get("brand_raw", platform.processor() or platform.machine())
-    level = attnkern.isa.dispatch()
-    header = (f"Machine: {cpu}, {machine.get('cpu', {}).get('count', '?')} cores; attnkern CPU kernels at "
-              f"{level.get('active', '?')} (this CPU runs up to {level.get('machine', '?')}); torch CPU capability "
-              f"{torch.backends.cpu.get_cpu_capability()}; medians of the rounds.\n\n")
-    print(header + md)
-    out = Path(args.out)
+def split(records: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """The timed records, the memory records and the pass counts."""
+    timed = [r for r in records if r["group"] not in (PASSES_GROUP, MEMORY_GROUP)]
+    return (timed, [r for r in records if r["group"] == MEMORY_GROUP],
+            [r for r in records if r["group"] == PASSES_GROUP])
+
+
+def render(data: dict) -> str:
+    """The markdown of a result file of this script."""
+    timed, memory, passes = split(data["records"])
+    suite = data.get("suite", {})
+    ran = f" The suites ran at commit {suite['commit'][:7]}{' with changes' if suite.get('dirty') else ''}." \
+        if suite.get("commit") else ""
+    parts = [f"{describe(data['machine'])}{ran} Medians of each benchmark's rounds (pytest-benchmark); "
+             f"× baseline: the time over the baseline's in the same group, shape and mode.", ""]
+    if timed:
+        parts += [table(timed), ""]
+    for section in (memory_section(memory), passes_section(passes)):
+        if section:
+            parts += [section]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def write(data: dict, out: Path, json_too: bool = True) -> None:
+    """out.json (unless json_too is False), out.md and out.png, from data."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(header + md + "\n")
-    if rows and plot(rows, out.with_suffix(".png")):
-        print(f"\nwrote {out.with_suffix('.md')} and {out.with_suffix('.png')}")
+    if json_too:
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(data))
+    timed = split(data["records"])[0]
+    wrote = [out.with_suffix(".md")] + ([out.with_suffix(".png")] if timed and plot(timed, out.with_suffix(".png"))
+                                        else [])
+    print("wrote " + ", ".join(map(str, ([out.with_suffix(".json")] if json_too else []) + wrote)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="?", help="pytest-benchmark's JSON file (--benchmark-json)")
+    ap.add_argument("--out", default="out/bench/suites", help="prefix of the .json, .md and .png written")
+    ap.add_argument("--render", metavar="RESULT_JSON", help="render the .md and .png of a result file again")
+    args = ap.parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        return write(json.loads(path.read_text()), path.with_suffix(""), json_too=False)
+    if not args.json:
+        ap.error("give pytest-benchmark's JSON file, or --render RESULT_JSON")
+    records, suite = load(args.json)
+    data = dict(machine=machine_meta("benchmarks/report.py"), suite=suite, records=records)
+    print(render(data))
+    write(data, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,203 @@
+"""Regenerates the measured parts of the documentation from the committed result files.
+
+    python benchmarks/docs.py           # rewrite them (make docs; make bench ends with it)
+    python benchmarks/docs.py --check   # exit 1 when a page differs from what the files give
+
+Generated regions sit between `<!-- begin generated: NAME -->` and
+`<!-- end generated: NAME -->` lines; everything outside them is written by
+hand. docs/benchmarks.md's region "tables" holds, for every CPU folder under
+results/bench/ (machine.cpu_slug), the tables of its `suites.json` (the
+pytest-benchmark suites, report.py) and `ratios.json` (ratios.py) and a list of
+the folder's other committed runs. The README's region "headline-speed" shows the row-wise
+normalizers of the newest suites.json as a plot (written beside it as
+headline.png) with the CPU, commit and configuration that produced it; its
+region "headline-experiments" the summary of the experiments' committed
+results (results/experiments/*/summary.md, written by the experiments), or
+says that none is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ratios  # noqa: E402
+import report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "results" / "bench"
+BENCH_PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+# The headline plot: the row-wise normalizers at this shape, forward and backward.
+HEADLINE_SHAPE, HEADLINE_MODE = "4096x1024", "fwdbwd"
+
+
+def region(text: str, name: str, body: str, page: Path) -> str:
+    """text with the generated region `name` replaced by body."""
+    pattern = re.compile(rf"(<!-- begin generated: {re.escape(name)} -->\n).*?(<!-- end generated: "
+                         rf"{re.escape(name)} -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{page.relative_to(ROOT)} has no region '{name}' (<!-- begin generated: {name} --> ... "
+                         f"<!-- end generated: {name} -->)")
+    return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text, count=1)
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def kind(data: dict) -> str | None:
+    """"suites" (report.py), "ratios" (ratios.py) or None for another JSON file."""
+    if "records" in data and "machine" in data:
+        return "suites"
+    if "results" in data and "machine" in data:
+        return "ratios"
+    return None
+
+
+def demote(markdown: str, levels: int) -> str:
+    """markdown with its headings `levels` deeper, to nest under a CPU's heading."""
+    return re.sub(r"^(#+) ", lambda m: "#" * (len(m.group(1)) + levels) + " ", markdown, flags=re.M)
+
+
+def link(path: Path) -> str:
+    """A link from docs/ to a file of the repository."""
+    return "../" + path.relative_to(ROOT).as_posix()
+
+
+def run_line(path: Path, data: dict) -> str:
+    meta = data["machine"]
+    when = f", {meta['date']}" if meta.get("date") else ""
+    md = path.with_suffix(".md")
+    target = md if md.exists() else path
+    return f"- [{path.stem}]({link(target)}): commit {meta.get('commit', '?')}{when}; `{meta.get('command', '?')}`"
+
+
+def cpu_section(folder: Path) -> str:
+    files = {p: load(p) for p in sorted(folder.glob("*.json"))}
+    files = {p: d for p, d in files.items() if kind(d)}
+    if not files:
+        return ""
+    main = [folder / "suites.json", folder / "ratios.json"]
+    newest = max(files.values(), key=lambda d: d["machine"].get("date", ""))
+    out = [f"### {newest['machine']['cpu']}", "", f"Result files: `{folder.relative_to(ROOT).as_posix()}/`.", ""]
+    for path in main:
+        if path not in files:
+            continue
+        data = files[path]
+        if kind(data) == "suites":
+            out += ["#### The pytest-benchmark suites", "", demote(report.render(data), 3).rstrip(), ""]
+            if path.with_suffix(".png").exists():
+                out += [f"![every suite's medians]({link(path.with_suffix('.png'))})", ""]
+        else:
+            out += ["#### Ratios against PyTorch (benchmarks/ratios.py)", "", demote(ratios.render(data), 2).rstrip(),
+                    ""]
+    others = [p for p in files if p not in main]
+    if others:
+        out += ["#### Other committed runs on this CPU", ""]
+        out += [run_line(p, files[p]) for p in sorted(others, key=lambda p: files[p]["machine"].get("date", ""))]
+        out += [""]
+    return "\n".join(out)
+
+
+def tables() -> str:
+    sections = [cpu_section(f) for f in sorted(p for p in BENCH.iterdir() if p.is_dir())] if BENCH.is_dir() else []
+    return "\n".join(s for s in sections if s) or "No committed results yet: run `make bench`."
+
+
+def newest_suites() -> Path | None:
+    found = [(load(p)["machine"].get("date", ""), p) for p in BENCH.glob("*/suites.json")] if BENCH.is_dir() else []
+    return max(found)[1] if found else None
+
+
+def headline_rows(data: dict) -> list[dict]:
+    return [r for r in data["records"] if r["group"] == "normalizers" and r["shape"] == HEADLINE_SHAPE
+            and r["mode"] == HEADLINE_MODE]
+
+
+def headline_plot(rows: list[dict], meta: dict, path: Path) -> bool:
+    """Grouped bars per op: attnkern, the entmax package, and torch.softmax as a line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    ops = [r["op"] for r in rows if r["provider"] == "attnkern"]
+    by = {(r["op"], r["provider"]): r["median_ms"] for r in rows}
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    y = range(len(ops))
+    ax.barh([i - 0.2 for i in y], [by[(o, "attnkern")] for o in ops], height=0.4, color="C0", label="attnkern")
+    ax.barh([i + 0.2 for i in y], [by.get((o, "entmax"), 0) for o in ops], height=0.4, color="C7",
+            label="entmax package")
+    if ("softmax", "torch") in by:
+        ax.axvline(by[("softmax", "torch")], color="C3", ls="--", lw=1, label="torch.softmax")
+    ax.set_yticks(list(y), ops, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel(f"forward + backward, [{HEADLINE_SHAPE.replace('x', ', ')}] float32, median ms (log)", fontsize=8)
+    ax.set_title(f"{meta['cpu']}, {meta.get('threads', '?')} threads", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def headline(write_plot: bool) -> str:
+    path = newest_suites()
+    rows = headline_rows(load(path)) if path else []
+    if not rows:
+        return "No committed row-wise results yet: run `make bench`."
+    meta = load(path)["machine"]
+    png = path.with_name("headline.png")
+    if write_plot:
+        headline_plot(rows, meta, png)
+    rel = path.relative_to(ROOT).as_posix()
+    return (f"![attnkern against torch.softmax and the entmax package]({png.relative_to(ROOT).as_posix()})\n\n"
+            f"Row-wise normalizers, forward and backward on a [{HEADLINE_SHAPE.replace('x', ', ')}] float32 batch "
+            f"(medians, log scale). CPU: {meta['cpu']}, {meta.get('threads', '?')} threads, kernels at "
+            f"{meta['attnkern_level'].get('active', '?')}; commit {meta.get('commit', '?')}; generated by "
+            f"`make docs` from `{rel}`.")
+
+
+EXPERIMENTS = ROOT / "results" / "experiments"
+
+
+def experiments_headline() -> str:
+    summaries = sorted(EXPERIMENTS.glob("*/summary.md")) if EXPERIMENTS.is_dir() else []
+    if not summaries:
+        return ("No experiment result files are committed yet (`results/experiments/`); "
+                "[docs/experiments.md](docs/experiments.md) keeps the tables of earlier runs.")
+    return "\n\n".join(p.read_text().strip() + f"\n\nFrom `{p.relative_to(ROOT).as_posix()}`." for p in summaries)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
+    args = ap.parse_args(argv)
+    stale = []
+    pages = {BENCH_PAGE: {"tables": tables()},
+             README: {"headline-speed": headline(not args.check), "headline-experiments": experiments_headline()}}
+    for page, regions in pages.items():
+        text = new = page.read_text()
+        for name, body in regions.items():
+            new = region(new, name, body, page)
+        if new != text:
+            stale.append(page.relative_to(ROOT).as_posix())
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        print("out of date with results/: " + ", ".join(stale) + " (run `make docs`)")
+        return 1
+    print(("rewrote " + ", ".join(stale)) if stale else "up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The benchmark reporting chain: pytest-benchmark's JSON -> a result file
+(benchmarks/report.py) -> the generated tables of docs/benchmarks.md and the
+README's figure (benchmarks/docs.py), and ratios.py's rendering of its result
+files. The scripts run as `make bench` runs them, in a subprocess.
+
+tests/data/pytest-benchmark-sample.json holds records of every suite that
+`make bench` runs (cut from a real run: a few records per group)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnkern import _extension
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+SAMPLE = Path(__file__).resolve().parent / "data" / "pytest-benchmark-sample.json"
+GROUPS = ("normalizers", "losses", "attention", "attention-memory", "mha-dropout", "triton-passes")
+
+pytestmark = pytest.mark.skipif(not _extension.LOADED, reason="attnkern._C did not load")
+
+
+def _script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_the_sample_holds_every_suite():
+    groups = {b["extra_info"]["group"] for b in json.loads(SAMPLE.read_text())["benchmarks"]}
+    assert groups == set(GROUPS)
+
+
+def test_report_writes_a_result_file_with_every_suite(tmp_path):
+    res = _script(str(BENCH / "report.py"), str(SAMPLE), "--out", str(tmp_path / "suites"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((tmp_path / "suites.json").read_text())
+    assert {r["group"] for r in data["records"]} == set(GROUPS)
+    assert data["machine"]["cpu"] and data["machine"]["commit"] and data["machine"]["attnkern_level"]["active"]
+    md = (tmp_path / "suites.md").read_text()
+    for text in ("| normalizers |", "| losses |", "| attention |", "| mha-dropout |", "## Peak memory",
+                 "## Triton forward passes", "CPU: "):
+        assert text in md, text
+    # The baseline of each group divides the others: torch's softmax is 1.00 of itself.
+    assert "| softmax | torch |" in md and "| 1.00 |" in md
+    # Rendering again from the result file alone gives the same page.
+    first = md
+    res = _script(str(BENCH / "report.py"), "--render", str(tmp_path / "suites.json"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "suites.md").read_text() == first
+
+
+def test_report_names_a_record_without_its_keys(tmp_path):
+    data = json.loads(SAMPLE.read_text())
+    victim = next(b for b in data["benchmarks"] if b["extra_info"]["group"] == "mha-dropout")
+    del victim["extra_info"]["shape"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(data))
+    res = _script(str(BENCH / "report.py"), str(broken), "--out", str(tmp_path / "suites"))
+    assert res.returncode != 0
+    assert victim["fullname"] in res.stderr and "shape" in res.stderr and "conftest.record" in res.stderr
+
+
+def test_docs_match_the_committed_results():
+    """docs/benchmarks.md's tables and the README's figure are what the committed
+    result files give (`make docs` rewrites them)."""
+    res = _script(str(BENCH / "docs.py"), "--check")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+_RENDER = """
+import json, sys
+import ratios
+row = dict(dtype="bfloat16", threads=2, case="attention N=2048", normalizer="softmax", mode="fwd", ratio=0.9,
+           target=0.8, ours_s=0.009, torch_s=0.01, rounds=5, ours_faults=0, torch_faults=100)
+meta = dict(cpu="Some CPU (family 1, model 2)", isa_flags=["avx2"], attnkern_level=dict(active="AVX2", machine="AVX2"),
+            torch="2.x", torch_capability="AVX2", commit="abc1234", command="benchmarks/ratios.py")
+one = ratios.render(dict(machine=meta, results=[row]))
+merged = dict(row, ratio_min=0.7, ratio_max=0.95, processes=3, ratio=0.75)
+three = ratios.render(dict(machine=meta, processes=3, results=[merged]))
+print(json.dumps([one, three]))
+"""
+
+
+def test_ratios_render_their_result_files():
+    res = _script("-c", _RENDER, cwd=BENCH)
+    assert res.returncode == 0, res.stderr[-3000:]
+    one, three = json.loads(res.stdout)
+    assert "### bfloat16, 2 threads" in one and "| 0.90 ✗ | ≤ 0.8 | 9.0 | 10.0 | 5 |" in one
+    assert "Page faults a timed call (median; attnkern / PyTorch): attention N=2048 softmax fwd 0 / 100." in one
+    assert "| 0.75 | 0.70–0.95 | ≤ 0.8 | 9.0 | 10.0 | 3 × 5 |" in three and "commit abc1234" in three
