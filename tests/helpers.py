@@ -1,8 +1,13 @@
-"""Helpers shared by the attention test files: inputs, masks, α per head,
-tolerances, the float64 oracle with α per head, and backend skips.
+"""Helpers shared by the attention test files: inputs, masks, α per head, the
+float64 oracle with α per head, assert_close with a tolerance dict, and
+backend skips.
 
-The row-wise normalizers' helpers (per-dtype TOLERANCES, score makers,
-assert_close, the dropout keep mask) are in the public attnkern.testing.
+No tolerance tables here: a kernel's result against the reference takes its
+bound from the one rule, attnkern.testing.tolerance(dtype, op, quantity,
+scale) (its TOLERANCES by "rowwise" / "attention" and "forward" /
+"gradient"); a test that keeps its own literal says why. The row-wise
+normalizers' helpers (score makers, assert_close, the dropout keep mask) are
+in the public attnkern.testing too.
 """
 
 from __future__ import annotations
@@ -15,25 +20,14 @@ import torch
 from attnkern.backends import reference
 from attnkern.family import NORMALIZERS, takes_alpha
 
-__all__ = ["NORMALIZERS", "ALPHAS", "KERNEL_ALPHAS", "TOL", "GRAD_TOL", "make_qkv", "attention_mask",
-           "kernel_mask", "alpha_for", "kernel_tol", "ref_attention", "assert_close_tol", "require_backend"]
+__all__ = ["NORMALIZERS", "ALPHAS", "KERNEL_ALPHAS", "make_qkv", "attention_mask", "kernel_mask", "alpha_for",
+           "ref_attention", "dalpha_tol", "assert_close_tol", "require_backend"]
 
 # α per head for "entmax": exact in float32 (the kernels take α in float32),
 # covering α < 1, the generic solver, α = 1.5 and 2 (exact families) and α > 2.
 ALPHAS = (1.25, 0.75, 1.5, 2.0, 1.75, 2.5, 1.125, 1.0)
 # The α per head of the Triton kernel tests (tests/test_triton.py).
 KERNEL_ALPHAS = (1.5, 2.0, 1.25, 1.0)
-
-# Forward / gradient tolerances (atol, rtol) of attnkern.attention against the
-# float64 reference, for inputs of unit scale.
-TOL = {torch.float64: (1e-9, 1e-7), torch.float32: (2e-5, 1e-4)}
-GRAD_TOL = {torch.float64: (1e-8, 1e-6), torch.float32: (1e-4, 1e-3)}
-
-
-def kernel_tol(dtype) -> dict:
-    """Tolerances of the Triton launchers against the float64 reference."""
-    return dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=2e-4, atol=4e-5)
-
 
 def make_qkv(B, H, Hk, L, S, E, Ev, dtype=torch.float32, *, noncontig=False, seed=0, spread=1.0,
              grad_out=False, device="cpu"):
@@ -118,10 +112,17 @@ def ref_attention(q, k, v, mask, causal, normalizer, alpha, scale=None, **kw):
                                alpha=None if alpha is None else alpha.view(-1, 1, 1), **kw)
 
 
+def dalpha_tol(tol, rows):
+    """The bound of dα, a sum over `rows` rows, from the gradient tolerance dict
+    `tol` (attnkern.testing.tolerance(dtype, "attention", "gradient", ...)):
+    atol times the row count, rtol at least 1e-4."""
+    return dict(atol=tol["atol"] * rows, rtol=max(tol["rtol"], 1e-4))
+
+
 def assert_close_tol(actual, expected, tol, what=""):
-    """assert_close in float64 with tol = (atol, rtol)."""
-    atol, rtol = tol
-    torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), atol=atol, rtol=rtol,
+    """assert_close in float64 with tol = dict(atol=..., rtol=...), as
+    attnkern.testing.tolerance returns it."""
+    torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), **tol,
                                msg=lambda m: f"{what}: {m}")
 
 

@@ -20,7 +20,7 @@ from helpers import NORMALIZERS, alpha_for, attention_mask, make_qkv, ref_attent
 import attnkern
 from attnkern import _extension, isa
 from attnkern.backends import reference
-from attnkern.testing import half_rule_bound
+from attnkern.testing import half_rule_bound, tolerance
 
 pytestmark = pytest.mark.skipif(not _extension.LOADED, reason="attnkern._C did not load")
 
@@ -197,7 +197,8 @@ def test_half_gemms_with_ties(normalizer, half):
     q, k, v = (torch.randint(-2, 3, (1, 2, n, 16), generator=g).to(dtype) for n in (70, 130, 130))
     out = attnkern.attention(q, k, v, normalizer=normalizer, scale=0.25, backend="cpu")
     exact = ref_attention(q.double(), k.double(), v.double(), None, False, normalizer, None, scale=0.25)
-    torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=1e-2)
+    # bfloat16's bound (the looser one) for both half types.
+    torch.testing.assert_close(out.double(), exact, **tolerance(torch.bfloat16, "attention", "forward"))
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15", "entmax"])
@@ -222,7 +223,9 @@ def test_half_gemms_thread_count_and_dropout(normalizer, half):
     float32_gemms()
     torch.manual_seed(11)
     dropped32 = attnkern.attention(q, k, v, dropout_p=0.3, **kw)
-    torch.testing.assert_close(dropped.float(), dropped32.float(), atol=3e-2, rtol=2e-2)
+    # Two kernels, each within bfloat16's bound (the looser one, for both half types): twice it.
+    torch.testing.assert_close(dropped.float(), dropped32.float(),
+                               **tolerance(torch.bfloat16, "attention", "forward", scale=2.0))
 
 
 def _grads(fn, inputs, go):
@@ -295,6 +298,7 @@ def test_half_gemm_gradients_thread_count_and_dropout(half):
     dropped32 = _grads(kern(0.25), (q, k, v), go)
     for a, b in zip(dropped, dropped32, strict=True):
         scale = b.float().abs().max().item()
+        # Relative to the largest gradient, kernel against kernel: not the reference rule's form.
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2 * scale, rtol=2e-2)
 
 

@@ -11,7 +11,7 @@ from torch.autograd import gradcheck
 
 import attnkern
 from attnkern.backends import reference as ref
-from attnkern.testing import DTYPES, assert_close, make_scores, mask_some, with_ties
+from attnkern.testing import DTYPES, assert_close, make_scores, mask_some, tolerance, with_ties
 
 ALPHAS = (0.5, 0.9, 1.0, 1.0001, 1.2, 1.3, 1.5, 1.7, 2.0, 2.5, 3.0)
 
@@ -484,7 +484,8 @@ def test_alpha_gradient_per_head_float32():
     ar = a.detach().double().requires_grad_()
     ref.entmax(x.double(), ar).backward(g.double())
     assert a.grad.shape == a.shape
-    torch.testing.assert_close(a.grad.double(), ar.grad, atol=1e-4, rtol=1e-3)
+    # dα sums over the 12 rows of its head: five times the row-wise gradient rule.
+    torch.testing.assert_close(a.grad.double(), ar.grad, **tolerance(torch.float32, "rowwise", "gradient", scale=5.0))
 
 
 # --- modules -------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _run(name, alpha, x, row_shape, backend):
 
 def _same(actual, expected):
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual, expected)
-    torch.testing.assert_close(actual, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(actual, expected, atol=1e-12, rtol=1e-12)  # one entry or none per row: no rounding
 
 
 @pytest.mark.parametrize("name,alpha", CASES, ids=CASE_IDS)
@@ -118,6 +118,7 @@ def test_alpha_far_below_one_sums_to_one_and_matches_the_kernel(alpha):
         p = ref.entmax(x, alpha)
         torch.testing.assert_close(p.sum(-1), torch.ones(4, dtype=torch.float64), atol=1e-14, rtol=0)
         kernel = attnkern.entmax(x, alpha, backend="auto")
+        # The reference and the kernel in float64 at these edges: to rounding, far below the rule.
         torch.testing.assert_close(p, kernel, atol=1e-14, rtol=1e-13, msg=lambda m, n=n: f"n={n}: {m}")
         if beta * math.log(n) >= _LOG_MAX - 1:
             # The ratio p_i / p_j differs from 1 by about β |x_i - x_j| / n^β,
@@ -127,6 +128,7 @@ def test_alpha_far_below_one_sums_to_one_and_matches_the_kernel(alpha):
             finite = torch.isfinite(x).to(torch.float64)
             torch.testing.assert_close(p, finite / finite.sum(-1, keepdim=True), atol=1e-15, rtol=1e-15,
                                        msg=lambda m, n=n: f"n={n}: {m}")
+            # A uniform row: float32's rounding of 1/n.
             torch.testing.assert_close(attnkern.entmax(x.float(), alpha), kernel.float(), atol=1e-7, rtol=0)
 
 
@@ -138,7 +140,7 @@ def test_alpha_far_below_one_backward_matches_the_kernel(alpha):
     got = torch.autograd.grad((ref.entmax(x, a) * w).sum(), (x, a))
     want = torch.autograd.grad((attnkern.entmax(x, a, backend="auto") * w).sum(), (x, a))
     for u, v in zip(got, want, strict=True):
-        torch.testing.assert_close(u, v, atol=1e-14, rtol=1e-10)
+        torch.testing.assert_close(u, v, atol=1e-14, rtol=1e-10)  # float64 reference and kernel: to rounding
 
 
 def test_rows_above_and_below_alpha_one_in_one_call():
