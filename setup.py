@@ -147,7 +147,9 @@ def extensions():
     cpu_sources = ["csrc/attnkern.cpp", "csrc/dispatch/cpu_dispatch.cpp"] + kernel_sources
     include_dirs = [str(ROOT / "csrc" / "include"), str(ROOT / "csrc" / "cpu")]
     levels = _isa_levels()
-    cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno"] + _level_flags("DEFAULT")
+    # -Werror=switch: a switch over an enum without `default:` must name every
+    # enumerator (math::Family: a new family cannot fall through unhandled).
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-Werror=switch"] + _level_flags("DEFAULT")
     cxx += [f"-DATTNKERN_CPU_{level}" for level in levels]
     print(f"attnkern: CPU kernels for DEFAULT{''.join(' + ' + level for level in levels)}")
     with_cuda, why = _want_cuda()
@@ -171,7 +173,7 @@ def extensions():
         define_macros=[("ATTNKERN_WITH_CUDA", "1")],
         extra_compile_args={
             "cxx": cxx,
-            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"],
+            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "-Xcompiler=-Werror=switch"],
         },
         extra_link_args=["-fopenmp"],
     )

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 
 from attnkern import _extension
 
+# The levels, lowest first: the C++ enum's (csrc/include/attnkern/cpu_kernels.h,
+# exported as _C.LEVELS) and setup.py's ISA_LEVELS after DEFAULT, which
+# tests/test_isa.py checks.
 LEVELS = ("DEFAULT", "AVX2", "AVX512")
 
 

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
 
 #include "attnkern/cpu_kernels.h"
 #include "attnkern/family.h"
@@ -99,10 +100,13 @@ PyObject* force_cpu_level(PyObject*, PyObject* arg) {
   if (arg != Py_None) {
     const char* name = PyUnicode_AsUTF8(arg);
     if (name == nullptr) return nullptr;
-    for (int l = 0; l < attnkern::cpu::kNumLevels; ++l)
+    std::string names;
+    for (int l = 0; l < attnkern::cpu::kNumLevels; ++l) {
       if (std::string(name) == kLevelNames[l]) level = l;
+      names += std::string(l ? ", " : "") + kLevelNames[l];
+    }
     if (level < 0) {
-      PyErr_Format(PyExc_ValueError, "attnkern: unknown CPU level %R (DEFAULT, AVX2 or AVX512)", arg);
+      PyErr_Format(PyExc_ValueError, "attnkern: unknown CPU level %R (one of %s)", arg, names.c_str());
       return nullptr;
     }
   }
@@ -122,21 +126,42 @@ PyMethodDef methods[] = {
 
 }  // namespace
 
+// A tuple of Python strings from n C strings; nullptr (with the error set) on failure.
+static PyObject* name_tuple(const char* const* names, int n) {
+  PyObject* t = PyTuple_New(n);
+  if (t == nullptr) return nullptr;
+  for (int i = 0; i < n; ++i) {
+    PyObject* s = PyUnicode_FromString(names[i]);
+    if (s == nullptr) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, i, s);
+  }
+  return t;
+}
+
 // A Python module so that `import attnkern._C` loads the library and runs the
-// registrations above; it also carries FAMILIES (family.h)
-// and the CPU dispatch functions above.
+// registrations above; it also carries FAMILIES (family.h), LEVELS
+// (cpu_kernels.h) and the CPU dispatch functions above.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "attnkern compiled ops", -1, methods};
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   // FAMILIES: the normalizer names in the order of their codes (math::Family),
-  // checked against attnkern/family.py by tests/test_family.py.
-  PyObject* names = PyTuple_New(attnkern::math::kNumFamilies);
-  if (names == nullptr) return nullptr;
-  for (int f = 0; f < attnkern::math::kNumFamilies; ++f)
-    PyTuple_SET_ITEM(names, f, PyUnicode_FromString(attnkern::math::kFamilyNames[f]));
-  if (PyModule_AddObject(m, "FAMILIES", names) < 0) {
-    Py_DECREF(names);
+  // checked against attnkern/family.py by tests/test_family.py; LEVELS: the
+  // instruction-set levels lowest first (cpu::Level), checked against
+  // attnkern/isa.py and setup.py by tests/test_isa.py.
+  const std::pair<const char*, PyObject*> tables[] = {
+      {"FAMILIES", name_tuple(attnkern::math::kFamilyNames, attnkern::math::kNumFamilies)},
+      {"LEVELS", name_tuple(attnkern::cpu::kLevelNames, attnkern::cpu::kNumLevels)}};
+  bool ok = true;
+  for (const auto& [name, value] : tables) {
+    if (ok && value != nullptr && PyModule_AddObject(m, name, value) == 0) continue;
+    ok = false;
+    Py_XDECREF(value);
+  }
+  if (!ok) {
     Py_DECREF(m);
     return nullptr;
   }

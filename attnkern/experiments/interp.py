@@ -19,14 +19,37 @@ import torch
 
 from attnkern.experiments.metrics import tvd
 
+# What the experiments' modules (and their tests) use from here.
 __all__ = [
-    "Encoded",
+    "add_model_arguments",
+    "by_max_attention",
+    "check_model_arguments",
     "decode",
+    "density_grid",
+    "draw_density",
     "encode_batch",
+    "Encoded",
     "gradient_importance",
+    "group_runs",
+    "instance_record",
+    "KDE_MIN_POINTS",
     "leave_one_out_importance",
+    "markdown_head",
+    "markdown_tail",
+    "max_attention_cell",
+    "max_attention_header",
+    "model_jobs",
+    "model_rows",
+    "n_seeds",
     "normalize_scores",
     "output_probs",
+    "panel_grid",
+    "run_model_jobs",
+    "scale_note",
+    "scatter_grid",
+    "test_batches",
+    "trained_from_config",
+    "write_result",
 ]
 
 

@@ -8,6 +8,8 @@
 // attention.cpp schedules the blocks over threads and holds the op glue.
 #pragma once
 
+#include "attnkern/isa_features.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -40,10 +42,9 @@ constexpr int64_t kBlockN = 64;
 // Below this fraction of non-zero probabilities in a block of rows, P·V and
 // the backward run entry by entry over the support (gathering rows of k and
 // v) instead of GEMMs over key blocks: a GEMM costs about 2·Ev flops per
-// (query, key) pair whatever p is, a support entry a few dozen vector ops.
-// Measured on a Zen 3 (AVX2), α-entmax attention at N = 2048, forward and
-// backward: entry by entry wins at 7% density (557 -> 430 ms) and 11%, the
-// GEMMs at 17%.
+// (query, key) pair whatever p is, a support entry a few dozen vector ops,
+// so entry by entry wins only on sparse blocks (the crossover lies between
+// 11% and 17% density).
 constexpr double kSparseDensity = 1.0 / 8;
 // The backward's work per call is split into at least this many tasks
 // (kv-heads x chunks of query blocks), whatever the thread count.
@@ -367,8 +368,8 @@ inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, int64_t ld,
 // (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]] (idx may be longer than
 // ptr[m]). Gives up (returns
 // false) once there are more than `limit` entries. One pass, by vector
-// compaction of the lane masks (a counting pass first made the block's
-// scores be read twice: 8% of entmax15 attention's forward).
+// compaction of the lane masks, so that the block's scores are read once (a
+// counting pass first would read them twice).
 template <typename acc_t>
 inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t ld, int64_t limit,
                             std::vector<int32_t>& idx, std::vector<int64_t>& ptr) {
@@ -416,12 +417,12 @@ inline Vec<acc_t> load_widened(const src_t* v) {
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 // accumulate_listed_cols for bfloat16 rows of V (NV even). A bfloat16 is
 // the high half of its float, so interleaving its words with zeros (one
 // shuffle per 16 values) widens them, where a zero-extension and a shift
-// took two vector operations: with one FMA each, the widening had been two
-// thirds of the P·V's work. The interleave leaves each 32 columns in the
+// take two vector operations, which beside one FMA each would be most of the
+// P·V's work. The interleave leaves each 32 columns in the
 // order {0-3, 8-11, 16-19, 24-27}, {4-7, 12-15, 20-23, 28-31}; the
 // accumulators keep it and the stores undo it.
 template <int NV>
@@ -466,12 +467,12 @@ inline void accumulate_listed_cols_bf16(const float* x, const int32_t* idx, int6
 #endif
 
 // accumulate_listed's columns [c, c + NV vectors): the even and the odd
-// entries go to two sets of accumulators, added at the end (one set is a
-// chain of dependent FMAs, which ran at half the FMA units' rate).
+// entries go to two sets of accumulators, added at the end (one set would
+// be a chain of dependent FMAs, which halves the FMA rate).
 template <int NV, typename acc_t, typename src_t>
 inline void accumulate_listed_cols(const acc_t* x, const int32_t* idx, int64_t cnt, const src_t* v, int64_t ldv,
                                    int64_t c, acc_t* o, bool accumulate) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if constexpr (std::is_same_v<src_t, c10::BFloat16> && NV % 2 == 0) {
     return accumulate_listed_cols_bf16<NV>(x, idx, cnt, v, ldv, c, o, accumulate);
   }
@@ -500,9 +501,9 @@ inline void accumulate_listed_cols(const acc_t* x, const int32_t* idx, int64_t c
 // o[0:ev] = Σ_t x[t] · v[idx[t], 0:ev] (row stride ldv) over a list of cnt
 // entries, o overwritten, or added to with `accumulate`; v in acc_t, or
 // bfloat16 / float16 for float (widened as read: half the cache lines to
-// gather). The columns run in register blocks of four vectors: an axpy per
-// entry carries o through a store and a reload each time (the sparse P·V
-// spent most of its time there).
+// gather). The columns run in register blocks of four vectors, which keep o
+// in registers across the entries, where an axpy per entry would carry o
+// through a store and a reload each time.
 template <typename acc_t, typename src_t>
 inline void accumulate_listed(const acc_t* x, const int32_t* idx, int64_t cnt, const src_t* v, int64_t ldv,
                               int64_t ev, acc_t* o, bool accumulate = false) {
@@ -529,7 +530,7 @@ inline acc_t dot(const acc_t* x, const acc_t* y, int64_t n) {
   return r;
 }
 
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX2)
 // Lane i of the result = the sum of a[i]'s lanes: a transposed horizontal sum
 // (six hadds, two permutes and an add for all eight), where eight separate
 // horizontal sums cost more than the dots they end when rows are short.
@@ -547,7 +548,7 @@ inline void dot8_rows(const float* x, const float* const* rows, int64_t n, float
   __m256 a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
   int64_t e = 0;
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if (n >= 16) {
     __m512 w[8];
     for (int i = 0; i < 8; ++i) w[i] = _mm512_setzero_ps();
@@ -583,7 +584,7 @@ template <typename acc_t>
 inline void dots_listed(const acc_t* x, const int32_t* idx, int64_t cnt, const acc_t* v, int64_t ldv, int64_t n,
                         acc_t* out) {
   int64_t t = 0;
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX2)
   if constexpr (std::is_same_v<acc_t, float>) {
     for (; t + 8 <= cnt; t += 8) {
       const float* rows[8];
@@ -651,18 +652,14 @@ constexpr int64_t kDecodeKeys = 512;
 // K (and in the backward V) are packed into key panels only for problems with
 // more query rows than this: each head's panels are a copy of S·E values (and
 // fresh memory), which a few query rows do not repay; those run their GEMMs
-// on K and V as they are (BLAS). Zen 4, 1 thread, forward and backward of
-// softmax and sparsemax at L = 1..16 with (B, H, S, E) = (32, 1, 20, 128),
-// (1, 8, 2048, 64), (4, 8, 512, 64): unpacked faster in every case (backward
-// at L = 1, S = 2048: 3.8 -> 0.33 ms sparsemax, 4.7 -> 1.5 softmax), about
-// even at L = 64.
+// on K and V as they are (BLAS).
 constexpr int64_t kPackRows = 16;
 
 using Runs = std::vector<std::pair<int64_t, int64_t>>;
 
-// Storage on 64-byte boundaries: with the scratch rows at whatever offset
-// the heap gave (a heap that never maps, as a long-running process's),
-// the compaction passes over the scores ran at half speed in some processes.
+// Storage on 64-byte boundaries, so that the speed of the compaction passes
+// over the scores does not depend on the offset the heap happens to give
+// (a heap that never maps, as a long-running process's).
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;

@@ -531,8 +531,8 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
   }
   // Else the entries regrouped by key (CSC; each key's rows in increasing
   // order): dk_j and dv_j take all of the block's terms in registers, read
-  // and written once per block instead of once per entry (the scattered
-  // axpys' stores were most of α = 1.3's backward). Which way a block goes
+  // and written once per block instead of once per entry (with scattered
+  // axpys, their stores would dominate the backward). Which way a block goes
   // depends on its entries alone, never on the thread count. A dropped entry
   // (keep 0) adds 0·dO_r.
   std::vector<int64_t>& start = ws.cstart;

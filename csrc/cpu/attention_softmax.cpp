@@ -5,6 +5,7 @@
 // product runs on the register-blocked kernel of tile_gemm.h over K and V
 // packed once per head, not on BLAS calls that would repack their operands at
 // every tile.
+#include "attnkern/isa_features.h"
 #include <tuple>
 
 #include "attention_problem.h"
@@ -53,7 +54,7 @@ inline void online_step(acc_t old, acc_t mx, acc_t sum, acc_t& m, acc_t& l, acc_
 // propagation (a compare and a blend a vector): a NaN may be lost here, and
 // the sum of the exponentials, NaN then, reports it.
 inline float row_max_loose(const float* y, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if (n >= 64) {
     __m512 a = _mm512_loadu_ps(y), b = _mm512_loadu_ps(y + 16), c = _mm512_loadu_ps(y + 32),
            d = _mm512_loadu_ps(y + 48);
@@ -98,7 +99,7 @@ float exp2_row_to_half_as(const float* y, int64_t wr, int64_t wk, float a, float
   return sum;
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+#if ATTNKERN_HAS(AVX512) && ATTNKERN_HAS(GNU_EXTENSIONS)
 // exp2_row_to_half_as for bfloat16 where cpu_has_avx512_bf16() (every AMX
 // CPU has the extension): vcvtne2ps2bf16 rounds two vectors in one
 // instruction (reduced_store.h says why the values are the same).
@@ -126,7 +127,7 @@ __attribute__((target("avx512bf16"))) float exp2_row_to_bf16_native(const float*
 
 inline float exp2_row_to_half(bool fp16, const float* y, int64_t wr, int64_t wk, float a, float b, h16* dst) {
   if (fp16) return exp2_row_to_half_as<c10::Half>(y, wr, wk, a, b, dst);
-#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+#if ATTNKERN_HAS(AVX512) && ATTNKERN_HAS(GNU_EXTENSIONS)
   if (cpu_has_avx512_bf16()) return exp2_row_to_bf16_native(y, wr, wk, a, b, dst);
 #endif
   return exp2_row_to_half_as<c10::BFloat16>(y, wr, wk, a, b, dst);
@@ -273,7 +274,7 @@ void backward_half_operands(const HalfGemm& g, const float* y, const float* d, i
                             const int64_t* lim, float a, const float* b, const float* delta, float scale,
                             h16* ppack, h16* dspack, h16* dsrows) {
   const int64_t wk = round_up_k(w);
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   const int64_t mk = round_up_k(m);
   const bool fp16 = g.fp16;
   const __m512 va = _mm512_set1_ps(a), vscale = _mm512_set1_ps(scale);
@@ -680,7 +681,7 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   // once for all the rows (BLAS calls on 1-row products cost more than they do).
   const acc_t* qr = P.q_rows(bi, h, i0);
   int64_t j = 0;
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX2)
   if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<kv_t, float>) {
     float s[8];
     for (; j + 8 <= w; j += 8)

@@ -12,10 +12,12 @@
 // torch.nn.functional.dropout and scaled_dot_product_attention do.
 #pragma once
 
+#include "attnkern/isa_features.h"
+
 #include <cmath>
 #include <cstdint>
 
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX2)
 #include <immintrin.h>
 #define ATTNKERN_DROPOUT_AVX2 1
 #endif

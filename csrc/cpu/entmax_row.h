@@ -16,6 +16,8 @@
 // support by ranks when that list is short (ranked_entmax15_shift).
 #pragma once
 
+#include "attnkern/isa_features.h"
+
 #include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
@@ -60,7 +62,7 @@ __attribute__((always_inline)) inline void add_shift_terms(const Vec<acc_t>& t, 
     sg += d;
     sh += V::blendv(vzero, vone, pos);
   } else {
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
     if constexpr (std::is_same_v<acc_t, float>) {
       if (b >= kFastPowMinB<float>) {
         // The same terms on one support mask (at::vec's compares and
@@ -535,12 +537,12 @@ inline void write_probs(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_t b, ac
   if (j < n) probs((load_tail(x + j, n - j, m) - vm) - vc).store(out + j, static_cast<int>(n - j));
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 // The positions (idx) of the entries of x[0:n] whose vector lane `keep`
 // selects, in order; returns their count. The pass compacts positions only
 // (one compression a vector, the positions advanced by an add, not
-// broadcast): it was bound by the shuffle port, which every compression and
-// broadcast takes; callers gather the values of the few entries kept
+// broadcast), since it is bound by the shuffle port, which every compression
+// and broadcast takes; callers gather the values of the few entries kept
 // (gather_listed_values).
 template <typename Keep>
 inline int64_t positions_where(const float* x, int64_t n, int32_t* idx, Keep keep) {
@@ -580,7 +582,7 @@ inline void gather_listed_values(const float* x, const int32_t* idx, int64_t k, 
 // of x[0:n] with y above `cut`; returns their count.
 template <typename acc_t>
 inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, acc_t* vals, int32_t* idx) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
     const __m512 vm = _mm512_set1_ps(m), vcut = _mm512_set1_ps(cut);
     const int64_t k = positions_where(x, n, idx, [&](__m512 v) {
@@ -620,7 +622,7 @@ inline int64_t positions_above(const acc_t* x, int64_t n, acc_t m, acc_t cut, ac
 template <typename acc_t>
 inline int64_t positions_above_scaled(const acc_t* x, int64_t n, acc_t m, acc_t scale, acc_t cut, acc_t* vals,
                                       int32_t* idx) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
     const float thr = (m + cut) / scale - 8 * std::numeric_limits<float>::epsilon() * (std::abs(m) + std::abs(cut)) / scale;
     const __m512 vthr = _mm512_set1_ps(thr), vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m);
@@ -646,12 +648,10 @@ inline int64_t positions_above_scaled(const acc_t* x, int64_t n, acc_t m, acc_t 
 // (widened to float for bfloat16 / half), positions to idx; returns their
 // count. dx may alias dp (each vector of dp is read before its zeros are
 // stored), not p. The pass streams p and dp in and dx out together, as the
-// dense backward does: scanning p alone, then gathering dp's lines and
-// filling dx, kept fewer memory requests in flight (a row of 1024 floats
-// from DRAM on a Zen 5: 0.44 µs that way, 0.35 µs fused; loading dp only
-// under the support stalled on each miss, prefetching all of it first cost
-// its bandwidth without the overlap). kValues = false: p's values are not
-// gathered (pk unused; sparsemax's backward needs only the positions).
+// dense backward does, so that more memory requests are in flight than when
+// p is scanned alone and dp's lines are gathered after it. kValues = false:
+// p's values are not gathered (pk unused; sparsemax's backward needs only
+// the positions).
 template <typename scalar_t, typename acc_t, bool kValues = true>
 inline int64_t support_entries(const scalar_t* p, const scalar_t* dp, scalar_t* dx, int64_t n, acc_t* pk,
                                acc_t* dpk, int32_t* idx) {
@@ -719,7 +719,7 @@ inline void write_probs_sparse(const acc_t* x, int64_t n, acc_t m, acc_t c, acc_
 template <typename acc_t>
 inline int64_t drop_zeros(const acc_t* p, int32_t* idx, int64_t k, acc_t norm, acc_t* out) {
   int64_t kept = 0, t = 0;
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
     const __m512 vnorm = _mm512_set1_ps(norm);
     for (; t + 16 <= k; t += 16) {
@@ -932,7 +932,7 @@ inline acc_t listed_probs(const acc_t* y, int64_t k, acc_t c, acc_t b, acc_t* p)
   const V vc(c), vb(b), vone(1), vzero(0);
   const acc_t inv_b = acc_t(1) / b;
   auto phi = [&](const V& v) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
     if constexpr (std::is_same_v<acc_t, float>) {
       if (b >= kFastPowMinB<float>) {  // (one support mask, as add_shift_terms)
         const __m512 d = _mm512_fmadd_ps(vb, _mm512_sub_ps(v, vc), vone);
@@ -1056,8 +1056,7 @@ inline int64_t listed_candidates(const acc_t* x, int64_t n, acc_t m, acc_t b, co
 // residual is small, the next point is not evaluated but written directly,
 // and accepted if its sum is within tolerance: on a random row of 1024 the
 // search costs two passes of powers over a few hundred candidates and the
-// write one over the support, where Newton's steps with a confirming
-// evaluation took four passes and the write.
+// write one over the support.
 template <typename acc_t>
 inline acc_t solve_generic_convex(const acc_t* x, int64_t n, acc_t m, acc_t b, acc_t* out, acc_t* cand,
                                   acc_t* work, int32_t* idx, const acc_t* lanes) {
@@ -1152,7 +1151,7 @@ inline acc_t ranked_entmax15_cut(const acc_t* y, int64_t k) {
     cnt[b] = sy[b] = sq[b] = V(0);
   }
   const V vone(1);
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
     // Masked adds (one instruction per sum), two entries per step on
     // separate sums so that the adds' latency is not the loop's.
@@ -1402,8 +1401,7 @@ inline bool backward_row_sparse(const scalar_t* p, const scalar_t* dp, scalar_t*
   static_assert(FAM != Family::kSoftmax, "softmax rows are dense");
   acc_t* g = gbuf;
   acc_t* dpk = gbuf + n;
-  // (sparsemax: g = 1 on the support, p's values are not needed; leaving
-  // them out took a tenth to a quarter off its backward on a Zen 4.)
+  // (sparsemax: g = 1 on the support, so p's values are not gathered.)
   const int64_t k = support_entries<scalar_t, acc_t, FAM != Family::kSparsemax>(p, dp, dx, n, g, dpk, idx);
   if (k == 0 || 4 * k > n) {
     // The dense passes take the row (k = 0: a NaN or empty row). dx is zero

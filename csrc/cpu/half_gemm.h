@@ -34,6 +34,8 @@
 // cannot run them; it is slow and only for testing.
 #pragma once
 
+#include "attnkern/isa_features.h"
+
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
@@ -46,7 +48,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512) && !defined(_MSC_VER)
+#if ATTNKERN_HAS(AVX512) && ATTNKERN_HAS(GNU_EXTENSIONS)
 #include <immintrin.h>
 #endif
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -191,7 +193,7 @@ struct HalfHardware {
 };
 
 inline HalfHardware half_hardware(bool fp16) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32) && \
+#if ATTNKERN_HAS(AVX512) && defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32) && \
     defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   __builtin_cpu_init();
   // AMX as oneDNN sees it (its ISA detection, ONEDNN_MAX_CPU_ISA included).
@@ -257,7 +259,7 @@ inline bool half_gemm_enabled(at::ScalarType dtype, HalfGemm* g = nullptr, const
   return true;
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 // dst row i (16 words at byte stride dst_stride) = word i of each of the 16
 // rows of src (byte stride src_stride): a 16 x 16 transpose of 32-bit words
 // in registers (unpacks of words and pairs, then of 128-bit lanes).
@@ -302,7 +304,7 @@ inline void pack_keys(bool vnni, const h16* src, int64_t S, int64_t E, int64_t l
       // a transpose of 32-bit words (memcpy: h16 rows need not be 4-aligned).
       for (int64_t jj0 = 0; jj0 < kVnniBlock; jj0 += 16) {
         int64_t e2 = 0;
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
         const int64_t j0 = t * kVnniBlock + jj0;
         if (j0 + 16 <= S)
           for (; e2 + 16 <= E / 2; e2 += 16)
@@ -342,7 +344,7 @@ inline void pack_values(bool vnni, const h16* src, int64_t S, int64_t Ev, int64_
         const h16* b = j + 1 < S ? src + (j + 1) * ld + c0 : nullptr;
         h16* out = blk + j * bw;
         int64_t c = 0;
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
         if (a && b)  // sixteen pairs at a time: a's values in the low halves of the words, b's in the high
           for (; c + 16 <= bw; c += 16) {
             const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
@@ -442,7 +444,7 @@ inline void transpose_half(const h16* x, int64_t m, int64_t d, int64_t ld, h16* 
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 // The bits of x rounded to bfloat16 or float16 (to nearest even; NaN stays
 // NaN), in the low half of each 32-bit lane.
 inline __m512i half_bits(__m512 x, bool fp16) {
@@ -474,7 +476,7 @@ inline void pack_rows(const HalfGemm& g, const float* y, int64_t m, int64_t w, i
       const float* a = y + i * ldy + c0;
       const float* b = i + 1 < m ? a + ldy : nullptr;
       int64_t c = 0;
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
       for (; c + 16 <= rest; c += 16) {
         const __m512i lo = half_bits(_mm512_loadu_ps(a + c), fp16);
         const __m512i hi = b ? half_bits(_mm512_loadu_ps(b + c), fp16) : _mm512_setzero_si512();

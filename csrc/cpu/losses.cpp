@@ -63,7 +63,7 @@ void loss_terms(const acc_t* p, const acc_t* x, int64_t n, acc_t m, acc_t b, acc
     case Family::kSoftmax: *entropy = -s; break;
     case Family::kSparsemax: *entropy = (acc_t(1) - s) / acc_t(2); break;
     case Family::kEntmax15: *entropy = (acc_t(1) - s) / acc_t(0.75); break;
-    default: *entropy = (acc_t(1) - s) / ((b + acc_t(1)) * b);
+    case Family::kGeneric: *entropy = (acc_t(1) - s) / ((b + acc_t(1)) * b); break;
   }
 }
 

@@ -47,10 +47,8 @@ template <typename acc_t>
 // in its low 12 bits waits for that store (4K aliasing), and the passes that
 // compact a row store into the scratch (left-packed candidates, support
 // entries, indices) at a few slowly moving addresses while they stream the
-// row: with the scratch at the row's offset modulo 4 KiB, sparsemax's
-// backward at [256, 32768] ran at half speed on a Zen 5 (the scratch moved
-// by 1 KiB: full speed), and which offset a process got depended on where
-// its allocations happened to land.
+// row: a scratch at the row's offset modulo 4 KiB stalls those loads, and
+// which offset a process gets depends on where its allocations land.
 struct RowScratch {
   static constexpr int64_t kSlackBytes = 4096;
   static constexpr int64_t kPlaceFrom = 4096;  // row length from which place() moves the scratch
@@ -70,10 +68,8 @@ struct RowScratch {
   // the middle of the largest gap, modulo 4 KiB, between those inputs'
   // offsets. O(1) a row.
   void place(std::initializer_list<const void*> rows) {
-    // Short rows keep the scratch where it is: at [4096, 1024] the placement
-    // measured slower than none at 2 threads (1.12 against 0.83 of
-    // torch.softmax, float32 sparsemax fwd+bwd), with a row's passes over
-    // in a few hundred loads.
+    // Short rows keep the scratch where it is: a row's passes are over in a
+    // few hundred loads, too few for the placement to pay for itself.
     if (n < kPlaceFrom) return;
     uint32_t res[4];
     int k = 0;
@@ -197,11 +193,9 @@ inline void normalize_row_alpha(const acc_t* x, int64_t n, acc_t b, acc_t* out, 
 // output in memory: once both lists are gathered, the rows themselves are
 // not read again, and the searches that follow touch only the lists, so
 // their cache lines are asked for then, to arrive while the searches run
-// (random rows of 1024 at α = 1.3 from DRAM, C++ harness on a Zen 5: 9%
-// faster; asking for them at the start of a row competed with its own
-// reads and was slower), a piece before each round (SpreadPrefetch: asked
-// for in one burst, the core waited on them, a quarter of the pair's time
-// on a Zen 4).
+// (at the start of a row they would compete with its own reads), a piece
+// before each round (SpreadPrefetch: in one burst, the core would wait on
+// them).
 template <typename acc_t>
 inline void normalize_generic_pair(const acc_t* x0, const acc_t* x1, int64_t n, acc_t b0, acc_t b1, acc_t* out0,
                                    acc_t* out1, RowScratch<acc_t>& s0, RowScratch<acc_t>& s1,

@@ -4,6 +4,8 @@
 // shifts, and a scope guard that flushes denormals.
 #pragma once
 
+#include "attnkern/isa_features.h"
+
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -93,7 +95,7 @@ inline int left_pack_index_scalar(int32_t* dst, int32_t j, int mask) {
   return k;
 }
 
-#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#if !ATTNKERN_HAS(AVX2)
 template <int lanes>
 inline int left_pack_index(int32_t* dst, int32_t j, int mask) {
   return left_pack_index_scalar<lanes>(dst, j, mask);
@@ -106,7 +108,7 @@ inline int lane_mask(const Vec<acc_t>& cmp) {
   return ~cmp.zero_mask() & ((1 << Vec<acc_t>::size()) - 1);
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
 struct LeftPackTable {
   alignas(32) int32_t idx[256][8];
   constexpr LeftPackTable() : idx() {
@@ -140,7 +142,7 @@ inline int lane_mask<float>(const Vec<float>& cmp) {
 }
 #endif
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 // AVX-512: compaction is vcompress into a register, then a plain store (the
 // compress-to-memory form is microcoded and slow on AMD Zen 4).
 template <>
@@ -202,7 +204,7 @@ inline int lane_mask<double>(const Vec<double>& cmp) {
 // more instructions in every compaction loop).
 template <typename acc_t>
 inline int gt_mask(const Vec<acc_t>& a, const Vec<acc_t>& b) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if constexpr (std::is_same_v<acc_t, float>) return _mm512_cmp_ps_mask(__m512(a), __m512(b), _CMP_GT_OQ);
   if constexpr (std::is_same_v<acc_t, double>) return _mm512_cmp_pd_mask(__m512d(a), __m512d(b), _CMP_GT_OQ);
 #endif
@@ -217,7 +219,7 @@ inline Vec<acc_t> recip(const Vec<acc_t>& d) {
   return Vec<acc_t>(acc_t(1)) / d;
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
 template <>
 inline Vec<float> recip<float>(const Vec<float>& dv) {
   __m256 d = __m256(dv);
@@ -226,7 +228,7 @@ inline Vec<float> recip<float>(const Vec<float>& dv) {
 }
 #endif
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 // AVX-512: the 14-bit estimate with one Newton-Raphson step (~1 ulp).
 template <>
 inline Vec<float> recip<float>(const Vec<float>& dv) {
@@ -257,7 +259,7 @@ inline Vec<acc_t> pow_unit(const Vec<acc_t>& d, acc_t e) {
 template <typename acc_t>
 constexpr acc_t kFastPowMinB = acc_t(1.0 / 32);
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 // AVX-512: log2 d = k + log2 m with getexp's k and getmant's m in [1, 2);
 // the top four bits of m's fraction pick r ≈ 1/m from a table (r = 1 for m
 // in [1, 17/16), so that log2 1 is 0 exactly; else the reciprocal of the
@@ -361,9 +363,8 @@ inline void prefetch_span(const char* p, int64_t bytes, bool write) {
 // The cache lines of a span (null: none) asked for a piece at a time
 // (step; rest: what is left), spread over work that does not touch memory.
 // Issued in one burst, a span of a few kilobytes fills the core's queue of
-// outstanding misses and the core waits on its own prefetches: a pair of
-// α-entmax rows of 1024 floats on a Zen 4 spent a quarter of its time in
-// such a burst (normalize_generic_pair).
+// outstanding misses and the core waits on its own prefetches
+// (normalize_generic_pair's next pair of rows).
 class SpreadPrefetch {
  public:
   SpreadPrefetch(const void* p, int64_t bytes, int pieces, bool write)
@@ -441,15 +442,15 @@ inline acc_t row_max(const acc_t* y, int64_t n, acc_t* lanes = nullptr) {
 // may also write it: scale_row_max). Four running maxima: at::vec::maximum
 // propagates NaN (a compare and a blend after the max), a chain too long for
 // one accumulator. At AVX-512 float the maxima are plain vmaxps and a NaN is
-// remembered in a mask instead (two of the four operations a vector took
-// were on the shuffle port).
+// remembered in a mask instead (at::vec's form puts two of its four
+// operations a vector on the shuffle port).
 template <typename acc_t, typename Load>
 inline acc_t row_max_by_blocks(const acc_t* y, int64_t n, acc_t* lanes, Load load) {
   using V = Vec<acc_t>;
   constexpr int64_t W = V::size();
   V v0 = load(0), v1 = load(W), v2 = load(2 * W), v3 = load(3 * W);
   int64_t j = 4 * W;
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if constexpr (std::is_same_v<acc_t, float>) {
     auto unordered = [](const V& v) { return _mm512_cmp_ps_mask(__m512(v), __m512(v), _CMP_UNORD_Q); };
     __mmask16 nan = unordered(v0) | unordered(v1) | unordered(v2) | unordered(v3);
@@ -520,7 +521,7 @@ inline acc_t scale_row_max(acc_t* y, int64_t n, acc_t scale, acc_t* lanes = null
 // vscalefps, which multiplies by 2^floor(t) itself: 7 operations where
 // exp_u20 takes about 20; elsewhere exp_u20.
 inline Vec<float> exp2_fast(const Vec<float>& t) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 p = _mm512_set1_ps(1.342679e-2f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.224231e-2f));
@@ -555,9 +556,9 @@ inline void convert_row(const src_t* src, dst_t* dst, int64_t n) {
 
 // row_max for a bfloat16 / half row: widens src[0:n] into dst[0:n] (float,
 // exact) and returns row_max(dst, n, lanes), with the same lanes, in the
-// same pass. Widening first and taking the max after read the row twice,
-// and the widening pass alone took a fifth of a bfloat16 entmax15 row's
-// forward on a Zen 4 (its stores, two vectors a load).
+// same pass. Widening first and taking the max after would read the row
+// twice, and a widening pass of its own is costly (its stores, two vectors
+// a load).
 template <typename scalar_t>
 inline float widen_row_max(const scalar_t* src, int64_t n, float* dst, float* lanes = nullptr) {
   static_assert(at::is_reduced_floating_point_v<scalar_t>, "bfloat16 / half rows");

@@ -20,6 +20,8 @@
 // AVX-512, 8 / 16 KiB at K = 128) stays in L1 while A streams from L2.
 #pragma once
 
+#include "attnkern/isa_features.h"
+
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -27,7 +29,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if (defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)) && !defined(_MSC_VER)
+#if ATTNKERN_HAS(AVX2) && ATTNKERN_HAS(GNU_EXTENSIONS)
 #include <immintrin.h>
 #endif
 
@@ -40,7 +42,7 @@ inline constexpr int64_t kPanel = 2 * at::vec::Vectorized<T>::size();
 // Rows of C a micro-kernel call keeps in registers (2 vectors each): 6 on
 // AVX2 (12 of its 16 vector registers), 8 on AVX-512 (16 of 32).
 inline constexpr int kMaxRows = 8;
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 inline constexpr int kRows = 8;
 #else
 inline constexpr int kRows = 6;
@@ -87,16 +89,15 @@ inline void micro_kernel(int64_t K, const T* __restrict A, int64_t ars, int64_t 
   }
 }
 
-#if (defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)) && !defined(_MSC_VER)
+#if ATTNKERN_HAS(AVX2) && ATTNKERN_HAS(GNU_EXTENSIONS)
 #define ATTNKERN_REG_GEMM 1
 // AVX2 and AVX-512, float and double: the same kernel with the accumulators
-// as named register values. GCC kept arrays of Vectorized<T> objects in stack
-// memory inside the extension, storing them back on every k step (a third of
-// the kernel's samples in perf) and zeroing them with rep stos at every call;
-// plain register variables it keeps in registers.
+// as named register values: GCC keeps those in registers, but arrays of
+// Vectorized<T> objects in stack memory inside the extension, storing them
+// back on every k step and zeroing them with rep stos at every call.
 template <typename R>
 struct Regs;
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 template <>
 struct Regs<float> {
   using reg = __m512;
@@ -262,10 +263,9 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t ars
 // row n. dst has round_up_panel(n) · d entries. Then Q·Kᵀ is tile_gemm with
 // B = dst, bs = kPanel, bps = d·kPanel.
 // Whole panels go as square blocks of a vector's width through ATen's
-// register transposes (float: 16 x 16 on AVX-512, 8 x 8 on AVX2), the rest
-// entry by entry (Zen 4, attention backward with B=32 S=20 E=128 and one
-// query row, packing K and V: 175 -> 127 µs against the entry-by-entry
-// gather).
+// register transposes (float: 16 x 16 on AVX-512, 8 x 8 on AVX2), which move
+// a vector at a time where an entry-by-entry gather moves one value; the
+// rest entry by entry.
 template <typename T>
 void pack_panels(const T* src, int64_t n, int64_t d, int64_t ld, T* dst) {
   constexpr int64_t NR = kPanel<T>;

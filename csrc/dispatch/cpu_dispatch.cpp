@@ -30,9 +30,9 @@ const KernelTable& kernel_table();
 namespace {
 
 Level level_named(const std::string& name) {
-  if (name == "AVX512") return Level::kAVX512;
-  if (name == "AVX2") return Level::kAVX2;
-  return Level::kDefault;  // DEFAULT, and every non-x86 level
+  for (int l = 0; l < kNumLevels; ++l)
+    if (name == kLevelNames[l]) return static_cast<Level>(l);
+  return Level::kDefault;  // every level of another architecture
 }
 
 struct Choice {

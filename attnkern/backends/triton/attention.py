@@ -23,9 +23,9 @@ from attnkern.family import ALPHA_GRAD_SERIES_BAND, NORMALIZERS, Family, acc_dty
 _MAX_ITER = 64
 # The smallest BLOCK_N of any configuration (sizes the key-block bitmask).
 _MIN_BLOCK_N = 16
-# Candidate sets per row in the threshold search (kernels._set_bounds). 8 sets saved
-# about one pass over K but took 2.5x as long to compile for sm_80 (213 s against 86 s for
-# the α-entmax forward); with 4 the passes stay within 7 (sparsemax, entmax15) and 8 (α).
+# Candidate sets per row in the threshold search (kernels._set_bounds). More sets save
+# little in passes over K and cost much compile time; with 4 the passes stay within 7
+# (sparsemax, entmax15) and 8 (α).
 _NSETS = 4
 
 

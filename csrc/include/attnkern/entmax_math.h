@@ -50,7 +50,7 @@ AK_HD acc_t entmax_phi(acc_t y, acc_t b, Family fam) {
       acc_t d = acc_t(1) + acc_t(0.5) * y;
       return d > acc_t(0) ? d * d : acc_t(0);
     }
-    default: {
+    case Family::kGeneric: {
       acc_t by = b * y;
       if (!(by > acc_t(-1))) {
         // b > 0: outside the support. b < 0: y = +inf cannot happen after the
@@ -60,6 +60,7 @@ AK_HD acc_t entmax_phi(acc_t y, acc_t b, Family fam) {
       return std::exp(std::log1p(by) / b);
     }
   }
+  __builtin_unreachable();
 }
 
 // g = p^(2-α) = p / d: the weight in the Jacobian-vector product, from p alone.
@@ -72,9 +73,10 @@ AK_HD acc_t entmax_g_from_p(acc_t p, acc_t b, Family fam) {
       return p > acc_t(0) ? acc_t(1) : acc_t(0);
     case Family::kEntmax15:
       return std::sqrt(p);
-    default:
+    case Family::kGeneric:
       return p > acc_t(0) ? std::exp((acc_t(1) - b) * std::log(p)) : acc_t(0);
   }
+  __builtin_unreachable();
 }
 
 // Bracket for the shift, relative to the row max m (scores y = z - m <= 0):

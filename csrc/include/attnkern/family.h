@@ -57,6 +57,10 @@ using FamilyTag = std::integral_constant<Family, FAM>;
 
 // fn(FamilyTag<FAM>{}) for the runtime family `fam`: the one place a runtime
 // family becomes a template argument (read it as `decltype(tag)::value`).
+// Switches over Family have no `default:`, so that a family added to the enum
+// and not handled is a compile error (-Werror=switch, setup.py); a Family
+// value comes only from family_of or from a checked name (never an integer
+// from Python).
 template <typename F>
 AK_HD decltype(auto) with_family(Family fam, F&& fn) {
   switch (fam) {
@@ -66,9 +70,10 @@ AK_HD decltype(auto) with_family(Family fam, F&& fn) {
       return fn(FamilyTag<Family::kSparsemax>{});
     case Family::kEntmax15:
       return fn(FamilyTag<Family::kEntmax15>{});
-    default:
+    case Family::kGeneric:
       return fn(FamilyTag<Family::kGeneric>{});
   }
+  __builtin_unreachable();
 }
 
 ATTNKERN_ISA_END

@@ -1,14 +1,16 @@
 // Float rows stored as bfloat16 / half in the CPU copies (round to nearest
 // even, as a scalar cast). bfloat16 has no conversion instruction in the
 // AVX-512 level the kernels are built for (F/BW/VL/DQ): ATen's vectors round
-// it with integer operations and a NaN blend, about 60 ns a row of 1024 on a
-// Zen 5, a sixth of an entmax15 row's forward. CPUs with the AVX512_BF16
-// extension (Zen 4 and 5, Cooper Lake, Sapphire Rapids and later; checked
-// when the op runs) round 32 values in one instruction (vcvtne2ps2bf16:
-// about 35 ns a row). It treats denormal floats as zero, which the kernels
-// never produce (they run with denormals flushed), and writes NaN as the
-// quiet NaN 0x7fc0. float16 has its conversion instruction at AVX2 already.
+// it with integer operations and a NaN blend, several operations a vector.
+// CPUs with the AVX512_BF16 extension (Zen 4 and 5, Cooper Lake, Sapphire
+// Rapids and later; checked when the op runs) round 32 values in one
+// instruction, used where present: vcvtne2ps2bf16, which treats denormal
+// floats as zero (the kernels never produce them: they run with denormals
+// flushed) and writes NaN as the quiet NaN 0x7fc0. float16 has its
+// conversion instruction at AVX2 already.
 #pragma once
+
+#include "attnkern/isa_features.h"
 
 #if !defined(__CUDACC__) && !defined(__HIPCC__)
 #include <ATen/cpu/vec/functional.h>
@@ -25,7 +27,7 @@ namespace attnkern {
 namespace cpu {
 ATTNKERN_ISA_BEGIN
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
 // Whether the CPU has AVX512_BF16 and ATTNKERN_NO_AVX512_BF16 is unset (it
 // makes the AVX512 copy round as it does on CPUs without the extension, so
 // that tests can run that path on any machine). Read once.
@@ -61,7 +63,7 @@ __attribute__((target("avx512bf16"))) inline void store_bf16_native(const float*
 template <typename scalar_t>
 inline void store_rounded(const float* src, int64_t n, float scale, scalar_t* dst) {
   static_assert(at::is_reduced_floating_point_v<scalar_t>, "bfloat16 / half rows");
-#if defined(CPU_CAPABILITY_AVX512)
+#if ATTNKERN_HAS(AVX512)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (cpu_has_avx512_bf16()) return store_bf16_native(src, n, scale, dst);
   }
