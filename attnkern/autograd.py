@@ -71,7 +71,8 @@ def _expm1_excess(x: torch.Tensor) -> torch.Tensor:
 
 
 def entmax_alpha_derivative(p: torch.Tensor, alpha: torch.Tensor, dim: int) -> torch.Tensor:
-    """∂p/∂α of α-entmax (float64, differentiable in p and α), from the output p.
+    """∂p/∂α of α-entmax (float64, differentiable in p and α), from the output p
+    (docs/algorithms.md, section 4, the formula the kernels' dα sums also take).
 
     With b = α - 1, g = p^(1-b), ĝ = g/Σg and H = -Σ p ln p the closed form is
     ∂p/∂α = (p - ĝ)/b² - (p ln p + ĝ H)/b, whose two terms are O(1/b) and

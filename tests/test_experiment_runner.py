@@ -17,9 +17,9 @@ TESTS = str(Path(__file__).parent)
 def importable(monkeypatch):
     """Worker processes import the job functions from this folder."""
     monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    import _exp_jobs
+    import _experiment_jobs
 
-    return _exp_jobs.square_job
+    return _experiment_jobs.square_job
 
 
 def jobs(xs, fail=()):
@@ -109,7 +109,6 @@ def test_parse_normalizer():
 
 
 def test_validate_common_options(tmp_path):
-    import argparse
 
     p = cli._Parser()
     cli.add_common_arguments(p)
@@ -126,4 +125,5 @@ def test_validate_common_options(tmp_path):
                         (["--out", str(tmp_path), "--backend", "cuda"], "--backend")]:
         with pytest.raises(cli.UsageError, match=match):
             cli.validate(p.parse_args(argv))
-    assert isinstance(ok, argparse.Namespace)
+    # validate() resolved --out to the directory it created, as a Path.
+    assert ok.out == tmp_path / "new"

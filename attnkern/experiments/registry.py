@@ -2,16 +2,16 @@
 options) and `run(args) -> dict` (writes OUT/<name>.json, OUT/<name>.md and PNG plots)."""
 
 EXPERIMENTS: dict[str, str] = {
-    "copy": "attnkern.experiments.copy_task",
-    "relevance": "attnkern.experiments.relevance",
-    "ktiw": "attnkern.experiments.ktiw",
-    "ibm1": "attnkern.experiments.ibm1",
-    "multihead": "attnkern.experiments.multihead",
+    "copy": "attnkern.experiments.dynamics.copy_task",
+    "relevance": "attnkern.experiments.dynamics.relevance",
+    "ktiw": "attnkern.experiments.dynamics.ktiw",
+    "ibm1": "attnkern.experiments.dynamics.ibm1",
+    "multihead": "attnkern.experiments.dynamics.multihead",
     # interpretability (Jain & Wallace; Wiegreffe & Pinter; Serrano & Smith)
-    "importance": "attnkern.experiments.importance",
-    "permutation": "attnkern.experiments.permutation",
-    "adversarial": "attnkern.experiments.adversarial",
-    "baselines": "attnkern.experiments.baselines",
-    "erasure": "attnkern.experiments.erasure",
-    "report": "attnkern.experiments.report",
+    "importance": "attnkern.experiments.interpret.importance",
+    "permutation": "attnkern.experiments.interpret.permutation",
+    "adversarial": "attnkern.experiments.interpret.adversarial",
+    "baselines": "attnkern.experiments.interpret.baselines",
+    "erasure": "attnkern.experiments.interpret.erasure",
+    "report": "attnkern.experiments.interpret.report",
 }

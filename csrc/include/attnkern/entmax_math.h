@@ -248,6 +248,8 @@ AK_HD double expm1_ratio(double x) {
   return x == 0.0 ? 1.0 : std::expm1(x) / x;
 }
 
+// The sums of a row's gradient in α, in the form of docs/algorithms.md, section 4
+// (the Triton backward and attnkern.autograd.entmax_alpha_derivative take the same).
 struct AlphaGradSums {
   // Σp, Σ p^(1-b), Σ p^(1-b) dp, Σ p dp, Σ p l, Σ p l dp (general and near
   // forms); Σ p Q, Σ p Q dp, Σ p R, Σ p R dp (near form only).

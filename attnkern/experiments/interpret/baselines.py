@@ -17,9 +17,9 @@ from dataclasses import asdict, replace
 import numpy as np
 import torch
 
-from attnkern.experiments import classifiers, interp
 from attnkern.experiments.common import md_table, pyplot, save_figure, sweep_block, write_outputs
-from attnkern.experiments.metrics import jsd, tvd
+from attnkern.experiments.interpret import classifiers, shared
+from attnkern.experiments.interpret.metrics import jsd, tvd
 
 NAME = "baselines"
 DEFAULT_LAMBDAS = (0.001, 0.01, 0.1, 1.0)
@@ -28,7 +28,7 @@ _FLOOR = 1e-12  # keeps log q finite where float32 softmax underflows to 0
 
 
 def add_arguments(parser) -> None:
-    interp.add_model_arguments(parser, instances_help="(unused: baselines evaluate the whole test split)")
+    shared.add_model_arguments(parser, instances_help="(unused: baselines evaluate the whole test split)")
     parser.add_argument("--lambdas", nargs="+", type=float, default=None,
                         help="λ of the deceptive models (default 0.001 0.01 0.1 1; 0.01 1 with --quick)")
 
@@ -152,7 +152,7 @@ def analyse(config: dict, seed: int) -> dict:
 
 def check_arguments(args) -> None:
     """ValueError naming the argument (the CLI checks before it creates the output directory)."""
-    interp.check_model_arguments(args)
+    shared.check_model_arguments(args)
     if args.lambdas is not None and any(not (lam >= 0 and math.isfinite(lam)) for lam in args.lambdas):
         raise ValueError(f"argument --lambdas: must be finite and >= 0, got {args.lambdas}")
 
@@ -162,10 +162,10 @@ def run(args) -> dict:
     lambdas = args.lambdas if args.lambdas is not None else ([0.01, 1.0] if args.quick else list(DEFAULT_LAMBDAS))
     # --quick: the deceptive models start from the trained base model, so one epoch already moves the attention
     deceptive_epochs = QUICK_DECEPTIVE_EPOCHS if args.quick else None
-    jobs = interp.model_jobs(args, NAME, extra={"lambdas": lambdas, "deceptive_epochs": deceptive_epochs})
-    sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
+    jobs = shared.model_jobs(args, NAME, extra={"lambdas": lambdas, "deceptive_epochs": deceptive_epochs})
+    sweep = shared.run_model_jobs(analyse, jobs, args, NAME)
     rows = []
-    for key, results in sorted(interp.group_runs(sweep).items()):
+    for key, results in sorted(shared.group_runs(sweep).items()):
         dataset, encoder, normalizer = key
         row = {"dataset": dataset, "encoder": encoder, "normalizer": normalizer, "seeds": len(results),
                "divergence": divergence_name(normalizer)}
@@ -179,7 +179,7 @@ def run(args) -> dict:
                                                        for k in ("accuracy", "tvd", "jsd", "divergence")}})
         rows.append(row)
     plots = _plot(rows, args.out)
-    result = {"experiment": NAME, "quick": args.quick, "instances": None, "seeds": interp.n_seeds(args),
+    result = {"experiment": NAME, "quick": args.quick, "instances": None, "seeds": shared.n_seeds(args),
               "lambdas": lambdas, "deceptive_epochs": deceptive_epochs, "rows": rows, "plots": plots,
               "sweep": sweep_block(sweep)}
     write_outputs(args.out, NAME, result, markdown(result))
@@ -207,7 +207,7 @@ def markdown(result: dict) -> str:
              "Test accuracy (macro-F1) with learned attention, frozen random attention and uniform attention "
              "(uniform does not depend on the normalizer). Wiegreffe & Pinter found that uniform weights often "
              "lose little, in which case attention is not needed for the task and says little about it.", "",
-             interp.scale_note(result), ""]
+             shared.scale_note(result), ""]
     body = [[r["dataset"], r["encoder"], r["normalizer"],
              f"{r['learned_accuracy']:.3f} ({r['learned_macro_f1']:.3f})",
              f"{r['random_accuracy']:.3f} ({r['random_macro_f1']:.3f})",
@@ -227,4 +227,4 @@ def markdown(result: dict) -> str:
                          f"{d['accuracy']:.3f}", f"{d['tvd']:.3f}", f"{d['jsd']:.3f}"])
     lines.append(md_table(["dataset", "encoder", "normalizer", "divergence", "λ", "acc", "TVD to base",
                            "JSD of attention"], body))
-    return interp.markdown_tail(lines, result)
+    return shared.markdown_tail(lines, result)

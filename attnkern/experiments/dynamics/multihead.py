@@ -26,7 +26,7 @@ from attnkern.experiments.common import (
     save_figure,
     write_dynamics_result,
 )
-from attnkern.experiments.seq2seq_train import copy_config, train_copy, train_multihead
+from attnkern.experiments.dynamics.seq2seq_train import copy_config, train_copy, train_multihead
 
 NAME = "multihead"
 QUICK = dict(length=20, hidden_dim=32, embed_dim=32, batch=64, steps=400, eval_every=25, eval_samples=50,

@@ -12,15 +12,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnkern.experiments import interp
 from attnkern.experiments.common import md_table
-from attnkern.experiments.metrics import tvd
+from attnkern.experiments.interpret import shared
+from attnkern.experiments.interpret.metrics import tvd
 
 NAME = "permutation"
 
 
 def add_arguments(parser) -> None:
-    interp.add_model_arguments(parser)
+    shared.add_model_arguments(parser)
     parser.add_argument("--permutations", type=int, default=100, help="permutations per instance (default 100)")
 
 
@@ -31,17 +31,17 @@ def median_change(weights: torch.Tensor, relevance: torch.Tensor, bias: torch.Te
     n = weights.shape[0]
     perms = torch.stack([torch.randperm(n, generator=gen) for _ in range(permutations)])
     permuted = weights[perms]  # (P, n)
-    out = interp.decode(permuted, relevance.unsqueeze(0).expand(permutations, -1, -1), bias)
+    out = shared.decode(permuted, relevance.unsqueeze(0).expand(permutations, -1, -1), bias)
     return float(tvd(out, probs.unsqueeze(0)).median())
 
 
 def analyse(config: dict, seed: int) -> dict:
-    trained = interp.trained_from_config(config)
+    trained = shared.trained_from_config(config)
     gen = torch.Generator().manual_seed(1000 + seed)
     per = {"pred": [], "max_attention": [], "median_change": [], "length": []}
-    for enc, _ in interp.test_batches(trained, config["instances"]):
+    for enc, _ in shared.test_batches(trained, config["instances"]):
         for i in range(enc.tokens.shape[0]):
-            n = interp.instance_record(per, enc, i)
+            n = shared.instance_record(per, enc, i)
             per["median_change"].append(median_change(enc.weights[i, :n], enc.relevance[i, :n], enc.bias,
                                                       enc.probs[i], config["permutations"], gen))
     return {"per_instance": per, "test_accuracy": trained.info["test_accuracy"]}
@@ -53,49 +53,49 @@ def summarize(per: dict) -> dict:
     out = {"instances": int(dy.size), "median_change_mean": float(dy.mean()),
            "median_change_median": float(np.median(dy)), "frac_change_below_0.01": float((dy < 0.01).mean()),
            "frac_change_above_0.1": float((dy > 0.1).mean()), "max_attention_mean": float(mx.mean())}
-    out["by_max_attention"] = interp.by_max_attention(mx, dy, "median_change_mean")
+    out["by_max_attention"] = shared.by_max_attention(mx, dy, "median_change_mean")
     return out
 
 
 def _plot(merged: dict, out) -> list[str]:
-    return interp.density_grid(merged, out, NAME, "max_attention", "median_change", "max attention",
+    return shared.density_grid(merged, out, NAME, "max_attention", "median_change", "max attention",
                                "median output change (TVD)", "permuted attention, encoder fixed: density of instances")
 
 
 def check_arguments(args) -> None:
     """ValueError naming the argument (the CLI checks before it creates the output directory)."""
-    interp.check_model_arguments(args)
+    shared.check_model_arguments(args)
     if args.permutations < 1:
         raise ValueError(f"argument --permutations: must be a positive int, got {args.permutations}")
 
 
 def run(args) -> dict:
     check_arguments(args)
-    jobs = interp.model_jobs(args, NAME, extra={"permutations": args.permutations})
-    sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
-    rows, merged = interp.model_rows(sweep, lambda key, per: summarize(per))
-    return interp.write_result(args, NAME, sweep, markdown, permutations=args.permutations, rows=rows,
+    jobs = shared.model_jobs(args, NAME, extra={"permutations": args.permutations})
+    sweep = shared.run_model_jobs(analyse, jobs, args, NAME)
+    rows, merged = shared.model_rows(sweep, lambda key, per: summarize(per))
+    return shared.write_result(args, NAME, sweep, markdown, permutations=args.permutations, rows=rows,
                                plots=_plot(merged, args.out))
 
 
 def markdown(result: dict) -> str:
-    lines = interp.markdown_head(
+    lines = shared.markdown_head(
         "Permuting attention (Jain & Wallace 2019, Algorithm 2 and Figure 6)",
         f"Each test instance's attention is permuted {result['permutations']} times with the encoder fixed; "
         "the statistic is the median output change TVD(ŷ^p, ŷ). The paper gives no table for this test, only "
         "density plots of the median change against the maximum attention, and concludes that such "
         "counterfactual attention often leaves the output unchanged. Our plots show, per model, the density "
         "of the test instances over maximum attention (x) and median change (y): Gaussian kernel-density "
-        f"contours from {interp.KDE_MIN_POINTS} instances on, a 2-D histogram below that. Embeddings are "
+        f"contours from {shared.KDE_MIN_POINTS} instances on, a 2-D histogram below that. Embeddings are "
         "trained from scratch.", result)
     body = []
     for r in result["rows"]:
-        bins = interp.max_attention_cell(r["by_max_attention"], "median_change_mean")
+        bins = shared.max_attention_cell(r["by_max_attention"], "median_change_mean")
         body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['accuracy']:.3f}",
                      f"{r['median_change_mean']:.3f}", f"{r['median_change_median']:.3f}",
                      f"{r['frac_change_below_0.01']:.2f}", f"{r['frac_change_above_0.1']:.2f}",
                      f"{r['max_attention_mean']:.2f}", bins])
     lines.append(md_table(["dataset", "encoder", "normalizer", "acc", "mean Δŷ_med", "median Δŷ_med",
                            "Δŷ_med < 0.01", "Δŷ_med > 0.1", "mean max a",
-                           interp.max_attention_header("mean Δŷ_med")], body))
-    return interp.markdown_tail(lines, result)
+                           shared.max_attention_header("mean Δŷ_med")], body))
+    return shared.markdown_tail(lines, result)

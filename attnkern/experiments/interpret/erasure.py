@@ -20,30 +20,30 @@ import math
 import numpy as np
 import torch
 
-from attnkern.experiments import interp
 from attnkern.experiments.common import md_table, pyplot, save_figure
+from attnkern.experiments.interpret import shared
 
 NAME = "erasure"
 ORDERS = ("attention", "random", "gradient", "gradient_x_attention")
 
 
 # The CLI checks these before it creates the output directory (run() checks them again).
-check_arguments = interp.check_model_arguments
+check_arguments = shared.check_model_arguments
 
 
 def add_arguments(parser) -> None:
-    interp.add_model_arguments(parser)
+    shared.add_model_arguments(parser)
 
 
-def attention_gradient(model, enc: interp.Encoded) -> torch.Tensor:
+def attention_gradient(model, enc: shared.Encoded) -> torch.Tensor:
     """∂ŷ_pred / ∂a_t (B, T): gradient of the decided class's probability with respect to each attention weight."""
     weights = enc.weights.detach().clone().requires_grad_(True)
-    probs = interp.decode(weights, enc.relevance, enc.bias)
+    probs = shared.decode(weights, enc.relevance, enc.bias)
     probs.gather(1, enc.pred.unsqueeze(1)).sum().backward()
     return weights.grad.detach()
 
 
-def rankings(model, enc: interp.Encoded, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def rankings(model, enc: shared.Encoded, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Removal order per ranking scheme: (B, T) indices, real positions first (highest score first)."""
     grad = attention_gradient(model, enc)
     keys = {"attention": enc.weights, "random": torch.rand(enc.weights.shape, generator=gen), "gradient": grad,
@@ -56,7 +56,7 @@ def rankings(model, enc: interp.Encoded, gen: torch.Generator) -> dict[str, torc
 
 
 @torch.no_grad()
-def erase_until_flip(model, enc: interp.Encoded, order: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def erase_until_flip(model, enc: shared.Encoded, order: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Remove items in ``order`` (B, T) until the decision changes. Returns, per instance, the number of items
     removed at the first flip (0 where it never flips with at least one item left) and the original attention
     mass those items held."""
@@ -73,8 +73,8 @@ def erase_until_flip(model, enc: interp.Encoded, order: torch.Tensor) -> tuple[n
         idx = order[:, step]
         removed[rows[active], idx[active]] = True
         keep = enc.mask & ~removed
-        weights = interp.normalize_scores(model, enc.scores, keep)
-        pred = interp.decode(weights, enc.relevance, enc.bias).argmax(-1)
+        weights = shared.normalize_scores(model, enc.scores, keep)
+        pred = shared.decode(weights, enc.relevance, enc.bias).argmax(-1)
         newly = active & (pred != enc.pred)
         flipped_at[newly] = step + 1
         mass[newly] = (enc.weights * removed).sum(1)[newly]
@@ -82,11 +82,11 @@ def erase_until_flip(model, enc: interp.Encoded, order: torch.Tensor) -> tuple[n
 
 
 def analyse(config: dict, seed: int) -> dict:
-    trained = interp.trained_from_config(config, frozen=True)
+    trained = shared.trained_from_config(config, frozen=True)
     model = trained.model
     gen = torch.Generator().manual_seed(2000 + seed)
     per = {"length": [], "support": [], **{f"{o}_items": [] for o in ORDERS}, **{f"{o}_mass": [] for o in ORDERS}}
-    for enc, _ in interp.test_batches(trained, config["instances"], batch_size=64):
+    for enc, _ in shared.test_batches(trained, config["instances"], batch_size=64):
         orders = rankings(model, enc, gen)
         per["length"] += enc.lengths.tolist()
         per["support"] += (enc.weights > 0).sum(1).tolist()
@@ -134,16 +134,16 @@ def _plot(rows: list[dict], out) -> list[str]:
 
 
 def run(args) -> dict:
-    interp.check_model_arguments(args)
-    jobs = interp.model_jobs(args, NAME)
-    sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
-    rows, _ = interp.model_rows(sweep, lambda key, per: summarize(per))
-    return interp.write_result(args, NAME, sweep, markdown, orders=list(ORDERS), rows=rows,
+    shared.check_model_arguments(args)
+    jobs = shared.model_jobs(args, NAME)
+    sweep = shared.run_model_jobs(analyse, jobs, args, NAME)
+    rows, _ = shared.model_rows(sweep, lambda key, per: summarize(per))
+    return shared.write_result(args, NAME, sweep, markdown, orders=list(ORDERS), rows=rows,
                                plots=_plot(rows, args.out))
 
 
 def markdown(result: dict) -> str:
-    lines = interp.markdown_head(
+    lines = shared.markdown_head(
         "Erasure until the decision flips (Serrano & Smith 2019)",
         "Items are removed in each order with the encoder fixed and the remaining attention renormalised "
         "by the model's normalizer. Per order: fraction of instances whose decision flips before one item "
@@ -163,4 +163,4 @@ def markdown(result: dict) -> str:
                      f"{r['support_mean']:.1f}", *cells])
     lines.append(md_table(["dataset", "encoder", "normalizer", "acc", "length", "support",
                            *[f"{n.replace('_', ' ')}: flips / items / mass" for n in ORDERS]], body))
-    return interp.markdown_tail(lines, result)
+    return shared.markdown_tail(lines, result)

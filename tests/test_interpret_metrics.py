@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnkern.experiments.metrics import (
+from attnkern.experiments.interpret.metrics import (
     KendallResult,
     jsd,
     kendall_tau,

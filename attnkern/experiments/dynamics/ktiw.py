@@ -144,7 +144,7 @@ def train_pair(config: dict, seed: int) -> dict:
     rng = np.random.default_rng(1000 + seed)
     ibm1_post, ibm1_info = None, None
     if config.get("ibm1"):
-        from attnkern.experiments.ibm1_model import ibm1_posteriors
+        from attnkern.experiments.dynamics.ibm1_model import ibm1_posteriors
 
         ibm1_post, ibm1_info = fit_ibm1(data, config)
         s, sm, _, t, _ = data.probe
@@ -164,7 +164,7 @@ def train_pair(config: dict, seed: int) -> dict:
 def fit_ibm1(data: PairData, config: dict):
     """IBM Model 1 on the training pairs (a fresh sample of the copy task, or the
     en-de training split); its alignment accuracy on the probe where gold is known."""
-    from attnkern.experiments.ibm1_model import ibm1_posteriors, train_ibm1
+    from attnkern.experiments.dynamics.ibm1_model import ibm1_posteriors, train_ibm1
 
     if data.dataset.startswith("copy-"):
         s, sm, _, t, tm = data._copy(config["ibm1_pairs"], torch.Generator().manual_seed(7))

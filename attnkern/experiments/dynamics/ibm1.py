@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnkern.experiments import ktiw
 from attnkern.experiments.common import (
     common_config,
     fmt_mean_std,
@@ -26,6 +25,7 @@ from attnkern.experiments.common import (
     sweep_block,
     write_dynamics_result,
 )
+from attnkern.experiments.dynamics import ktiw
 
 NAME = "ibm1"
 DATASETS = ktiw.DATASETS

@@ -8,14 +8,16 @@ import os
 import numpy as np
 import pytest
 import torch
-from _interp_data import make_cache
+from _interpret_data import make_cache
+from helpers import run_experiment
 
-from attnkern.experiments import cli, interp
-from attnkern.experiments.adversarial import adversarial_attention
-from attnkern.experiments.erasure import erase_until_flip
-from attnkern.experiments.metrics import tvd
+from attnkern.experiments import cli
+from attnkern.experiments.interpret import shared
+from attnkern.experiments.interpret.adversarial import adversarial_attention
+from attnkern.experiments.interpret.erasure import erase_until_flip
+from attnkern.experiments.interpret.metrics import tvd
+from attnkern.experiments.interpret.permutation import median_change
 from attnkern.experiments.models import AttentionClassifier
-from attnkern.experiments.permutation import median_change
 
 COMMON = ["--quick", "--dataset", "tweets", "--encoders", "average", "--normalizers", "softmax", "sparsemax",
           "--instances", "6", "--no-progress"]
@@ -34,12 +36,8 @@ def out(tmp_path_factory):
 
 
 def _run(name, out, *extra):
-    rc = cli.main([name, "--out", str(out), *COMMON, *extra])
-    assert rc == 0
-    result = json.loads((out / f"{name}.json").read_text())
-    assert (out / f"{name}.md").read_text().startswith("# ")
-    for png in result["plots"]:
-        assert (out / png).stat().st_size > 0
+    result, md = run_experiment(name, out, *COMMON, *extra)
+    assert md.startswith("# ")
     return result
 
 
@@ -149,8 +147,8 @@ def _batch():
 def test_gradient_importance_matches_autograd():
     model = _tiny_model()
     tokens, mask = _batch()
-    enc = interp.encode_batch(model, tokens, mask)
-    got = interp.gradient_importance(model, enc)
+    enc = shared.encode_batch(model, tokens, mask)
+    got = shared.gradient_importance(model, enc)
     for i in range(2):
         emb = model.embed(tokens[i:i + 1]).detach().requires_grad_(True)
         out = model(tokens[i:i + 1], mask[i:i + 1], weights=enc.weights[i:i + 1], embeddings=emb)
@@ -163,21 +161,21 @@ def test_gradient_importance_matches_autograd():
 def test_leave_one_out_matches_explicit_removal():
     model = _tiny_model()
     tokens, mask = _batch()
-    enc = interp.encode_batch(model, tokens, mask)
-    loo = interp.leave_one_out_importance(model, enc)
+    enc = shared.encode_batch(model, tokens, mask)
+    loo = shared.leave_one_out_importance(model, enc)
     assert [x.shape[0] for x in loo] == [5, 3]
     x = tokens[1, :3]
     for t in range(3):
         rest = torch.cat([x[:t], x[t + 1:]]).unsqueeze(0)
-        p = interp.output_probs(model, rest, torch.ones_like(rest, dtype=torch.bool))
+        p = shared.output_probs(model, rest, torch.ones_like(rest, dtype=torch.bool))
         assert float(loo[1][t]) == pytest.approx(float(tvd(p[0], enc.probs[1])), abs=1e-6)
 
 
 def test_encoded_decode_reproduces_the_model():
     model = _tiny_model("sparsemax", "cnn")
     tokens, mask = _batch()
-    enc = interp.encode_batch(model, tokens, mask)
-    assert torch.allclose(enc.probs, interp.output_probs(model, tokens, mask), atol=1e-6)
+    enc = shared.encode_batch(model, tokens, mask)
+    assert torch.allclose(enc.probs, shared.output_probs(model, tokens, mask), atol=1e-6)
     assert (enc.weights[1, 3:] == 0).all()
 
 
@@ -186,13 +184,13 @@ def test_permuting_uniform_attention_changes_nothing():
     relevance = torch.randn(6, 3)
     bias = torch.zeros(3)
     w = torch.full((6,), 1 / 6)
-    probs = interp.decode(w, relevance, bias)
+    probs = shared.decode(w, relevance, bias)
     assert median_change(w, relevance, bias, probs, 50, gen) == pytest.approx(0.0, abs=1e-7)
     # one-hot attention on a decisive item: most permutations move the mass elsewhere
     w = torch.tensor([1.0, 0, 0, 0, 0, 0])
     relevance = torch.zeros(6, 2)
     relevance[0] = torch.tensor([5.0, 0.0])
-    probs = interp.decode(w, relevance, torch.zeros(2))
+    probs = shared.decode(w, relevance, torch.zeros(2))
     assert median_change(w, relevance, torch.zeros(2), probs, 50, gen) > 0.4
 
 
@@ -200,8 +198,8 @@ def _hand_encoded(model, weights, relevance):
     scores = torch.log(weights).unsqueeze(0)
     mask = torch.ones_like(scores, dtype=torch.bool)
     w = weights.unsqueeze(0)
-    probs = interp.decode(w, relevance.unsqueeze(0), torch.zeros(relevance.shape[1]))
-    return interp.Encoded(torch.ones_like(mask, dtype=torch.long), mask, torch.zeros(1, 3, 8), scores, w,
+    probs = shared.decode(w, relevance.unsqueeze(0), torch.zeros(relevance.shape[1]))
+    return shared.Encoded(torch.ones_like(mask, dtype=torch.long), mask, torch.zeros(1, 3, 8), scores, w,
                           relevance.unsqueeze(0), torch.zeros(relevance.shape[1]), probs, probs.argmax(-1))
 
 
@@ -224,7 +222,7 @@ def test_adversarial_candidates_stay_in_the_family(normalizer):
     for p in model.parameters():
         p.requires_grad_(False)
     tokens, mask = _batch()
-    enc = interp.encode_batch(model, tokens, mask)
+    enc = shared.encode_batch(model, tokens, mask)
     alpha, change, dist = adversarial_attention(model, enc, k=3, epsilon=0.01, steps=60, penalty=100.0)
     assert alpha.shape == (2, 3, 5)
     assert torch.allclose(alpha.sum(-1), torch.ones(2, 3), atol=1e-5)
@@ -242,12 +240,12 @@ def test_density_panel_is_a_kde_with_enough_spread_points_else_a_histogram():
     rng = np.random.default_rng(0)
     x, y = rng.uniform(0, 1, 200), rng.uniform(0, 0.3, 200)
     cases = [(x, y, "kde"),
-             (x[:interp.KDE_MIN_POINTS - 1], y[:interp.KDE_MIN_POINTS - 1], "histogram"),  # too few instances
+             (x[:shared.KDE_MIN_POINTS - 1], y[:shared.KDE_MIN_POINTS - 1], "histogram"),  # too few instances
              (np.ones(200), y, "histogram"),  # one-hot attention everywhere: no spread in max attention
              (x, 0.2 * x, "histogram")]  # all on one line: no 2-D density
     for xs, ys, kind in cases:
         fig, ax = plt.subplots()
-        assert interp.draw_density(ax, xs, ys, (0.0, 1.0), (0.0, 0.3)) == kind
+        assert shared.draw_density(ax, xs, ys, (0.0, 1.0), (0.0, 0.3)) == kind
         assert ax.collections, kind
         if kind == "histogram":  # every instance falls in one cell
             assert ax.collections[-1].get_array().sum() == len(xs)
@@ -260,7 +258,7 @@ def test_density_grid_writes_one_figure_per_dataset(tmp_path):
     few = {"max_attention": [1.0, 1.0, 0.5], "median_change": [0.0, 0.1, 0.05]}
     merged = {("tweets", "average", "softmax"): per, ("tweets", "average", "sparsemax"): few,
               ("tweets", "cnn", "softmax"): per, ("bbc", "average", "softmax"): per}
-    files = interp.density_grid(merged, tmp_path, "permutation", "max_attention", "median_change", "max attention",
+    files = shared.density_grid(merged, tmp_path, "permutation", "max_attention", "median_change", "max attention",
                                 "median output change", "test")
     assert files == ["permutation_bbc.png", "permutation_tweets.png"]
     for name in files:

@@ -17,10 +17,10 @@ import math
 
 import numpy as np
 
-from attnkern.experiments import interp
-from attnkern.experiments.classifiers import DATASETS
 from attnkern.experiments.common import md_table
-from attnkern.experiments.metrics import KendallResult, kendall_tau, summarize_kendall, topk_agreement
+from attnkern.experiments.interpret import shared
+from attnkern.experiments.interpret.classifiers import DATASETS
+from attnkern.experiments.interpret.metrics import KendallResult, kendall_tau, summarize_kendall, topk_agreement
 
 NAME = "importance"
 TOPK = (1, 2, 3, 4, 5)
@@ -44,22 +44,22 @@ PAPER_TABLE2 = {
 
 
 # The CLI checks these before it creates the output directory (run() checks them again).
-check_arguments = interp.check_model_arguments
+check_arguments = shared.check_model_arguments
 
 
 def add_arguments(parser) -> None:
-    interp.add_model_arguments(parser)
+    shared.add_model_arguments(parser)
 
 
 def analyse(config: dict, seed: int) -> dict:
     """One trained model: per-instance τ (gradient, leave-one-out, on the support), support sizes, top-k."""
-    trained = interp.trained_from_config(config)
+    trained = shared.trained_from_config(config)
     model = trained.model
     per = {"pred": [], "label": [], "length": [], "support": [], "grad": [], "loo": [], "grad_supp": [],
            "loo_supp": [], "topk_grad": [], "topk_loo": []}
-    for enc, labels in interp.test_batches(trained, config["instances"]):
-        grad = interp.gradient_importance(model, enc)
-        loo = interp.leave_one_out_importance(model, enc)
+    for enc, labels in shared.test_batches(trained, config["instances"]):
+        grad = shared.gradient_importance(model, enc)
+        loo = shared.leave_one_out_importance(model, enc)
         for i in range(enc.tokens.shape[0]):
             n = int(enc.lengths[i])
             a = enc.weights[i, :n].double().numpy()
@@ -142,22 +142,22 @@ def _plot(merged_by_key: dict, out) -> list[str]:
             if len(vals):
                 ax.hist(vals, bins=20, range=(-1, 1), alpha=0.6, label=f"pred {cls}")
 
-    return interp.panel_grid(merged_by_key, out, NAME, "τ(attention, gradient importance) by predicted class", draw,
+    return shared.panel_grid(merged_by_key, out, NAME, "τ(attention, gradient importance) by predicted class", draw,
                              "Kendall τ (attention, gradient)", sharey=False, panel_height=2.4)
 
 
 def run(args) -> dict:
-    interp.check_model_arguments(args)
-    jobs = interp.model_jobs(args, NAME)
-    sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
+    shared.check_model_arguments(args)
+    jobs = shared.model_jobs(args, NAME)
+    sweep = shared.run_model_jobs(analyse, jobs, args, NAME)
 
     def fields(key, per):
         preds = np.asarray(per["pred"])
         by_class = {str(c): summarize(per, preds == c) for c in sorted(set(preds.tolist()))}
         return {**summarize(per), "by_class": by_class, "paper_rows": list(DATASETS[key[0]].paper_rows)}
 
-    rows, merged_by_key = interp.model_rows(sweep, fields)
-    return interp.write_result(
+    rows, merged_by_key = shared.model_rows(sweep, fields)
+    return shared.write_result(
         args, NAME, sweep, markdown, rows=rows, plots=_plot(merged_by_key, args.out),
         notes=["embeddings trained from scratch (the paper used pretrained word vectors)",
                "Kendall tau-b from scipy.stats; undefined tau (fewer than 2 tokens, constant vector) "
@@ -166,7 +166,7 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = interp.markdown_head(
+    lines = shared.markdown_head(
         "Attention vs. gradient and leave-one-out importance (Jain & Wallace 2019, Table 2)",
         "Kendall τ-b between attention and each importance per test instance: mean ± std over instances, "
         "(fraction significant at p ≤ 0.05). Our datasets stand beside the paper's nearest rows: Rotten "
@@ -207,4 +207,4 @@ def markdown(result: dict) -> str:
                      " / ".join(f"{r['loo_topk'][str(k)]:.2f}" for k in TOPK)])
     lines.append(md_table(["dataset", "encoder", "normalizer", "length", "support", "support/len",
                            "τ_g support", "τ_loo support", "no τ", "top-1…5 gradient", "top-1…5 loo"], body))
-    return interp.markdown_tail(lines, result)
+    return shared.markdown_tail(lines, result)

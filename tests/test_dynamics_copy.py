@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnkern.experiments import cli
-from attnkern.experiments.seq2seq_train import train_copy
+from attnkern.experiments.dynamics.seq2seq_train import train_copy
 
 
 def test_copy_end_to_end_tiny(tmp_path, capsys):
@@ -77,7 +77,7 @@ def test_copy_quick_iid_beats_permutation(tmp_path):
 
 
 def test_failed_runs_are_named_and_the_others_kept(tmp_path, monkeypatch, capsys):
-    from attnkern.experiments import copy_task
+    from attnkern.experiments.dynamics import copy_task
 
     real = copy_task.train_copy
 

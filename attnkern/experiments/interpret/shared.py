@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkern.experiments.metrics import tvd
+from attnkern.experiments.interpret.metrics import tvd
 
 # What the experiments' modules (and their tests) use from here.
 __all__ = [
@@ -165,7 +165,7 @@ def leave_one_out_importance(model, enc: Encoded, chunk: int = 256) -> list[torc
 
 def add_model_arguments(parser, instances_help: str = "test instances analysed per model") -> None:
     """The options every interpretability experiment shares (the CLI adds --out, --quick, --seeds, ...)."""
-    from attnkern.experiments.classifiers import DATASETS, ENCODERS
+    from attnkern.experiments.interpret.classifiers import DATASETS, ENCODERS
 
     parser.add_argument("--dataset", "--datasets", dest="datasets", nargs="+", default=list(DATASETS),
                         help=f"datasets ({', '.join(DATASETS)})")
@@ -176,7 +176,7 @@ def add_model_arguments(parser, instances_help: str = "test instances analysed p
 
 def check_model_arguments(args) -> None:
     """ValueError naming the argument for bad --dataset / --encoders / --instances."""
-    from attnkern.experiments.classifiers import DATASETS, ENCODERS, check_choices
+    from attnkern.experiments.interpret.classifiers import DATASETS, ENCODERS, check_choices
 
     args.datasets = check_choices(args.datasets, DATASETS, "argument --dataset")
     args.encoders = check_choices(args.encoders, ENCODERS, "argument --encoders")
@@ -201,7 +201,7 @@ def model_jobs(args, experiment: str, extra: dict | None = None, normalizers=Non
     :class:`TrainConfig`, the output folder (where the models are cached) and the analysis options."""
     from dataclasses import asdict
 
-    from attnkern.experiments.classifiers import train_config
+    from attnkern.experiments.interpret.classifiers import train_config
     from attnkern.experiments.runner import Job
 
     jobs = []
@@ -228,7 +228,7 @@ def run_model_jobs(fn, jobs, args, experiment: str):
 def trained_from_config(config: dict, frozen: bool = False):
     """The trained classifier of a job's config (trained now, or loaded from the model cache); with ``frozen``,
     its parameters no longer require grad (for analyses that differentiate through attention only)."""
-    from attnkern.experiments.classifiers import TrainConfig, get_classifier
+    from attnkern.experiments.interpret.classifiers import TrainConfig, get_classifier
 
     trained = get_classifier(TrainConfig(**config["train"]), config["out"])
     if frozen:
@@ -362,8 +362,8 @@ def panel_grid(merged: dict, out, experiment: str, title: str, draw, x_label: st
     """One figure per dataset, OUT/<experiment>_<dataset>.png, with a panel per (encoder, normalizer) (rows:
     encoders, columns: normalizers; a missing model leaves its panel empty) drawn by ``draw(ax, key, per)``.
     merged: {(dataset, encoder, normalizer): per-instance lists}. Returns the file names."""
-    from attnkern.experiments.classifiers import DATASETS
     from attnkern.experiments.common import pyplot, save_figure
+    from attnkern.experiments.interpret.classifiers import DATASETS
 
     plt = pyplot()
     files = []

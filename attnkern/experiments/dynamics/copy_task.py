@@ -32,7 +32,7 @@ from attnkern.experiments.common import (
     write_outputs,
 )
 from attnkern.experiments.data.synthetic import COPY_DISTRIBUTIONS
-from attnkern.experiments.seq2seq_train import copy_config, train_copy
+from attnkern.experiments.dynamics.seq2seq_train import copy_config, train_copy
 
 NAME = "copy"
 

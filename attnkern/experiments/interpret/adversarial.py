@@ -17,16 +17,16 @@ import math
 import numpy as np
 import torch
 
-from attnkern.experiments import interp
 from attnkern.experiments.common import md_table
-from attnkern.experiments.metrics import jsd, tvd
+from attnkern.experiments.interpret import shared
+from attnkern.experiments.interpret.metrics import jsd, tvd
 
 NAME = "adversarial"
 LN2 = math.log(2.0)
 
 
 def add_arguments(parser) -> None:
-    interp.add_model_arguments(parser)
+    shared.add_model_arguments(parser)
     parser.add_argument("--k", type=int, default=5, help="adversarial distributions per instance (default 5)")
     parser.add_argument("--epsilon", type=float, default=0.01, help="allowed output change, TVD (default 0.01)")
     parser.add_argument("--steps", type=int, default=500, help="Adam steps (default 500)")
@@ -35,7 +35,7 @@ def add_arguments(parser) -> None:
                         help="weight of the output change beyond epsilon in the relaxed objective (default 100)")
 
 
-def adversarial_attention(model, enc: interp.Encoded, k: int = 5, epsilon: float = 0.01, steps: int = 500,
+def adversarial_attention(model, enc: shared.Encoded, k: int = 5, epsilon: float = 0.01, steps: int = 500,
                           lr: float = 0.01, penalty: float = 100.0, seed: int = 0):
     """k adversarial attention distributions per instance of a batch.
 
@@ -53,8 +53,8 @@ def adversarial_attention(model, enc: interp.Encoded, k: int = 5, epsilon: float
     rel = enc.relevance.unsqueeze(1)  # (B, 1, T, C)
     pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
     for _ in range(steps):
-        alpha = interp.normalize_scores(model, z.reshape(B * k, T), mask).view(B, k, T)
-        probs = interp.decode(alpha, rel.expand(B, k, T, -1), enc.bias)
+        alpha = shared.normalize_scores(model, z.reshape(B * k, T), mask).view(B, k, T)
+        probs = shared.decode(alpha, rel.expand(B, k, T, -1), enc.bias)
         change = tvd(probs, enc.probs.unsqueeze(1))
         far = jsd(alpha, orig).sum(1)
         if pairs:
@@ -65,23 +65,23 @@ def adversarial_attention(model, enc: interp.Encoded, k: int = 5, epsilon: float
         loss.backward()
         opt.step()
     with torch.no_grad():
-        alpha = interp.normalize_scores(model, z.reshape(B * k, T), mask).view(B, k, T)
-        probs = interp.decode(alpha, rel.expand(B, k, T, -1), enc.bias)
+        alpha = shared.normalize_scores(model, z.reshape(B * k, T), mask).view(B, k, T)
+        probs = shared.decode(alpha, rel.expand(B, k, T, -1), enc.bias)
         return alpha, tvd(probs, enc.probs.unsqueeze(1)), jsd(alpha, orig)
 
 
 def analyse(config: dict, seed: int) -> dict:
-    trained = interp.trained_from_config(config, frozen=True)
+    trained = shared.trained_from_config(config, frozen=True)
     model = trained.model
     per = {"pred": [], "max_attention": [], "max_jsd": [], "feasible": [], "length": []}
     # one large batch: each Adam step costs mostly fixed overhead, so instances are nearly free to add
-    for b, (enc, _) in enumerate(interp.test_batches(trained, config["instances"], batch_size=128)):
+    for b, (enc, _) in enumerate(shared.test_batches(trained, config["instances"], batch_size=128)):
         _, change, dist = adversarial_attention(model, enc, config["k"], config["epsilon"], config["steps"],
                                                 config["lr"], config["penalty"], seed=1000 * seed + b)
         ok = change <= config["epsilon"]
         best = torch.where(ok, dist, torch.zeros_like(dist)).max(1).values
         for i in range(enc.tokens.shape[0]):
-            interp.instance_record(per, enc, i)
+            shared.instance_record(per, enc, i)
             per["max_jsd"].append(float(best[i]))
             per["feasible"].append(int(ok[i].sum()))
     return {"per_instance": per, "test_accuracy": trained.info["test_accuracy"]}
@@ -94,18 +94,18 @@ def summarize(per: dict) -> dict:
     out = {"instances": int(j.size), "max_jsd_mean": float(j.mean()), "max_jsd_median": float(np.median(j)),
            "frac_max_jsd_above_0.5": float((j > 0.5).mean()), "feasible_mean": float(feas.mean()),
            "frac_no_feasible": float((feas == 0).mean()), "max_attention_mean": float(mx.mean())}
-    out["by_max_attention"] = interp.by_max_attention(mx, j, "max_jsd_mean")
+    out["by_max_attention"] = shared.by_max_attention(mx, j, "max_jsd_mean")
     return out
 
 
 def _plot(merged: dict, out) -> list[str]:
-    return interp.scatter_grid(merged, out, "adversarial", "max_jsd", "ε-max JSD",
+    return shared.scatter_grid(merged, out, "adversarial", "max_jsd", "ε-max JSD",
                                "adversarial attention within ε of the output", xlim=(0, LN2 * 1.02))
 
 
 def check_arguments(args) -> None:
     """ValueError naming the argument (the CLI checks before it creates the output directory)."""
-    interp.check_model_arguments(args)
+    shared.check_model_arguments(args)
     for name, value, ok in (("--k", args.k, args.k >= 1), ("--epsilon", args.epsilon, args.epsilon > 0),
                             ("--steps", args.steps, args.steps >= 1), ("--lr", args.lr, args.lr > 0),
                             ("--penalty", args.penalty, args.penalty >= 0)):
@@ -116,14 +116,14 @@ def check_arguments(args) -> None:
 def run(args) -> dict:
     check_arguments(args)
     extra = {"k": args.k, "epsilon": args.epsilon, "steps": args.steps, "lr": args.lr, "penalty": args.penalty}
-    jobs = interp.model_jobs(args, NAME, extra=extra)
-    sweep = interp.run_model_jobs(analyse, jobs, args, NAME)
-    rows, merged = interp.model_rows(sweep, lambda key, per: summarize(per))
-    return interp.write_result(args, NAME, sweep, markdown, **extra, rows=rows, plots=_plot(merged, args.out))
+    jobs = shared.model_jobs(args, NAME, extra=extra)
+    sweep = shared.run_model_jobs(analyse, jobs, args, NAME)
+    rows, merged = shared.model_rows(sweep, lambda key, per: summarize(per))
+    return shared.write_result(args, NAME, sweep, markdown, **extra, rows=rows, plots=_plot(merged, args.out))
 
 
 def markdown(result: dict) -> str:
-    lines = interp.markdown_head(
+    lines = shared.markdown_head(
         "Adversarial attention (Jain & Wallace 2019, Eq. 2 and Figure 8)",
         f"Per test instance, {result['k']} attention distributions optimised for JSD from the model's "
         f"attention (plus diversity among them) with the output change held within ε = {result['epsilon']} "
@@ -135,11 +135,11 @@ def markdown(result: dict) -> str:
         "trained from scratch.", result)
     body = []
     for r in result["rows"]:
-        bins = interp.max_attention_cell(r["by_max_attention"], "max_jsd_mean")
+        bins = shared.max_attention_cell(r["by_max_attention"], "max_jsd_mean")
         body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['accuracy']:.3f}",
                      f"{r['max_jsd_mean']:.3f}", f"{r['max_jsd_median']:.3f}", f"{r['frac_max_jsd_above_0.5']:.2f}",
                      f"{r['feasible_mean']:.2f}", f"{r['frac_no_feasible']:.2f}", bins])
     lines.append(md_table(["dataset", "encoder", "normalizer", "acc", "mean ε-max JSD", "median", "JSD > 0.5",
                            f"candidates within ε (of {result['k']})", "none within ε",
-                           interp.max_attention_header("mean ε-max JSD")], body))
-    return interp.markdown_tail(lines, result)
+                           shared.max_attention_header("mean ε-max JSD")], body))
+    return shared.markdown_tail(lines, result)

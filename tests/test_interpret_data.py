@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-from _interp_data import BBC_CLASSES, make_cache
+from _interpret_data import BBC_CLASSES, make_cache
 
-from attnkern.experiments import classifiers
 from attnkern.experiments.data.bbc import load_bbc
 from attnkern.experiments.data.sources import DataUnavailable
 from attnkern.experiments.data.tweets import load_tweets, tweet_sentiment
+from attnkern.experiments.interpret import classifiers
 
 
 @pytest.fixture
