@@ -127,3 +127,106 @@ def test_validate_common_options(tmp_path):
             cli.validate(p.parse_args(argv))
     # validate() resolved --out to the directory it created, as a Path.
     assert ok.out == tmp_path / "new"
+
+
+# --- what a cached run depends on: its data and its code ------------------------------------------------------
+
+_READER = '''
+from attnkern.experiments.data.sources import cache_path
+from attnkern.experiments.interpret import metrics  # (in the code fingerprint)
+
+VERSION = {version}
+
+
+def read_job(config, seed):
+    return {{"text": (cache_path("vader") / "x.txt").read_text(), "version": VERSION}}
+'''
+
+
+@pytest.fixture
+def reader(tmp_path, monkeypatch):
+    """A job module (written to tmp_path) that reads dataset "vader" from a data
+    cache of its own; returns (load(version) -> job function, the data file)."""
+    import importlib
+    import sys
+
+    data = tmp_path / "data" / "vader"
+    data.mkdir(parents=True)
+    (data / ".complete").write_text("")
+    (data / "x.txt").write_text("first")
+    monkeypatch.setenv("ATTNKERN_DATA", str(tmp_path / "data"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def load(version):
+        (tmp_path / "reader_jobs.py").write_text(_READER.format(version=version))
+        sys.modules.pop("reader_jobs", None)
+        importlib.invalidate_caches()
+        return importlib.import_module("reader_jobs").read_job
+
+    yield load, data / "x.txt"
+    sys.modules.pop("reader_jobs", None)
+
+
+def _sweep(fn, cache):
+    return runner.run_jobs(fn, [runner.Job("one", {"x": 1}, seed=0)], cache, experiment="reader", progress=False)
+
+
+def test_unchanged_code_and_data_reuse_the_cache(tmp_path, reader):
+    load, _ = reader
+    first = _sweep(load(1), tmp_path / "cache")
+    again = _sweep(load(1), tmp_path / "cache")
+    assert first.cached == 0 and again.cached == 1 and again.results["one"]["result"]["text"] == "first"
+    rec = again.results["one"]
+    assert rec["data"] == {"vader": rec["data"]["vader"]} and rec["data"]["vader"]
+    meta = rec["meta"]
+    assert meta["code_fingerprint"] and meta["backend"] in ("cpu", "reference") and meta["backend_requested"] == "auto"
+    assert "isa_level" in meta and meta["started"]
+
+
+def test_changed_data_is_never_served_from_the_cache(tmp_path, reader):
+    load, file = reader
+    fn = load(1)
+    assert _sweep(fn, tmp_path / "cache").results["one"]["result"]["text"] == "first"
+    file.write_text("second, longer")
+    sweep = _sweep(fn, tmp_path / "cache")
+    assert sweep.cached == 0 and sweep.stale == 1 and sweep.results["one"]["result"]["text"] == "second, longer"
+
+
+def test_changed_code_is_never_served_from_the_cache(tmp_path, reader, monkeypatch):
+    load, _ = reader
+    assert _sweep(load(1), tmp_path / "cache").cached == 0
+    # the job's own module changed
+    changed = _sweep(load(22), tmp_path / "cache")
+    assert changed.cached == 0 and changed.results["one"]["result"]["version"] == 22
+    assert _sweep(load(22), tmp_path / "cache").cached == 1
+    # an attnkern module it imports (the metrics) changed
+    from attnkern.experiments import provenance
+
+    real = provenance._file_digest
+    monkeypatch.setattr(provenance, "_file_digest",
+                        lambda path: "edited" if path.name == "metrics.py" else real(path))
+    assert _sweep(load(22), tmp_path / "cache").cached == 0
+
+
+def test_the_import_closure_follows_attnkern_imports():
+    from attnkern.experiments import provenance
+
+    closure = provenance.import_closure("attnkern.experiments.interpret.importance")
+    for name in ("attnkern", "attnkern.experiments.interpret.metrics", "attnkern.experiments.interpret.shared",
+                 "attnkern.experiments.models", "attnkern.nn.rnn_attention", "attnkern.experiments.runner"):
+        assert name in closure, name
+    assert not any(n.startswith("attnkern.experiments.dynamics") for n in closure)
+
+
+def test_backend_kernels_refuses_without_the_compiled_kernels(tmp_path, monkeypatch):
+    from attnkern import _extension
+
+    p = cli._Parser()
+    cli.add_common_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "o"), "--backend", "kernels"])
+    monkeypatch.setattr(_extension, "LOADED", False)
+    with pytest.raises(cli.UsageError, match="--backend: kernels"):
+        cli.validate(args)
+    monkeypatch.setattr(_extension, "LOADED", True)
+    cli.validate(args)
+    assert args.backend == "auto"

@@ -82,7 +82,8 @@ def test_text_data_splits_and_vocab(cache):
 def test_classifier_trained_once_then_loaded(cache, tmp_path):
     cfg = classifiers.train_config("tweets", "average", "sparsemax", 0, quick=True, epochs=3)
     first = classifiers.get_classifier(cfg, tmp_path / "out")
-    path = classifiers.model_path(cfg, tmp_path / "out")
+    path = first.path
+    assert path.parent == tmp_path / "out" / "models"
     assert path.exists()
     assert first.info["best_epoch"] in (1, 2, 3)
     assert first.info["dev_accuracy"] > 0.7  # the cue words are learnable

@@ -53,8 +53,10 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=_positive("--seeds"), default=None, help="seeds per configuration")
     p.add_argument("--normalizers", nargs="+", default=list(DEFAULT_NORMALIZERS),
                    help="softmax, sparsemax, entmax15, entmax<alpha>, entmax-learnable")
-    p.add_argument("--backend", default="auto", choices=("auto", "reference"),
-                   help="attnkern kernels (auto) or the float64 reference")
+    p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
+                   help="auto: attnkern's compiled kernels, or the reference where they did not load (said in the "
+                        "summary and the JSON); kernels: the compiled kernels or an error; reference: the float64 "
+                        "reference")
     p.add_argument("--jobs", type=_positive("--jobs"), default=1, help="parallel runs")
     p.add_argument("--executor", default="joblib", choices=("joblib", "dask"))
     p.add_argument("--scheduler", default=None, help="dask scheduler address (with --executor dask)")
@@ -83,6 +85,13 @@ def validate(args) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("argument --device: cuda is not available on this machine")
+    if args.backend == "kernels":
+        from attnkern import _extension
+
+        if not _extension.LOADED:
+            raise UsageError(f"argument --backend: kernels: attnkern's compiled kernels did not load "
+                             f"({_extension.LOAD_ERROR or 'no extension'})")
+        args.backend = "auto"  # (which resolves to the kernels now; the runs record the backend they used)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -162,6 +171,10 @@ def main(argv=None) -> int:
             print(f"{PROG}: error: all {len(failed)} run(s) failed; {first}", file=sys.stderr)
             return 1
         print(f"{cmd}: results (JSON, markdown, PNG) in {args.out}")
+        backends = sweep.get("provenance", {}).get("backends", [])
+        if args.backend == "auto" and "reference" in backends:
+            print(f"{PROG}: note: runs used the float64 reference backend, not compiled kernels "
+                  f"(backends: {', '.join(backends)})", file=sys.stderr)
         if failed:
             print(f"{PROG}: {len(failed)} run(s) failed (the others are kept; rerun to retry): "
                   + ", ".join(failed) + f"; {first}", file=sys.stderr)

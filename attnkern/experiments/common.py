@@ -59,8 +59,27 @@ def write_outputs(out: Path, name: str, result: dict, markdown: str) -> None:
 
 
 def sweep_block(sweep: runner.Sweep) -> dict:
+    """The sweep's counts, failures, and the provenance of the runs behind the
+    results (each run's own, also when it was served from the cache): the
+    distinct commits, machines, instruction-set levels, backends, code and data
+    fingerprints, and the total compute time."""
+    metas = [r.get("meta", {}) for r in sweep.results.values()]
+
+    def distinct(key):
+        return sorted({str(m.get(key)) for m in metas})
+
+    data: dict[str, list] = {}
+    for r in sweep.results.values():
+        for name, digest in (r.get("data") or {}).items():
+            data.setdefault(name, [])
+            if digest not in data[name]:
+                data[name].append(digest)
     return {"runs_total": len(sweep.results) + len(sweep.failures), "runs_cached": sweep.cached,
-            "failures": sweep.failures}
+            "runs_stale": sweep.stale, "failures": sweep.failures,
+            "provenance": {"commits": distinct("attnkern_commit"), "processors": distinct("processor"),
+                           "isa_levels": distinct("isa_level"), "backends": distinct("backend"),
+                           "torch": distinct("torch"), "code_fingerprints": distinct("code_fingerprint"),
+                           "data": data, "run_seconds": sum(r.get("seconds", 0.0) for r in sweep.results.values())}}
 
 
 def failures_md(failures: dict) -> str:
@@ -201,9 +220,15 @@ def write_dynamics_result(args, experiment: str, config: dict, markdown, **field
     """A dynamics experiment's result: its name, ``config``, the run's metadata (:func:`runner.metadata`) and
     ``fields`` (paper, summary, sweep, reading, plots, ...), written as OUT/<experiment>.json and .md
     (``markdown(result)``)."""
-    result = {"experiment": experiment, "config": config, "meta": runner.metadata(config), **fields}
+    result = {"experiment": experiment, "config": config, "meta": invocation_meta(config), **fields}
     write_outputs(args.out, experiment, result, markdown(result))
     return result
+
+
+def invocation_meta(config: dict | None = None) -> dict:
+    """The provenance of this invocation (:func:`runner.metadata`), labelled as such: the runs behind the numbers
+    may come from the cache, other commits or machines, and are described by the sweep's "provenance"."""
+    return {**runner.metadata(config), "of": "this invocation; the runs behind the numbers: sweep.provenance"}
 
 
 def markdown_end(lines: list[str], result: dict, paper: str | None = None, notes=(), plots_label: str = "Plots") -> str:

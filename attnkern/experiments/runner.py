@@ -2,10 +2,15 @@
 
 Each job calls `fn(config, seed) -> dict` (a module-level function, so it
 pickles to worker processes). Results are cached as JSON under `cache_dir`,
-one file per job named by a hash of the experiment, the full configuration
-and the seed: an interrupted sweep resumes where it stopped, and runs with
-different options never mix. A job that raises is reported by name (with its
-traceback) and not cached; the other jobs' results are kept.
+one file per job named by a hash of the experiment, the full configuration,
+the seed and the code fingerprint of fn's module (provenance.code_fingerprint:
+its attnkern sources and the compiled extension): an interrupted sweep
+resumes where it stopped, and runs with different options or code never mix.
+Each record keeps the fingerprints of the datasets the run read; a cached
+record whose datasets have changed since is run again. A job that raises is
+reported by name (with its traceback) and not cached; the other jobs' results
+are kept. Every record carries the provenance of the run that computed it
+(metadata()), which a result served from the cache keeps.
 
 Executors: "joblib" (local processes, `jobs` of them; in-process when jobs=1)
 and "dask" (a dask.distributed cluster at `scheduler`, or a LocalCluster of
@@ -14,17 +19,18 @@ and "dask" (a dask.distributed cluster at `scheduler`, or a LocalCluster of
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
-import platform
-import subprocess
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from attnkern.experiments import provenance
 
 EXECUTORS = ("joblib", "dask")
 
@@ -41,68 +47,66 @@ class Sweep:
     results: dict = field(default_factory=dict)   # job name -> record
     failures: dict = field(default_factory=dict)  # job name -> error text
     cached: int = 0                               # jobs read from the cache
+    stale: int = 0                                # cached jobs run again: their data changed
 
 
-def config_hash(experiment: str, config: dict, seed: int) -> str:
-    blob = json.dumps({"experiment": experiment, "config": config, "seed": seed}, sort_keys=True, default=str)
+def config_hash(experiment: str, config: dict, seed: int, code: str = "") -> str:
+    """The cache key of a job: experiment, configuration, seed and code fingerprint."""
+    blob = json.dumps({"experiment": experiment, "config": config, "seed": seed, "code": code}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-_COMMIT = None
-
-
 def attnkern_commit() -> str:
-    """The git commit of the attnkern checkout (with "+dirty" for local changes), or "unknown"."""
-    global _COMMIT
-    if _COMMIT is None:
-        root = Path(__file__).resolve().parents[2]
-        try:
-            head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            _COMMIT = (head + ("+dirty" if dirty else "")) if head else "unknown"
-        except (OSError, subprocess.SubprocessError):
-            _COMMIT = "unknown"
-    return _COMMIT
+    """The git commit of the attnkern checkout (with "+dirty" for local changes,
+    untracked files included), or "unknown"."""
+    git = provenance.git_commit()
+    if not git.get("commit"):
+        return "unknown"
+    return git["commit"] + ("+dirty" if git.get("dirty") else "")
 
 
 def processor(device: str = "cpu") -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return provenance.processor(device)
 
 
 def metadata(config: dict | None = None, seed: int | None = None) -> dict:
-    """What a result needs to be reproduced: configuration, seed, code and machine."""
-    device = (config or {}).get("device", "cpu")
-    return {"config": config, "seed": seed, "attnkern_commit": attnkern_commit(), "torch": torch.__version__,
-            "python": platform.python_version(), "processor": processor(device), "device": device,
-            "host_cpus": os.cpu_count()}
+    """What a result needs to be reproduced: configuration, seed, code, machine,
+    the instruction-set level and the backend the normalizers actually ran on."""
+    config = config or {}
+    device = config.get("device", "cpu")
+    requested = config.get("backend", "auto")
+    try:
+        used = provenance.backend_used(requested, device)
+    except (RuntimeError, ValueError) as exc:
+        used = f"unavailable: {exc}"
+    return {"config": config, "seed": seed, "attnkern_commit": attnkern_commit(), **provenance.machine(device),
+            "backend_requested": requested, "backend": used}
 
 
-def _execute(fn, experiment: str, config: dict, seed: int, commit: str) -> dict:
+def _execute(fn, experiment: str, config: dict, seed: int, code: str) -> dict:
     """Runs one job in a worker: one thread (jobs are the parallelism), fixed seed."""
-    global _COMMIT
-    _COMMIT = _COMMIT or commit
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     start = time.time()
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     try:
         torch.manual_seed(seed)
-        result = fn(config, seed)
-        return {"ok": True, "result": result, "seconds": time.time() - start, "meta": metadata(config, seed)}
+        with provenance.reading() as datasets:
+            result = fn(config, seed)
+        meta = dict(metadata(config, seed), code_fingerprint=code, started=started)
+        return {"ok": True, "result": result, "seconds": time.time() - start, "meta": meta,
+                "data": provenance.data_fingerprint(datasets)}
     except Exception as exc:  # reported by name in the parent, never cached
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     finally:
         torch.set_num_threads(threads)
+
+
+def data_changed(record: dict) -> bool:
+    """Whether a dataset the cached run read differs now (or is gone)."""
+    data = record.get("data")
+    return data is None or provenance.data_fingerprint(data) != data
 
 
 def _write_atomic(path: Path, record: dict) -> None:
@@ -125,21 +129,24 @@ def run_jobs(fn, jobs: list[Job], cache_dir, *, experiment: str, n_jobs: int = 1
     cache_dir.mkdir(parents=True, exist_ok=True)
     sweep = Sweep()
     todo = []
+    code = provenance.code_fingerprint(fn.__module__)
     for job in jobs:
-        path = cache_dir / f"{config_hash(experiment, job.config, job.seed)}.json"
+        path = cache_dir / f"{config_hash(experiment, job.config, job.seed, code)}.json"
         if path.exists():
             try:
-                sweep.results[job.name] = json.loads(path.read_text())
+                record = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                record = None  # a damaged cache file: run the job again
+            if record is not None and not data_changed(record):
+                sweep.results[job.name] = record
                 sweep.cached += 1
                 continue
-            except (OSError, json.JSONDecodeError):
-                pass  # a damaged cache file: run the job again
+            sweep.stale += record is not None
         todo.append((job, path))
 
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(jobs), initial=sweep.cached, desc=desc or experiment, disable=not progress, leave=False)
-    commit = attnkern_commit()
 
     def collect(job: Job, path: Path, out: dict) -> None:
         if out["ok"]:
@@ -156,12 +163,12 @@ def run_jobs(fn, jobs: list[Job], cache_dir, *, experiment: str, n_jobs: int = 1
         elif executor == "joblib":
             if n_jobs == 1:
                 for job, path in todo:
-                    collect(job, path, _execute(fn, experiment, job.config, job.seed, commit))
+                    collect(job, path, _execute(fn, experiment, job.config, job.seed, code))
             else:
                 from joblib import Parallel, delayed
 
                 par = Parallel(n_jobs=min(n_jobs, len(todo)), return_as="generator_unordered")
-                outs = par(delayed(_indexed)(i, fn, experiment, job.config, job.seed, commit)
+                outs = par(delayed(_indexed)(i, fn, experiment, job.config, job.seed, code)
                            for i, (job, _) in enumerate(todo))
                 for i, out in outs:
                     collect(*todo[i], out)
@@ -174,7 +181,7 @@ def run_jobs(fn, jobs: list[Job], cache_dir, *, experiment: str, n_jobs: int = 1
                                        dashboard_address=None)
             client = Client(scheduler if scheduler is not None else cluster)
             try:
-                futures = {client.submit(_execute, fn, experiment, job.config, job.seed, commit, pure=False): i
+                futures = {client.submit(_execute, fn, experiment, job.config, job.seed, code, pure=False): i
                            for i, (job, _) in enumerate(todo)}
                 for fut in as_completed(futures):
                     i = futures[fut]
@@ -192,5 +199,5 @@ def run_jobs(fn, jobs: list[Job], cache_dir, *, experiment: str, n_jobs: int = 1
     return sweep
 
 
-def _indexed(i, fn, experiment, config, seed, commit):
-    return i, _execute(fn, experiment, config, seed, commit)
+def _indexed(i, fn, experiment, config, seed, code):
+    return i, _execute(fn, experiment, config, seed, code)

@@ -782,8 +782,9 @@ def _attn_bwd_dq_kernel(
 
     STATS (sparse normalizers): one pass over the keys for Σg and Σ g·dp, giving
     delta = Σ g dp / Σ g (stored for the dK/dV kernel) and, with ALPHA_GRAD, the
-    per-row gradient in α (docs/algorithms.md, section 4, as AlphaGradSums in C++). Without STATS, delta was computed by the launcher
-    (softmax: dO·O). With EDGE, the rows of heads with α > 2 are solved again in
+    per-row gradient in α (docs/algorithms.md, section 4, as AlphaGradSums in C++).
+    Without STATS, delta was computed by the launcher (softmax: dO·O). With EDGE,
+    the rows of heads with α > 2 are solved again in
     p-space from the saved shift (a pass for the row max, the passes of
     _edge_solve, one for the pivot's dp), their backward takes _edge_ds's form,
     and (pivot, q, dp_r, Σ g (dp - dp_r) / Σ ĝ) go to EdgeRows (rows × 4,

@@ -22,6 +22,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnkern.experiments import provenance
+
 
 @dataclass(frozen=True)
 class Source:
@@ -73,6 +75,7 @@ def _check_name(name: str) -> Source:
 def cache_path(name: str) -> Path:
     """The extracted folder of source `name` (after `attnkern-exp data fetch name`)."""
     _check_name(name)
+    provenance.note_read(name)  # (the run's data fingerprint names it)
     path = cache_root() / name
     if not (path / _DONE).exists():
         raise DataUnavailable(f"dataset {name!r} is not in the cache {cache_root()}; "

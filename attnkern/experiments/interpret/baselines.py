@@ -17,7 +17,8 @@ from dataclasses import asdict, replace
 import numpy as np
 import torch
 
-from attnkern.experiments.common import md_table, pyplot, save_figure, sweep_block, write_outputs
+from attnkern.experiments import provenance
+from attnkern.experiments.common import invocation_meta, md_table, pyplot, save_figure, sweep_block, write_outputs
 from attnkern.experiments.interpret import classifiers, shared
 from attnkern.experiments.interpret.metrics import jsd, tvd
 
@@ -94,7 +95,9 @@ def get_deceptive(base: classifiers.Trained, lam: float, out, epochs: int | None
     cfg = base.config
     epochs = cfg.epochs if epochs is None else epochs
     tag = "" if epochs == cfg.epochs else f"-e{epochs}"
-    path = classifiers.model_path(cfg, out).with_name(f"{cfg.name()}-deceive{lam:g}{tag}-{cfg.key()}.pt")
+    # (named after the base model's file, whose fingerprint it inherits, and this module's code)
+    code = provenance.code_fingerprint(__name__)
+    path = base.path.with_name(f"{base.path.stem}-deceive{lam:g}{tag}-{code}.pt")
     if path.exists():
         return cfg, torch.load(path, map_location="cpu", weights_only=True)["stats"]
     data = base.data
@@ -181,6 +184,7 @@ def run(args) -> dict:
     plots = _plot(rows, args.out)
     result = {"experiment": NAME, "quick": args.quick, "instances": None, "seeds": shared.n_seeds(args),
               "lambdas": lambdas, "deceptive_epochs": deceptive_epochs, "rows": rows, "plots": plots,
+              "meta": invocation_meta({"backend": args.backend, "device": getattr(args, "device", "cpu")}),
               "sweep": sweep_block(sweep)}
     write_outputs(args.out, NAME, result, markdown(result))
     return result

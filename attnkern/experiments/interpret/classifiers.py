@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attnkern.experiments import provenance
 from attnkern.experiments.common import parse_normalizer
 from attnkern.experiments.data.sources import cache_root
 from attnkern.experiments.data.text import Vocab, batches, pad_batch, split_indices, tokenize
@@ -96,6 +97,7 @@ class TextData:
     train: tuple[list[list[int]], np.ndarray]
     dev: tuple[list[list[int]], np.ndarray]
     test: tuple[list[list[int]], np.ndarray]
+    sources: tuple[str, ...] = ()  # the data sets read to build it (provenance.data_fingerprint)
 
 
 def build_text_data(name: str, texts, labels, seed: int, max_len: int | None, min_count: int = 2) -> TextData:
@@ -122,14 +124,20 @@ def build_text_data(name: str, texts, labels, seed: int, max_len: int | None, mi
 
 
 def load_text_data(name: str, seed: int, max_len: int | None) -> TextData:
-    """The dataset ``name`` from the data cache, split by ``seed`` (memoized per cache folder)."""
-    return _load_text_data(str(cache_root()), name, seed, max_len)
+    """The dataset ``name`` from the data cache, split by ``seed`` (memoized per cache folder; a memoized
+    load still notes the data sets it was built from, so the running job's data fingerprint has them)."""
+    data = _load_text_data(str(cache_root()), name, seed, max_len)
+    for source in data.sources:
+        provenance.note_read(source)
+    return data
 
 
 @functools.lru_cache(maxsize=8)
 def _load_text_data(root: str, name: str, seed: int, max_len: int | None) -> TextData:
-    texts, labels = _raw_dataset(name)
+    with provenance.reading() as sources:
+        texts, labels = _raw_dataset(name)
     data = build_text_data(name, texts, labels, seed, max_len)
+    data.sources = tuple(sorted(sources))
     if name in DATASETS and data.num_classes != DATASETS[name].num_classes:
         raise ValueError(f"dataset {name!r}: expected {DATASETS[name].num_classes} classes, got {data.num_classes}")
     return data
@@ -282,10 +290,18 @@ class Trained:
     model: AttentionClassifier
     data: TextData
     info: dict = field(default_factory=dict)  # dev/test accuracy, training history and time
+    path: Path | None = None  # where it is saved
 
 
-def model_path(cfg: TrainConfig, out: str | Path) -> Path:
-    return Path(out) / "models" / f"{cfg.name()}-{cfg.key()}.pt"
+def model_fingerprint(data: TextData) -> str:
+    """What a trained model depends on besides its TrainConfig: the training code (this module's import
+    closure and the compiled extension) and the data files it was trained on."""
+    return provenance.digest({"code": provenance.code_fingerprint(__name__),
+                              "data": provenance.data_fingerprint(data.sources)})
+
+
+def model_path(cfg: TrainConfig, out: str | Path, fingerprint: str) -> Path:
+    return Path(out) / "models" / f"{cfg.name()}-{cfg.key()}-{fingerprint}.pt"
 
 
 def get_classifier(cfg: TrainConfig, out: str | Path) -> Trained:
@@ -294,7 +310,7 @@ def get_classifier(cfg: TrainConfig, out: str | Path) -> Trained:
     check_choices([cfg.encoder], ENCODERS, "encoder")
     check_choices([cfg.mode], MODES, "mode")
     data = load_text_data(cfg.dataset, cfg.seed, cfg.max_len)
-    path = model_path(cfg, out)
+    path = model_path(cfg, out, model_fingerprint(data))
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, len(data.vocab), data.num_classes)
     if cfg.mode == "random":
@@ -303,7 +319,7 @@ def get_classifier(cfg: TrainConfig, out: str | Path) -> Trained:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         model.load_state_dict(saved["state_dict"])
         model.eval()
-        return Trained(cfg, model, data, json.loads(saved["info"]))
+        return Trained(cfg, model, data, json.loads(saved["info"]), path)
     start = time.time()
     info = fit(model, data, cfg)
     info.update(dev_accuracy=accuracy(model, data.dev), test_accuracy=accuracy(model, data.test),
@@ -314,4 +330,4 @@ def get_classifier(cfg: TrainConfig, out: str | Path) -> Trained:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save({"state_dict": model.state_dict(), "info": json.dumps(info), "config": asdict(cfg)}, tmp)
     os.replace(tmp, path)
-    return Trained(cfg, model, data, info)
+    return Trained(cfg, model, data, info, path)

@@ -336,10 +336,11 @@ def model_rows(sweep, fields) -> tuple[list[dict], dict]:
 def write_result(args, experiment: str, sweep, markdown, **fields) -> dict:
     """The experiment's result: its name, scale (--quick, instances, seeds per model), ``fields`` (options, rows,
     plots, ...) and the sweep's bookkeeping, written as OUT/<experiment>.json and .md (``markdown(result)``)."""
-    from attnkern.experiments.common import sweep_block, write_outputs
+    from attnkern.experiments.common import invocation_meta, sweep_block, write_outputs
 
+    config = {"backend": args.backend, "device": getattr(args, "device", "cpu")}
     result = {"experiment": experiment, "quick": args.quick, "instances": n_instances(args), "seeds": n_seeds(args),
-              **fields, "sweep": sweep_block(sweep)}
+              **fields, "meta": invocation_meta(config), "sweep": sweep_block(sweep)}
     write_outputs(args.out, experiment, result, markdown(result))
     return result
 
