@@ -1,6 +1,7 @@
-"""Helpers shared by the attention test files: inputs, masks, α per head, the
-float64 oracle with α per head, assert_close with a tolerance dict, and
-backend skips.
+"""Helpers shared by the attention test files: inputs, masks, α per head (and
+per row), the float64 oracle with α per head, gradients of a function in its
+inputs, assert_close with a tolerance dict, backend skips and a `python -c`
+subprocess runner.
 
 No tolerance tables here: a kernel's result against the reference takes its
 bound from the one rule, attnkern.testing.tolerance(dtype, op, quantity,
@@ -13,6 +14,8 @@ in the public attnkern.testing too.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,7 +24,8 @@ from attnkern.backends import reference
 from attnkern.family import NORMALIZERS, takes_alpha
 
 __all__ = ["NORMALIZERS", "ALPHAS", "KERNEL_ALPHAS", "make_qkv", "attention_mask", "kernel_mask", "alpha_for",
-           "ref_attention", "dalpha_tol", "assert_close_tol", "require_backend"]
+           "alpha_per_row", "ref_attention", "grads_in_marked_inputs", "grads_in_fresh_leaves", "dalpha_tol",
+           "assert_close_tol", "require_backend", "run_python", "run_experiment"]
 
 # α per head for "entmax": exact in float32 (the kernels take α in float32),
 # covering α < 1, the generic solver, α = 1.5 and 2 (exact families) and α > 2.
@@ -97,12 +101,18 @@ def kernel_mask(kind, B, H, L, S, dtype=torch.float32, seed=1, device="cpu"):
     return mask.to(dtype).expand(B, H, L, S), kind == "empty_rows"
 
 
-def alpha_for(normalizer, H, values=ALPHAS, requires_grad=False):
-    """α per head (H,) float32 cycling through `values` for "entmax", else None."""
+def alpha_for(normalizer, H, values=ALPHAS, requires_grad=False, *, dtype=torch.float32):
+    """α per head (H,) in dtype (float32 unless told) cycling through `values`
+    for "entmax", else None."""
     if not takes_alpha(normalizer):
         return None
-    a = torch.tensor([values[h % len(values)] for h in range(H)], dtype=torch.float32)
+    a = torch.tensor([values[h % len(values)] for h in range(H)], dtype=dtype)
     return a.requires_grad_(requires_grad)
+
+
+def alpha_per_row(values, dtype=torch.float64):
+    """α per row of a (rows, n) input: `values` as a (rows, 1) tensor in dtype (float64 unless told)."""
+    return torch.tensor(values, dtype=dtype).reshape(-1, 1)
 
 
 def ref_attention(q, k, v, mask, causal, normalizer, alpha, scale=None, **kw):
@@ -110,6 +120,23 @@ def ref_attention(q, k, v, mask, causal, normalizer, alpha, scale=None, **kw):
     or (H,), one α per head."""
     return reference.attention(q, k, v, mask, causal, scale, normalizer=normalizer,
                                alpha=None if alpha is None else alpha.view(-1, 1, 1), **kw)
+
+
+def grads_in_marked_inputs(fn, inputs, go):
+    """Gradients of fn(*inputs) against go in those inputs that already require grad (None entries skipped)."""
+    out = fn(*inputs)
+    return torch.autograd.grad(out, [t for t in inputs if t is not None and t.requires_grad], go)
+
+
+def grads_in_fresh_leaves(fn, inputs, go=None, loss=None):
+    """Gradients in fresh leaf copies of all inputs: of fn's output against go, or with loss="square" of Σ out²."""
+    xs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*xs)
+    if loss == "square":
+        return torch.autograd.grad(out.pow(2).sum(), xs)
+    if loss is not None:
+        raise ValueError(f"unknown loss {loss!r}")
+    return torch.autograd.grad(out, xs, None if go is None else go.to(out.dtype))
 
 
 def dalpha_tol(tol, rows):
@@ -134,3 +161,27 @@ def require_backend(backend):
         ok, why = triton_backend.available()
         if not ok:
             pytest.skip(why)
+
+
+def run_python(code, env=None, timeout=300, cwd=None):
+    """Runs `python -c code` with this interpreter and returns the CompletedProcess (output captured as text)."""
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+def run_experiment(name, out, *argv):
+    """Runs `attnkern-exp NAME --out OUT ARGV...` in this process and returns its
+    result JSON and markdown, after checking that it exited 0, wrote both files
+    and every plot it lists, and reported no failed run."""
+    import json
+
+    from attnkern.experiments import cli
+
+    assert cli.main([name, "--out", str(out), *argv]) == 0
+    result = json.loads((out / f"{name}.json").read_text())
+    md = (out / f"{name}.md").read_text()
+    assert md.strip(), f"{name}.md is empty"
+    for plot in result.get("plots", []):
+        assert (out / plot).stat().st_size > 0, plot
+    assert not result.get("sweep", {}).get("failures"), result["sweep"]["failures"]
+    return result, md

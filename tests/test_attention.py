@@ -15,6 +15,7 @@ from helpers import (
     assert_close_tol,
     attention_mask,
     dalpha_tol,
+    grads_in_marked_inputs,
     make_qkv,
     ref_attention,
 )
@@ -194,11 +195,6 @@ GRAD_CASES = {
 }
 
 
-def _grads(fn, inputs, go):
-    out = fn(*inputs)
-    return torch.autograd.grad(out, [t for t in inputs if t is not None and t.requires_grad], go)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 @pytest.mark.parametrize("normalizer", NORMALIZERS)
@@ -216,8 +212,8 @@ def test_gradients_match_reference(normalizer, case, dtype):
     def ref(q, k, v, a):
         return ref_attention(q, k, v, mask, causal, normalizer, a)
 
-    got = _grads(kern, (q, k, v, alpha), go)
-    want = _grads(ref, (q, k, v, alpha), go)
+    got = grads_in_marked_inputs(kern, (q, k, v, alpha), go)
+    want = grads_in_marked_inputs(ref, (q, k, v, alpha), go)
     for name, g, w in zip(("dq", "dk", "dv", "dalpha")[:len(got)], got, want, strict=True):
         assert g.dtype == w.dtype
         tol = tolerance(dtype, "attention", "gradient")
@@ -651,8 +647,8 @@ def test_large_forward_backward_matches_reference(normalizer):
         def ref(q, k, v, a, causal=causal):
             return ref_attention(q, k, v, None, causal, normalizer, a)
 
-        got = _grads(kern, (q, k, v, alpha), go)
-        want = _grads(ref, (q, k, v, alpha), go)
+        got = grads_in_marked_inputs(kern, (q, k, v, alpha), go)
+        want = grads_in_marked_inputs(ref, (q, k, v, alpha), go)
         for name, g, w in zip(("dq", "dk", "dv", "dalpha")[:len(got)], got, want, strict=True):
             tol = tolerance(torch.float32, "attention", "gradient")
             if name == "dalpha":  # a sum over 1025 rows: its own bound (dalpha_tol's atol would be 10x this)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_qkv, require_backend
+from helpers import alpha_for, make_qkv, require_backend
 
 import attnkern
 from attnkern import _extension
@@ -23,14 +23,6 @@ BACKENDS = ["cpu", "triton"]
 CASES = [("softmax", None), ("sparsemax", None), ("entmax15", None), ("entmax", (1.25, 1.0 + 2.0**-13)),
          ("entmax", 2.5)]
 CASE_IDS = ["softmax", "sparsemax", "entmax15", "entmax-per-head", "entmax2.5"]
-
-
-def _alpha(alpha, H, dtype):
-    if alpha is None:
-        return None
-    if isinstance(alpha, tuple):
-        return torch.tensor(alpha, dtype=dtype).repeat(H // len(alpha)).requires_grad_()
-    return alpha
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -47,7 +39,8 @@ def test_kernel_applies_its_mask_exactly(backend, normalizer, alpha, masking):
     if masking == "padding":
         attn_mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
         attn_mask[1, ..., S - 9:] = False
-    a = _alpha(alpha, H, dtype)
+    # α per head from a tuple; a float α (or None) as it is.
+    a = alpha_for(normalizer, H, alpha, requires_grad=True, dtype=dtype) if isinstance(alpha, tuple) else alpha
     qk = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(11)
     out = attnkern.attention(*qk, attn_mask=attn_mask, dropout_p=p, is_causal=masking == "causal",

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from helpers import NORMALIZERS, alpha_for, attention_mask, make_qkv, ref_attention
+from helpers import NORMALIZERS, alpha_for, attention_mask, grads_in_fresh_leaves, make_qkv, ref_attention
 
 import attnkern
 from attnkern import _extension, isa
@@ -228,11 +228,6 @@ def test_half_gemms_thread_count_and_dropout(normalizer, half):
                                **tolerance(torch.bfloat16, "attention", "forward", scale=2.0))
 
 
-def _grads(fn, inputs, go):
-    xs = [t.detach().clone().requires_grad_() for t in inputs]
-    return torch.autograd.grad(fn(*xs), xs, go)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax_at_one"])
 def test_half_gemm_gradients_by_the_half_rule(normalizer, case, half):
@@ -259,11 +254,11 @@ def test_half_gemm_gradients_by_the_half_rule(normalizer, case, half):
     def exact(q, k, v):
         return ref_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), mask, causal, "softmax", None)
 
-    g16 = _grads(kern, (q, k, v), go.to(dtype))
-    gp = _grads(plain, (q, k, v), go.to(dtype))
-    gx = _grads(exact, [t.double() for t in (q, k, v)], go)
+    g16 = grads_in_fresh_leaves(kern, (q, k, v), go.to(dtype))
+    gp = grads_in_fresh_leaves(plain, (q, k, v), go.to(dtype))
+    gx = grads_in_fresh_leaves(exact, [t.double() for t in (q, k, v)], go)
     float32_gemms()
-    g32 = _grads(kern, (q, k, v), go.to(dtype))
+    g32 = grads_in_fresh_leaves(kern, (q, k, v), go.to(dtype))
     for name, a, p_, x, b in zip(("dq", "dk", "dv"), g16, gp, gx, g32, strict=True):
         assert a.dtype == dtype and torch.isfinite(a).all()
         err = (a.double() - x).abs().max().item()
@@ -287,15 +282,15 @@ def test_half_gemm_gradients_thread_count_and_dropout(half):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _grads(kern(0.0), (q, k, v), go)
+        one = grads_in_fresh_leaves(kern(0.0), (q, k, v), go)
         torch.set_num_threads(2)
-        two = _grads(kern(0.0), (q, k, v), go)
+        two = grads_in_fresh_leaves(kern(0.0), (q, k, v), go)
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
-    dropped = _grads(kern(0.25), (q, k, v), go)
+    dropped = grads_in_fresh_leaves(kern(0.25), (q, k, v), go)
     float32_gemms()
-    dropped32 = _grads(kern(0.25), (q, k, v), go)
+    dropped32 = grads_in_fresh_leaves(kern(0.25), (q, k, v), go)
     for a, b in zip(dropped, dropped32, strict=True):
         scale = b.float().abs().max().item()
         # Relative to the largest gradient, kernel against kernel: not the reference rule's form.
@@ -385,7 +380,8 @@ def test_onednn_brgemm_two_threads_stress(half):
     try:
         first = None
         for _ in range(20):
-            got = _grads(lambda a, b, c: attnkern.attention(a, b, c, is_causal=True, backend="cpu"), (q, k, v), go)
+            got = grads_in_fresh_leaves(lambda a, b, c: attnkern.attention(a, b, c, is_causal=True, backend="cpu"),
+                                        (q, k, v), go)
             first = first or got
             assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True))
     finally:

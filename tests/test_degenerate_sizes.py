@@ -35,13 +35,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import alpha_for, make_qkv
+from helpers import alpha_for, make_qkv, run_python
 
 import attnkern
 from attnkern import _extension, isa
@@ -174,8 +172,7 @@ def crashes():
         return {}  # no guard: every case runs in-process
     tests = os.path.dirname(os.path.abspath(__file__))
     code = f"import sys; sys.path.insert(0, {tests!r}); import test_degenerate_sizes as t; t._guard_main()"
-    res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(tests), capture_output=True, text=True,
-                         timeout=300)
+    res = run_python(code, cwd=os.path.dirname(tests))
     assert res.returncode == 0, f"the crash guard failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     return json.loads(res.stdout.strip().splitlines()[-1])
 

@@ -23,6 +23,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import run_python
 
 import attnkern
 from attnkern import _extension
@@ -40,8 +41,7 @@ def _run(code: str, interpret: bool | None = None) -> subprocess.CompletedProces
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    return run_python(code, env=env, cwd=ROOT)
 
 
 def test_import_does_not_import_triton_on_a_gpu_host():

@@ -63,6 +63,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import grads_in_fresh_leaves
 
 import attnkern
 from attnkern import _extension
@@ -102,15 +103,6 @@ def _misses(ours, sdpa, exact, dtype) -> list[str]:
             out.append(f"{name}: err {err:.3e}, SDPA's {err_sdpa:.3e} ({ratio:.2f}x), max|{name}| {mx:.3e}, "
                        f"bound {bound:.3e}")
     return out
-
-
-def _grads(fn, inputs, loss, go=None):
-    """Gradients of loss(fn(*inputs)) in the inputs (leaves made here)."""
-    xs = [t.detach().clone().requires_grad_() for t in inputs]
-    out = fn(*xs)
-    if loss == "square":
-        return torch.autograd.grad(out.pow(2).sum(), xs)
-    return torch.autograd.grad(out, xs, go.to(out.dtype))
 
 
 # --- PyTorch's OpInfo samples ------------------------------------------------------
@@ -236,9 +228,9 @@ def test_opinfo_sample_gradients(dtype, index):
     else:
         theirs = with_mask(lambda q, k, v, **m: F.scaled_dot_product_attention(q, k, v, **m, **flags))
         ours = with_mask(lambda q, k, v, **m: attnkern.attention(q, k, v, **m, **flags))
-    exact = _grads(theirs, exact_inputs, "square")
-    g_sdpa = _grads(theirs, inputs, "square")
-    g_ours = _grads(ours, inputs, "square")
+    exact = grads_in_fresh_leaves(theirs, exact_inputs, loss="square")
+    g_sdpa = grads_in_fresh_leaves(theirs, inputs, loss="square")
+    g_ours = grads_in_fresh_leaves(ours, inputs, loss="square")
     misses = _misses(g_ours, g_sdpa, exact, dtype)
     if misses and dtype == torch.float32 and (p > 0 or inputs[0].dim() < inputs[1].dim()):
         pytest.xfail("float32, scores of order 80 (known, see the module docstring): " + "; ".join(misses))
@@ -281,9 +273,9 @@ def _grid_inputs(E, Ev, L, S, kind, dtype):
 
 def _grid_case(E, Ev, L, S, kind, dtype):
     inputs, go = _grid_inputs(E, Ev, L, S, kind, dtype)
-    exact = _grads(F.scaled_dot_product_attention, [t.double() for t in inputs], "go", go.double())
-    g_sdpa = _grads(F.scaled_dot_product_attention, inputs, "go", go)
-    g_ours = _grads(attnkern.attention, inputs, "go", go)
+    exact = grads_in_fresh_leaves(F.scaled_dot_product_attention, [t.double() for t in inputs], go.double())
+    g_sdpa = grads_in_fresh_leaves(F.scaled_dot_product_attention, inputs, go)
+    g_ours = grads_in_fresh_leaves(attnkern.attention, inputs, go)
     misses = _misses(g_ours, g_sdpa, exact, dtype)
     assert not misses, "; ".join(misses)
 

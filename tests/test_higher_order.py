@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.func as tf
+from helpers import alpha_per_row
 from torch.autograd import gradcheck, gradgradcheck
 
 import attnkern
@@ -20,16 +21,13 @@ from attnkern.testing import assert_close, make_scores, mask_some
 F64 = torch.float64
 
 
-def _alpha(rows=3, values=(1.3, 2.5, 0.7)):
-    return torch.tensor(values[:rows], dtype=F64).reshape(rows, 1)
-
-
 # name -> (ours(x, param, dim), reference(x, param, dim), param or None)
 OPS = {
     "softmax": (lambda x, a, d: attnkern.softmax(x, d), lambda x, a, d: reference.softmax(x, d), None),
     "sparsemax": (lambda x, a, d: attnkern.sparsemax(x, d), lambda x, a, d: reference.sparsemax(x, d), None),
     "entmax15": (lambda x, a, d: attnkern.entmax15(x, d), lambda x, a, d: reference.entmax15(x, d), None),
-    "entmax(alpha)": (lambda x, a, d: attnkern.entmax(x, a, d), lambda x, a, d: reference.entmax(x, a, d), _alpha()),
+    "entmax(alpha)": (lambda x, a, d: attnkern.entmax(x, a, d), lambda x, a, d: reference.entmax(x, a, d),
+                      alpha_per_row((1.3, 2.5, 0.7))),
     "entmax(1.7)": (lambda x, a, d: attnkern.entmax(x, 1.7, d), lambda x, a, d: reference.entmax(x, 1.7, d), None),
     "normmax_bisect(2.5)": (lambda x, a, d: attnkern.normmax_bisect(x, 2.5, d),
                             lambda x, a, d: attnkern.normmax_bisect(x, 2.5, d, backend="reference"), None),

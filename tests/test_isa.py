@@ -10,16 +10,15 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import alpha_for, assert_close_tol, attention_mask, make_qkv, ref_attention, run_python
 
 import attnkern
 from attnkern import isa
 from attnkern.backends import reference
 from attnkern.testing import tolerance
-from tests.helpers import alpha_for, assert_close_tol, attention_mask, make_qkv, ref_attention
 
 pytestmark = pytest.mark.skipif(not attnkern._extension.LOADED, reason="attnkern._C did not load")
 
@@ -69,7 +68,8 @@ def test_default_build_carries_every_x86_level():
 def test_aten_cpu_capability_forces_a_lower_level():
     code = "import attnkern, json; print(json.dumps(attnkern.isa.dispatch()))"
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = run_python(code, env=env)
+    out.check_returncode()
     d = __import__("json").loads(out.stdout)
     assert d["active"] == "DEFAULT" and "DEFAULT" in d["reason"]
 
@@ -157,7 +157,8 @@ def test_bfloat16_rounding_without_the_avx512_bf16_extension():
         "    assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])\n"
         "print('ok')\n")
     env = dict(os.environ, ATTNKERN_NO_AVX512_BF16="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = run_python(code, env=env)
+    out.check_returncode()
     assert out.stdout.strip() == "ok"
 
 

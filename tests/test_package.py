@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import torch
+from helpers import run_python
 
 import attnkern
 from attnkern import info
@@ -22,10 +23,6 @@ BLOCK_EXTENSION = textwrap.dedent("""
                 raise ImportError("blocked for the test")
     sys.meta_path.insert(0, Block())
 """)
-
-
-def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
 def test_falls_back_to_reference_with_one_warning():
