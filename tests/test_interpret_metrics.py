@@ -160,3 +160,22 @@ def test_topk_agreement_hand_values():
 def test_topk_agreement_rejects_bad_k(k):
     with pytest.raises(ValueError, match="k must be"):
         topk_agreement([1.0, 2.0], [2.0, 1.0], k)
+
+
+def test_topk_counts_only_instances_with_a_support_above_k():
+    """An instance whose attention has k or fewer non-zero tokens agrees on top-k by
+    construction (its zeros tie, broken by position as the gradient's zeros are):
+    the table's top-k leaves it out and reports the fraction it kept."""
+    from attnkern.experiments.interpret.importance import TOPK, summarize
+
+    tied = [1.0] * len(TOPK)            # support of 2 tokens: agrees everywhere
+    real = [0.0, 0.5, 1 / 3, 0.25, 0.2]  # support of 6 tokens
+    per = {"pred": [0, 1], "label": [0, 1], "length": [8, 8], "support": [2, 6],
+           "grad": [[0.1, 0.5], [0.2, 0.5]], "loo": [[0.1, 0.5], [0.2, 0.5]],
+           "grad_supp": [[0.1, 0.5], [0.2, 0.5]], "loo_supp": [[0.1, 0.5], [0.2, 0.5]],
+           "topk_grad": [tied, real], "topk_loo": [tied, real]}
+    out = summarize(per)
+    for j, k in enumerate(TOPK):
+        want = (tied[j] + real[j]) / 2 if k < 2 else real[j]
+        assert out["gradient_topk"][str(k)] == pytest.approx(want), k
+        assert out["gradient_topk_coverage"][str(k)] == (1.0 if k < 2 else 0.5), k

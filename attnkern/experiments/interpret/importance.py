@@ -96,8 +96,14 @@ def summarize(per: dict, select=None) -> dict:
         out.update({f"{prefix}_support_tau_mean": supp.mean, f"{prefix}_support_tau_std": supp.std,
                     f"{prefix}_support_sig_frac": supp.sig_frac, f"{prefix}_support_undefined": supp.n_undefined})
         topk = np.asarray([per[f"topk_{key}"][i] for i in idx], dtype=float).reshape(len(idx), len(TOPK))
-        out[f"{prefix}_topk"] = {str(k): float(np.nanmean(topk[:, j])) if len(idx) else math.nan
-                                 for j, k in enumerate(TOPK)}
+        # Top-k counts only instances whose attention has more than k non-zero tokens: with k or fewer, the
+        # exact zeros tie and every position-broken tie agrees by construction.
+        support_k = np.asarray([per["support"][i] for i in idx], dtype=float)
+        out[f"{prefix}_topk"], out[f"{prefix}_topk_coverage"] = {}, {}
+        for j, k in enumerate(TOPK):
+            eligible = support_k > k
+            out[f"{prefix}_topk"][str(k)] = float(np.nanmean(topk[eligible, j])) if eligible.any() else math.nan
+            out[f"{prefix}_topk_coverage"][str(k)] = float(eligible.mean()) if len(idx) else math.nan
     lengths = np.asarray([per["length"][i] for i in idx], dtype=float)
     support = np.asarray([per["support"][i] for i in idx], dtype=float)
     out["length_mean"] = float(lengths.mean()) if len(idx) else math.nan
@@ -194,7 +200,9 @@ def markdown(result: dict) -> str:
     lines += ["## Sparse attention: support, τ on the support, top-k agreement", "",
               "τ on the support compares only the tokens with non-zero attention (instances whose support has "
               "fewer than 2 tokens are left out; their number is in 'no τ'). Top-k: fraction of attention's k "
-              "highest tokens that are among the importance's k highest.", ""]
+              "highest tokens that are among the importance's k highest, over the instances whose attention has "
+              "more than k non-zero tokens (with k or fewer, ties among the zeros make any agreement automatic); "
+              "'top-k coverage' is the fraction of instances counted.", ""]
     body = []
     for r in result["rows"]:
         body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['length_mean']:.1f}",
@@ -204,7 +212,9 @@ def markdown(result: dict) -> str:
                      _fmt(r["loo_support_tau_mean"], r["loo_support_tau_std"], r["loo_support_sig_frac"]),
                      r["gradient_support_undefined"],
                      " / ".join(f"{r['gradient_topk'][str(k)]:.2f}" for k in TOPK),
-                     " / ".join(f"{r['loo_topk'][str(k)]:.2f}" for k in TOPK)])
+                     " / ".join(f"{r['loo_topk'][str(k)]:.2f}" for k in TOPK),
+                     " / ".join(f"{r['gradient_topk_coverage'][str(k)]:.2f}" for k in TOPK)])
     lines.append(md_table(["dataset", "encoder", "normalizer", "length", "support", "support/len",
-                           "τ_g support", "τ_loo support", "no τ", "top-1…5 gradient", "top-1…5 loo"], body))
+                           "τ_g support", "τ_loo support", "no τ", "top-1…5 gradient", "top-1…5 loo",
+                           "top-1…5 coverage"], body))
     return shared.markdown_tail(lines, result)
