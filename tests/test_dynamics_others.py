@@ -98,3 +98,16 @@ def test_ibm1_learns_a_dictionary():
     assert (post[:, 1].argmax(-1) == 1).all()
     with pytest.raises(ValueError, match="iterations"):
         train_ibm1(src, m, tgt, m, 6, 6, iterations=0)
+
+
+def test_relevance_tau_on_the_support_ignores_the_ties_of_zero_attention():
+    """Over all tokens the zeros of sparse attention, all below the support, agree with
+    any relevance that is low there; on the support the order is the reverse."""
+    from attnkern.experiments.dynamics.relevance import _support_taus, _taus
+
+    a = np.array([[0.5, 0.3, 0.2, 0.0, 0.0, 0.0], [0.7, 0.3, 0.0, 0.0, 0.0, 0.0]])
+    r = np.array([[1.0, 2.0, 3.0, -1.0, -2.0, -3.0], [1.0, 2.0, 0.0, -1.0, -2.0, -3.0]])
+    mask = np.ones_like(a, dtype=bool)
+    assert _taus(a, r, mask) > 0.3
+    tau, coverage = _support_taus(a, r, mask)
+    assert tau == pytest.approx(-1.0) and coverage == 0.5  # (the second sentence has 2 support tokens)

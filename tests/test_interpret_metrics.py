@@ -179,3 +179,20 @@ def test_topk_counts_only_instances_with_a_support_above_k():
         want = (tied[j] + real[j]) / 2 if k < 2 else real[j]
         assert out["gradient_topk"][str(k)] == pytest.approx(want), k
         assert out["gradient_topk_coverage"][str(k)] == (1.0 if k < 2 else 0.5), k
+
+
+def test_erasure_compares_the_orders_on_the_instances_every_order_flips():
+    from attnkern.experiments.interpret.erasure import ORDERS, summarize
+
+    # instance 0 flips under every order; instance 1 only when erased by attention (after 4 of 10 items)
+    per = {"length": [10, 10], "support": [10, 10]}
+    for i, name in enumerate(ORDERS):
+        per[f"{name}_items"] = [i + 1, 4 if name == "attention" else 0]
+        per[f"{name}_mass"] = [0.1 * (i + 1), 0.9 if name == "attention" else 0.0]
+    out = summarize(per)
+    assert out["common_frac"] == 0.5
+    assert out["attention"]["flip_frac"] == 1.0 and out["random"]["flip_frac"] == 0.5
+    assert out["attention"]["items_frac_mean"] == pytest.approx((0.1 + 0.4) / 2)
+    for i, name in enumerate(ORDERS):
+        assert out[name]["items_frac_common"] == pytest.approx((i + 1) / 10), name
+        assert out[name]["mass_common"] == pytest.approx(0.1 * (i + 1)), name
