@@ -52,6 +52,8 @@ def test_importance_end_to_end(out):
         assert r["instances"] == 6
         assert -1 <= r["gradient_tau_mean"] <= 1 and -1 <= r["loo_tau_mean"] <= 1
         assert set(r["gradient_topk"]) == {"1", "2", "3", "4", "5"}
+        lo, hi = r["gradient_tau_ci"]
+        assert lo <= r["gradient_tau_mean"] <= hi and all(len(c["loo_tau_ci"]) == 2 for c in r["by_class"].values())
         assert sum(c["instances"] for c in r["by_class"].values()) == 6
     # softmax attends to every token; sparsemax to a subset
     assert rows["softmax"]["support_mean"] == rows["softmax"]["length_mean"]

@@ -196,3 +196,19 @@ def test_erasure_compares_the_orders_on_the_instances_every_order_flips():
     for i, name in enumerate(ORDERS):
         assert out[name]["items_frac_common"] == pytest.approx((i + 1) / 10), name
         assert out[name]["mass_common"] == pytest.approx(0.1 * (i + 1)), name
+
+
+def test_nested_bootstrap_interval_covers_the_seed_spread():
+    """Two seeds whose instances sit at 0.2 and 0.6: the interval of the mean spans the
+    seeds' spread (resampling the seeds), not just the instances' (none within a seed)."""
+    from attnkern.experiments.interpret.metrics import nested_bootstrap_interval
+
+    lo, hi = nested_bootstrap_interval([[0.2] * 50, [0.6] * 50])
+    assert lo == pytest.approx(0.2) and hi == pytest.approx(0.6)
+    # one seed: the instances' spread only, around their mean
+    g = np.random.default_rng(0).normal(0.3, 0.1, 400)
+    lo, hi = nested_bootstrap_interval([g])
+    assert lo < g.mean() < hi and hi - lo == pytest.approx(2 * 1.96 * 0.1 / 20, rel=0.25)
+    assert np.isnan(nested_bootstrap_interval([[np.nan], []])[0])
+    with pytest.raises(ValueError, match="level"):
+        nested_bootstrap_interval([[1.0]], level=1.5)

@@ -20,7 +20,13 @@ import numpy as np
 from attnkern.experiments.common import md_table
 from attnkern.experiments.interpret import shared
 from attnkern.experiments.interpret.classifiers import DATASETS
-from attnkern.experiments.interpret.metrics import KendallResult, kendall_tau, summarize_kendall, topk_agreement
+from attnkern.experiments.interpret.metrics import (
+    KendallResult,
+    kendall_tau,
+    nested_bootstrap_interval,
+    summarize_kendall,
+    topk_agreement,
+)
 
 NAME = "importance"
 TOPK = (1, 2, 3, 4, 5)
@@ -112,12 +118,14 @@ def summarize(per: dict, select=None) -> dict:
     return out
 
 
-def _fmt(mean, std=None, frac=None) -> str:
+def _fmt(mean, std=None, frac=None, ci=None) -> str:
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "–"
     s = f"{mean:.2f}"
     if std is not None:
         s += f" ± {std:.2f}"
+    if ci is not None and not any(v is None or math.isnan(v) for v in ci):
+        s += f" [{ci[0]:.2f}, {ci[1]:.2f}]"
     if frac is not None:
         s += f" ({frac:.2f})"
     return s
@@ -152,6 +160,27 @@ def _plot(merged_by_key: dict, out) -> list[str]:
                              "Kendall τ (attention, gradient)", sharey=False, panel_height=2.4)
 
 
+def _seed_taus(results: list[dict], key: str, cls: int | None = None) -> list[list[float]]:
+    """Per seed, the per-instance τ of ``key`` ("grad" or "loo"), of predicted class ``cls`` if given."""
+    out = []
+    for r in results:
+        per = r["per_instance"]
+        out.append([math.nan if t is None else t for (t, _), pred in zip(per[key], per["pred"], strict=True)
+                    if cls is None or pred == cls])
+    return out
+
+
+def add_intervals(rows: list[dict], groups: dict) -> None:
+    """95% intervals of each row's mean τ (and of each predicted class's), by a nested bootstrap over the
+    seeds and the instances within each (metrics.nested_bootstrap_interval)."""
+    for row in rows:
+        results = groups[(row["dataset"], row["encoder"], row["normalizer"])]
+        for key, prefix in (("grad", "gradient"), ("loo", "loo")):
+            row[f"{prefix}_tau_ci"] = nested_bootstrap_interval(_seed_taus(results, key))
+            for cls, cell in row.get("by_class", {}).items():
+                cell[f"{prefix}_tau_ci"] = nested_bootstrap_interval(_seed_taus(results, key, int(cls)))
+
+
 def run(args) -> dict:
     shared.check_model_arguments(args)
     jobs = shared.model_jobs(args, NAME)
@@ -163,6 +192,7 @@ def run(args) -> dict:
         return {**summarize(per), "by_class": by_class, "paper_rows": list(DATASETS[key[0]].paper_rows)}
 
     rows, merged_by_key = shared.model_rows(sweep, fields)
+    add_intervals(rows, shared.group_runs(sweep))
     return shared.write_result(
         args, NAME, sweep, markdown, rows=rows, plots=_plot(merged_by_key, args.out),
         notes=["embeddings trained from scratch (the paper used pretrained word vectors)",
@@ -175,6 +205,7 @@ def markdown(result: dict) -> str:
     lines = shared.markdown_head(
         "Attention vs. gradient and leave-one-out importance (Jain & Wallace 2019, Table 2)",
         "Kendall τ-b between attention and each importance per test instance: mean ± std over instances, "
+        "[95% interval of the mean: nested bootstrap over seeds, then instances within each seed] "
         "(fraction significant at p ≤ 0.05). Our datasets stand beside the paper's nearest rows: Rotten "
         "Tomatoes snippets beside SST, rated tweets beside ADR Tweets, BBC News beside AG News / 20News. "
         "Embeddings are trained from scratch (the paper used pretrained vectors). Paper cells are per "
@@ -186,16 +217,18 @@ def markdown(result: dict) -> str:
         # the paper studied softmax attention only
         pg, pl = _paper_cells(r["dataset"], r["encoder"], None) if r["normalizer"] == "softmax" else ("", "")
         body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['accuracy']:.3f}",
-                     _fmt(r["gradient_tau_mean"], r["gradient_tau_std"], r["gradient_sig_frac"]), pg,
-                     _fmt(r["loo_tau_mean"], r["loo_tau_std"], r["loo_sig_frac"]), pl])
+                     _fmt(r["gradient_tau_mean"], r["gradient_tau_std"], r["gradient_sig_frac"],
+                          r.get("gradient_tau_ci")), pg,
+                     _fmt(r["loo_tau_mean"], r["loo_tau_std"], r["loo_sig_frac"], r.get("loo_tau_ci")), pl])
     lines.append(md_table(header, body))
     lines += ["## By predicted class", ""]
     body = []
     for r in result["rows"]:
         for cls, s in r["by_class"].items():
             body.append([r["dataset"], r["encoder"], r["normalizer"], cls, s["instances"],
-                         _fmt(s["gradient_tau_mean"], s["gradient_tau_std"], s["gradient_sig_frac"]),
-                         _fmt(s["loo_tau_mean"], s["loo_tau_std"], s["loo_sig_frac"])])
+                         _fmt(s["gradient_tau_mean"], s["gradient_tau_std"], s["gradient_sig_frac"],
+                              s.get("gradient_tau_ci")),
+                         _fmt(s["loo_tau_mean"], s["loo_tau_std"], s["loo_sig_frac"], s.get("loo_tau_ci"))])
     lines.append(md_table(["dataset", "encoder", "normalizer", "pred. class", "n", "τ_g", "τ_loo"], body))
     lines += ["## Sparse attention: support, τ on the support, top-k agreement", "",
               "τ on the support compares only the tokens with non-zero attention (instances whose support has "

@@ -204,3 +204,32 @@ def topk_agreement(x, y, k: int) -> float:
         return math.nan
     kk = min(int(k), n)
     return len(_top_indices(a, kk) & _top_indices(b, kk)) / kk
+
+
+def nested_bootstrap_interval(groups, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile interval of the mean of per-instance values grouped by seed: each
+    bootstrap draw resamples the seeds with replacement, then the instances within each
+    drawn seed, and takes the mean of every value drawn. Seeds and instances are both
+    sources of spread, so the interval covers a rerun with other seeds, not only other
+    test instances. NaN values are left out; (nan, nan) without any value."""
+    arrays = [np.asarray(g, dtype=float) for g in groups]
+    arrays = [a[np.isfinite(a)] for a in arrays]
+    arrays = [a for a in arrays if a.size]
+    if not arrays:
+        return math.nan, math.nan
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_boot)
+    for b in range(n_boot):
+        picked = rng.integers(0, len(arrays), len(arrays))
+        total, count = 0.0, 0
+        for i in picked:
+            a = arrays[i]
+            draw = a[rng.integers(0, a.size, a.size)]
+            total += float(draw.sum())
+            count += a.size
+        means[b] = total / count
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(lo), float(hi)
