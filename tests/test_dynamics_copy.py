@@ -29,7 +29,10 @@ def test_copy_end_to_end_tiny(tmp_path, capsys):
     assert res["meta"]["torch"] == torch.__version__ and res["meta"]["attnkern_commit"]
     md = (tmp_path / "copy.md").read_text()
     assert "paper (softmax)" in md and "about half fail" in md
-    for png in ("copy_token_acc.png", "copy_attn_acc.png", "copy_success.png"):
+    sv = res["summary"]["survival"]["iid"]["softmax"]
+    assert sv["seeds"] == len(res["summary"]["curves"]["iid"]["softmax"]) and sv["step"][0] == 0
+    assert sv["not_yet"][0] == 1.0 and all(a >= b for a, b in zip(sv["not_yet"][:-1], sv["not_yet"][1:], strict=True))
+    for png in ("copy_token_acc.png", "copy_attn_acc.png", "copy_success.png", "copy_survival.png"):
         assert (tmp_path / png).stat().st_size > 1000
     # a second run reads every run from the cache
     t = time.time()
@@ -102,3 +105,13 @@ def test_failed_runs_are_named_and_the_others_kept(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(copy_task, "train_copy", real)  # the rerun completes the missing run only
     assert cli.main(argv) == 0
     assert json.loads((tmp_path / "copy.json").read_text())["sweep"]["runs_cached"] == 3
+
+
+def test_survival_counts_seeds_not_yet_successful_and_censors_the_rest():
+    from attnkern.experiments.dynamics.copy_task import survival
+
+    sv = survival([50, None, 25, 50, None], budget=100)
+    assert sv["step"] == [0, 25, 50, 100]
+    assert sv["not_yet"] == pytest.approx([1.0, 0.8, 0.4, 0.4])
+    assert sv["censored"] == 2 and sv["seeds"] == 5
+    assert survival([None, None], budget=10) == {"step": [0, 10], "not_yet": [1.0, 1.0], "censored": 2, "seeds": 2}

@@ -76,11 +76,35 @@ def jobs_for(args) -> tuple[list[runner.Job], dict, int]:
     return jobs, scale, seeds
 
 
+# The paper's own horizon (steps) for a success rate beside the survival curves.
+PAPER_HORIZON = 200
+
+
+def survival(first_steps: list, budget: int) -> dict:
+    """The steps-to-success distribution of a cell's seeds as a survival curve: at each step where a seed
+    first reached the threshold, the fraction of seeds that had not yet (seeds that never did are censored at
+    the budget, their first step None). Steps-to-success rather than success at one budget separates "fails"
+    from "learns later"."""
+    n = len(first_steps)
+    events = sorted(s for s in first_steps if s is not None)
+    steps, not_yet = [0], [1.0]
+    for i, step in enumerate(events):
+        if step == steps[-1]:
+            not_yet[-1] = 1.0 - (i + 1) / n
+        else:
+            steps.append(step)
+            not_yet.append(1.0 - (i + 1) / n)
+    if steps[-1] < budget:
+        steps.append(budget)
+        not_yet.append(not_yet[-1])
+    return {"step": steps, "not_yet": not_yet, "censored": n - len(events), "seeds": n}
+
+
 def summarize(args, sweep, scale, seeds) -> dict:
     success, acc, attn, first = {}, {}, {}, {}
-    curves = {}
+    curves, surv, by_horizon = {}, {}, {}
     for dist in args.distributions:
-        for key in (success, acc, attn, first, curves):
+        for key in (success, acc, attn, first, curves, surv, by_horizon):
             key[dist] = {}
         for norm in args.normalizers:
             by_seed = cell_results(sweep, dist, norm, seeds)
@@ -93,9 +117,14 @@ def summarize(args, sweep, scale, seeds) -> dict:
             steps = [r["first_step_above_threshold"] for r in res if r["first_step_above_threshold"] is not None]
             first[dist][norm] = float(np.median(steps)) if steps else None
             curves[dist][norm] = {s: r["curve"] for s, r in by_seed.items()}
+            firsts = [r["first_step_above_threshold"] for r in res]
+            surv[dist][norm] = survival(firsts, scale["steps"])
+            # (None where the budget stops short of the paper's horizon)
+            by_horizon[dist][norm] = (float(np.mean([f is not None and f <= PAPER_HORIZON for f in firsts]))
+                                      if scale["steps"] >= PAPER_HORIZON else None)
     return {"success_rate": success, "final_token_acc": acc, "final_attn_acc": attn,
-            "median_first_step_above_threshold": first, "curves": curves,
-            "runs_per_cell": seeds}
+            "median_first_step_above_threshold": first, "curves": curves, "survival": surv,
+            "success_by_paper_horizon": by_horizon, "runs_per_cell": seeds}
 
 
 def plot(out, summary, args) -> list[str]:
@@ -126,7 +155,21 @@ def plot(out, summary, args) -> list[str]:
     ax.set_ylabel("success rate")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
-    return files + [save_figure(fig, out, f"{NAME}_success.png", dpi=90)]
+    files.append(save_figure(fig, out, f"{NAME}_success.png", dpi=90))
+    fig, axes = plt.subplots(1, len(dists), figsize=(4 * len(dists), 3), squeeze=False, sharey=True)
+    for j, dist in enumerate(dists):
+        ax = axes[0][j]
+        for norm in norms:
+            sv = summary["survival"].get(dist, {}).get(norm)
+            if sv:
+                ax.step(sv["step"], sv["not_yet"], where="post", label=f"{norm} ({sv['censored']} censored)")
+        ax.axvline(PAPER_HORIZON, color="0.6", ls=":", lw=1)
+        ax.set_title(dist, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("fraction of seeds not yet at 0.9")
+    return files + [save_figure(fig, out, f"{NAME}_survival.png", dpi=90)]
 
 
 def markdown(result) -> str:
@@ -148,6 +191,14 @@ def markdown(result) -> str:
     med = s["median_first_step_above_threshold"]
     rows = [[d] + [("never" if med.get(d, {}).get(n) is None else f"{med[d][n]:.0f}") for n in norms] for d in dists]
     lines.append(md_table(["distribution"] + norms, rows))
+    lines += [f"## Steps to success: seeds that reached 0.9 by the paper's {PAPER_HORIZON}-step horizon, and never "
+              "(censored at the budget)", "",
+              "The full distribution is the survival plot (fraction of seeds not yet at 0.9 against step).", ""]
+    hz, sv = s.get("success_by_paper_horizon", {}), s.get("survival", {})
+    rows = [[d] + [("–" if n not in sv.get(d, {}) else
+                    f"{'n/a' if hz[d][n] is None else f'{hz[d][n]:.2f}'} / {sv[d][n]['censored']} of "
+                    f"{sv[d][n]['seeds']}") for n in norms] for d in dists]
+    lines.append(md_table(["distribution"] + [f"{n}: by {PAPER_HORIZON} / never" for n in norms], rows))
     return markdown_end(lines, result, notes=[f"Budget: {CALIBRATION}."])
 
 
