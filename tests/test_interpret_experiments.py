@@ -55,6 +55,12 @@ def test_importance_end_to_end(out):
         lo, hi = r["gradient_tau_ci"]
         assert lo <= r["gradient_tau_mean"] <= hi and all(len(c["loo_tau_ci"]) == 2 for c in r["by_class"].values())
         assert sum(c["instances"] for c in r["by_class"].values()) == 6
+    # sparsemax against softmax, paired over the same seeds and instances
+    (paired,) = result["paired"]
+    assert (paired["normalizer"], paired["vs"], paired["seeds"]) == ("sparsemax", "softmax", 1)
+    lo, hi = paired["gradient_tau_diff_ci"]
+    assert lo <= paired["gradient_tau_diff"] <= hi
+    assert "## Sparse against softmax, paired" in (out / "importance.md").read_text()
     # softmax attends to every token; sparsemax to a subset
     assert rows["softmax"]["support_mean"] == rows["softmax"]["length_mean"]
     assert rows["sparsemax"]["support_mean"] <= rows["sparsemax"]["length_mean"]

@@ -181,6 +181,36 @@ def add_intervals(rows: list[dict], groups: dict) -> None:
                 cell[f"{prefix}_tau_ci"] = nested_bootstrap_interval(_seed_taus(results, key, int(cls)))
 
 
+def paired_differences(sweep, baseline: str = "softmax") -> list[dict]:
+    """Per (dataset, encoder) and normalizer other than ``baseline``: the mean over the same seeds and the same
+    test instances of τ(normalizer) − τ(baseline), with a nested-bootstrap 95% interval (seeds, then instances
+    within each). Pairing takes out the spread that both models share (the instance's difficulty, the seed's
+    data split)."""
+    by: dict = {}
+    for rec in sweep.results.values():
+        train = rec["meta"]["config"]["train"]
+        seed = train.get("seed", rec["meta"]["seed"])
+        by.setdefault((train["dataset"], train["encoder"], train["normalizer"]), {})[seed] = rec["result"]
+    rows = []
+    for (dataset, encoder, normalizer), results in sorted(by.items()):
+        base = by.get((dataset, encoder, baseline))
+        if normalizer == baseline or base is None:
+            continue
+        seeds = sorted(set(results) & set(base))
+        row = {"dataset": dataset, "encoder": encoder, "normalizer": normalizer, "vs": baseline, "seeds": len(seeds)}
+        for key, prefix in (("grad", "gradient"), ("loo", "loo")):
+            groups = []
+            for seed in seeds:
+                (ours,), (theirs,) = _seed_taus([results[seed]], key), _seed_taus([base[seed]], key)
+                groups.append([a - b for a, b in zip(ours, theirs, strict=True)])
+            values = np.asarray([v for g in groups for v in g], dtype=float)
+            values = values[np.isfinite(values)]
+            row[f"{prefix}_tau_diff"] = float(values.mean()) if values.size else math.nan
+            row[f"{prefix}_tau_diff_ci"] = nested_bootstrap_interval(groups)
+        rows.append(row)
+    return rows
+
+
 def run(args) -> dict:
     shared.check_model_arguments(args)
     jobs = shared.model_jobs(args, NAME)
@@ -194,7 +224,7 @@ def run(args) -> dict:
     rows, merged_by_key = shared.model_rows(sweep, fields)
     add_intervals(rows, shared.group_runs(sweep))
     return shared.write_result(
-        args, NAME, sweep, markdown, rows=rows, plots=_plot(merged_by_key, args.out),
+        args, NAME, sweep, markdown, rows=rows, paired=paired_differences(sweep), plots=_plot(merged_by_key, args.out),
         notes=["embeddings trained from scratch (the paper used pretrained word vectors)",
                "Kendall tau-b from scipy.stats; undefined tau (fewer than 2 tokens, constant vector) "
                "counted in *_undefined and left out of means and significant fractions",
@@ -250,4 +280,12 @@ def markdown(result: dict) -> str:
     lines.append(md_table(["dataset", "encoder", "normalizer", "length", "support", "support/len",
                            "τ_g support", "τ_loo support", "no τ", "top-1…5 gradient", "top-1…5 loo",
                            "top-1…5 coverage"], body))
+    if result.get("paired"):
+        lines += ["", "## Sparse against softmax, paired", "",
+                  "Mean over the same seeds and test instances of τ(normalizer) − τ(softmax), with its 95% "
+                  "interval (nested bootstrap over seeds, then instances): the comparison between normalizers.", ""]
+        body = [[p["dataset"], p["encoder"], p["normalizer"], p["seeds"],
+                 _fmt(p["gradient_tau_diff"], ci=p["gradient_tau_diff_ci"]),
+                 _fmt(p["loo_tau_diff"], ci=p["loo_tau_diff_ci"])] for p in result["paired"]]
+        lines.append(md_table(["dataset", "encoder", "normalizer", "seeds", "Δτ_g", "Δτ_loo"], body))
     return shared.markdown_tail(lines, result)
