@@ -66,7 +66,7 @@ gpu-check:
 	$(PY) benchmarks/gpu_check.py --out $${OUT:-out/gpu-check}
 
 # make bench: the pytest-benchmark suites and the interleaved ratios against
-# PyTorch (about an hour on 2 cores), written as result files into
+# PyTorch (about half an hour on 2 cores), written as result files into
 # results/bench/<this CPU>/ (suites.json, ratios.json, with their .md and .png),
 # then the generated tables (make docs). bench-quick: the ratios at N = 2048 only.
 BENCH_DIR = results/bench/$$($(VPY) benchmarks/machine.py slug)

@@ -6,7 +6,7 @@ median over rounds of attnkern's time divided by PyTorch's (below 1: attnkern
 is faster). Every table names the CPU, the instruction set attnkern's CPU
 kernels dispatched to, PyTorch's CPU capability, the dtype and the threads.
 
-    python benchmarks/ratios.py                      # everything (~35 min on 2 cores)
+    python benchmarks/ratios.py                      # everything (10-15 min on 2 cores)
     python benchmarks/ratios.py --quick              # N = 2048 and the row-wise shapes
     python benchmarks/ratios.py --dtypes float32 --threads 2
     python benchmarks/ratios.py --cases rowwise --rounds 21
