@@ -304,13 +304,10 @@ def main() -> None:
             table = []
             for gen in cases:
                 for case, name, mode, target, t in gen:
-                    ok = "" if t.ratio <= target else " ✗"
-                    row = (f"| {case} | {name} | {mode} | {t.ratio:.2f}{ok} | ≤ {target:g} | "
-                           f"{t.ours * 1e3:.1f} | {t.theirs * 1e3:.1f} | {t.rounds} |")
-                    print(row, flush=True)
                     table.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode,
                                       ratio=t.ratio, target=target, ours_s=t.ours, torch_s=t.theirs, rounds=t.rounds,
                                       ours_faults=t.ours_faults, torch_faults=t.theirs_faults))
+                    print(table_row(table[-1], 1), flush=True)
             results += table
     write(dict(machine=meta, processes=1, results=results), Path(args.out))
 
@@ -340,14 +337,18 @@ def render(data: dict) -> str:
                   "| case | normalizer | mode | ratio |" + (" range |" if procs > 1 else "")
                   + " target | attnkern ms | baseline ms | rounds |",
                   "|---|---|---|---:|" + ("---:|" if procs > 1 else "") + "---:|---:|---:|---:|"]
-        for r in rows:
-            ok = "" if r["ratio"] <= r["target"] else " ✗"
-            spread = f" {r['ratio_min']:.2f}–{r['ratio_max']:.2f} |" if procs > 1 else ""
-            rounds = f"{r['processes']} × {r['rounds']}" if procs > 1 else f"{r['rounds']}"
-            lines.append(f"| {r['case']} | {r['normalizer']} | {r['mode']} | {r['ratio']:.2f}{ok} |{spread} "
-                         f"≤ {r['target']:g} | {r['ours_s'] * 1e3:.1f} | {r['torch_s'] * 1e3:.1f} | {rounds} |")
+        lines += [table_row(r, procs) for r in rows]
         lines += ["", *fault_notes(rows, "the worst process's median" if procs > 1 else "median")]
     return "\n".join(lines) + "\n"
+
+
+def table_row(r: dict, procs: int) -> str:
+    """One result's markdown row (with the range over the processes when procs > 1)."""
+    ok = "" if r["ratio"] <= r["target"] else " ✗"
+    spread = f" {r['ratio_min']:.2f}–{r['ratio_max']:.2f} |" if procs > 1 else ""
+    rounds = f"{r['processes']} × {r['rounds']}" if procs > 1 else f"{r['rounds']}"
+    return (f"| {r['case']} | {r['normalizer']} | {r['mode']} | {r['ratio']:.2f}{ok} |{spread} "
+            f"≤ {r['target']:g} | {r['ours_s'] * 1e3:.1f} | {r['torch_s'] * 1e3:.1f} | {rounds} |")
 
 
 # Median page faults a timed call from which a case is named under its table.

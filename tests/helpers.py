@@ -25,7 +25,7 @@ from attnkern.family import NORMALIZERS, takes_alpha
 
 __all__ = ["NORMALIZERS", "ALPHAS", "KERNEL_ALPHAS", "make_qkv", "attention_mask", "kernel_mask", "alpha_for",
            "alpha_per_row", "ref_attention", "grads_in_marked_inputs", "grads_in_fresh_leaves", "dalpha_tol",
-           "assert_close_tol", "require_backend", "run_python", "run_experiment"]
+           "assert_close_tol", "require_backend", "run_python", "run_experiment", "train_on_keywords"]
 
 # α per head for "entmax": exact in float32 (the kernels take α in float32),
 # covering α < 1, the generic solver, α = 1.5 and 2 (exact families) and α > 2.
@@ -185,3 +185,19 @@ def run_experiment(name, out, *argv):
         assert (out / plot).stat().st_size > 0, plot
     assert not result.get("sweep", {}).get("failures"), result["sweep"]["failures"]
     return result, md
+
+
+def train_on_keywords(model, task, steps, batch, seed=0, lr=1e-2):
+    """Adam on cross-entropy over `steps` batches of `batch` sentences of a
+    data.synthetic.KeywordTask drawn from a generator seeded `seed`; returns the losses."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        tokens, mask, labels, _ = task.sample(batch, gen)
+        loss = torch.nn.functional.cross_entropy(model(tokens, mask).logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import train_on_keywords
 
 from attnkern.experiments.data.synthetic import CopyTask, KeywordTask
 from attnkern.experiments.models import AttentionClassifier, ClassifierOutput, MultiHeadSeq2Seq, Seq2Seq
@@ -127,16 +128,7 @@ def test_classifier_training_reduces_loss(encoder):
     torch.manual_seed(0)
     task = KeywordTask(n_filler=30, n_keywords=2, min_len=4, max_len=8)
     m = AttentionClassifier(task.vocab_size, 2, encoder=encoder, embed_dim=16, hidden_dim=16)
-    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(40):
-        tokens, mask, labels, _ = task.sample(32, g)
-        loss = torch.nn.functional.cross_entropy(m(tokens, mask).logits, labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_on_keywords(m, task, steps=40, batch=32)
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from _interpret_data import make_cache
-from helpers import run_experiment
+from helpers import run_experiment, train_on_keywords
 
 from attnkern.experiments import cli
 from attnkern.experiments.interpret import shared
@@ -287,16 +287,9 @@ def test_importance_finds_a_planted_token(normalizer):
 
     torch.manual_seed(0)
     task = KeywordTask(n_filler=50, n_keywords=3, min_len=6, max_len=12)
-    gen = torch.Generator().manual_seed(0)
     model = AttentionClassifier(task.vocab_size, 2, encoder="bilstm", normalizer=normalizer, embed_dim=16,
                                 hidden_dim=16)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(150):
-        tokens, mask, labels, _ = task.sample(64, gen)
-        loss = torch.nn.functional.cross_entropy(model(tokens, mask).logits, labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_on_keywords(model, task, steps=150, batch=64)
     tokens, mask, labels, planted = task.sample(200, torch.Generator().manual_seed(1))
     enc = shared.encode_batch(model, tokens, mask)
     assert (enc.pred == labels).float().mean() > 0.95

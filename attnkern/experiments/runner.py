@@ -103,10 +103,16 @@ def _execute(fn, experiment: str, config: dict, seed: int, code: str) -> dict:
         torch.set_num_threads(threads)
 
 
-def data_changed(record: dict) -> bool:
-    """Whether a dataset the cached run read differs now (or is gone)."""
+def data_changed(record: dict, digests: dict) -> bool:
+    """Whether a dataset the cached run read differs now (or is gone). digests: the datasets' current
+    fingerprints, filled as needed (one walk of each dataset's folder per sweep, not per cached run)."""
     data = record.get("data")
-    return data is None or provenance.data_fingerprint(data) != data
+    if data is None:
+        return True
+    for name in data:
+        if name not in digests:
+            digests[name] = provenance.dataset_digest(name)
+    return any(digests[name] != digest for name, digest in data.items())
 
 
 def _write_atomic(path: Path, record: dict) -> None:
@@ -130,6 +136,7 @@ def run_jobs(fn, jobs: list[Job], cache_dir, *, experiment: str, n_jobs: int = 1
     sweep = Sweep()
     todo = []
     code = provenance.code_fingerprint(fn.__module__)
+    digests: dict = {}
     for job in jobs:
         path = cache_dir / f"{config_hash(experiment, job.config, job.seed, code)}.json"
         if path.exists():
@@ -137,7 +144,7 @@ def run_jobs(fn, jobs: list[Job], cache_dir, *, experiment: str, n_jobs: int = 1
                 record = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 record = None  # a damaged cache file: run the job again
-            if record is not None and not data_changed(record):
+            if record is not None and not data_changed(record, digests):
                 sweep.results[job.name] = record
                 sweep.cached += 1
                 continue

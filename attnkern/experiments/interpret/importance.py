@@ -96,6 +96,7 @@ def summarize(per: dict, select=None) -> dict:
     """Table 2 statistics over the instances (optionally only where ``select`` is True)."""
     idx = [i for i in range(len(per["pred"])) if select is None or select[i]]
     out = {"instances": len(idx)}
+    support = np.asarray([per["support"][i] for i in idx], dtype=float)
     for key, prefix in (("grad", "gradient"), ("loo", "loo")):
         out.update(summarize_kendall([_kendalls(per[key])[i] for i in idx]).as_dict(prefix))
         supp = summarize_kendall([_kendalls(per[f"{key}_supp"])[i] for i in idx])
@@ -104,14 +105,12 @@ def summarize(per: dict, select=None) -> dict:
         topk = np.asarray([per[f"topk_{key}"][i] for i in idx], dtype=float).reshape(len(idx), len(TOPK))
         # Top-k counts only instances whose attention has more than k non-zero tokens: with k or fewer, the
         # exact zeros tie and every position-broken tie agrees by construction.
-        support_k = np.asarray([per["support"][i] for i in idx], dtype=float)
         out[f"{prefix}_topk"], out[f"{prefix}_topk_coverage"] = {}, {}
         for j, k in enumerate(TOPK):
-            eligible = support_k > k
+            eligible = support > k
             out[f"{prefix}_topk"][str(k)] = float(np.nanmean(topk[eligible, j])) if eligible.any() else math.nan
             out[f"{prefix}_topk_coverage"][str(k)] = float(eligible.mean()) if len(idx) else math.nan
     lengths = np.asarray([per["length"][i] for i in idx], dtype=float)
-    support = np.asarray([per["support"][i] for i in idx], dtype=float)
     out["length_mean"] = float(lengths.mean()) if len(idx) else math.nan
     out["support_mean"] = float(support.mean()) if len(idx) else math.nan
     out["support_frac_mean"] = float((support / np.maximum(lengths, 1)).mean()) if len(idx) else math.nan

@@ -2,11 +2,10 @@
 // even, as a scalar cast). bfloat16 has no conversion instruction in the
 // AVX-512 level the kernels are built for (F/BW/VL/DQ): ATen's vectors round
 // it with integer operations and a NaN blend, several operations a vector.
-// CPUs with the AVX512_BF16 extension (Zen 4 and 5, Cooper Lake, Sapphire
-// Rapids and later; checked when the op runs) round 32 values in one
-// instruction, used where present: vcvtne2ps2bf16, which treats denormal
-// floats as zero (the kernels never produce them: they run with denormals
-// flushed) and writes NaN as the quiet NaN 0x7fc0. float16 has its
+// CPUs with the AVX512_BF16 extension (checked when the op runs) round 32
+// values in one instruction, used where present: vcvtne2ps2bf16, which
+// treats denormal floats as zero (the kernels never produce them: they run
+// with denormals flushed) and writes NaN as the quiet NaN 0x7fc0. float16 has its
 // conversion instruction at AVX2 already.
 #pragma once
 
