@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 
 extern "C" {
@@ -49,6 +50,20 @@ struct SingleThreadedBlas {
   SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
 };
 
+// MKL picks its kernels by its operands' alignment, and kernels of other
+// reduction orders give other bits: an operand that does not start on a
+// 64-byte boundary (a view at an odd storage offset) goes to the BLAS as an
+// aligned copy with the same layout, so that its bits do not depend on where
+// the caller's tensor happens to start. Returns p itself when it is aligned.
+template <typename T>
+const T* aligned_operand(const T* p, int64_t rows, int64_t cols, int64_t ld, at::Tensor& holder) {
+  if (reinterpret_cast<std::uintptr_t>(p) % 64 == 0) return p;
+  const int64_t span = (rows - 1) * ld + cols;
+  holder = at::empty({span}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));  // 64-byte aligned
+  std::copy(p, p + span, holder.data_ptr<T>());
+  return holder.data_ptr<T>();
+}
+
 template <typename T>
 at::Tensor wrap(const T* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
   auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
@@ -76,6 +91,11 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
   const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
   detail::SingleThreadedBlas one_thread;
+  at::Tensor a_copy, b_copy;
+  if ((std::is_same_v<T, float> && sgemm_ != nullptr) || (std::is_same_v<T, double> && dgemm_ != nullptr)) {
+    A = detail::aligned_operand(A, trans_a ? K : M, trans_a ? M : K, lda, a_copy);
+    B = detail::aligned_operand(B, trans_b ? N : K, trans_b ? K : N, ldb, b_copy);
+  }
   if constexpr (std::is_same_v<T, float>) {
     if (sgemm_ != nullptr) {
       sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
