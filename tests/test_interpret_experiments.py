@@ -99,6 +99,9 @@ def test_baselines_end_to_end(out):
             assert 0 <= r[f"{name}_accuracy"] <= 1
         assert [d["lambda"] for d in r["deceptive"]] == [0.1]
         assert r["divergence"] == ("KL" if r["normalizer"] == "softmax" else "JSD")
+        # another initialisation on the same split: a different model, so its attention differs somewhat
+        assert 0 < r["seed_variance"]["jsd"] <= math.log(2) and 0 <= r["seed_variance"]["accuracy"] <= 1
+    assert len(list((out / "models").glob("tweets-average-softmax-learned-s0-i1000-*.pt"))) == 1
     # uniform attention does not depend on the normalizer: one model serves both rows
     assert len(list((out / "models").glob("tweets-average-softmax-uniform-s0-*.pt"))) == 1
     assert not list((out / "models").glob("tweets-average-sparsemax-uniform-*.pt"))
@@ -305,3 +308,49 @@ def test_importance_finds_a_planted_token(normalizer):
     at_random, _ = erase_until_flip(model, enc, orders["random"])
     both = (by_grad > 0) & (at_random > 0)
     assert both.sum() >= 20 and by_grad[both].mean() <= at_random[both].mean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
+def test_deceptive_training_moves_attention_off_a_planted_token(normalizer):
+    """A known answer for Wiegreffe & Pinter's deceptive model: on a task where one keyword
+    decides the label, a model trained with baselines.deceptive_loss (keep the base model's
+    predictions, move the attention away from the base model's) must take most of its
+    attention off the keyword while its held-out accuracy stays within 0.05 of the base
+    model's: the BiLSTM states around the keyword carry what the decision needs."""
+    import copy
+
+    from attnkern.experiments.data.synthetic import KeywordTask
+    from attnkern.experiments.interpret.baselines import deceptive_loss
+
+    torch.manual_seed(0)
+    task = KeywordTask(n_filler=50, n_keywords=3, min_len=6, max_len=12)
+    base = AttentionClassifier(task.vocab_size, 2, encoder="bilstm", normalizer=normalizer, embed_dim=16,
+                               hidden_dim=16)
+    train_on_keywords(base, task, steps=150, batch=64)
+    tokens, mask, labels, planted = task.sample(200, torch.Generator().manual_seed(1))
+
+    def evaluate(model):
+        with torch.no_grad():
+            out = model(tokens, mask)
+        on_keyword = out.weights[torch.arange(len(planted)), planted]
+        return (out.logits.argmax(-1) == labels).float().mean().item(), on_keyword.mean().item()
+
+    base_acc, base_on_keyword = evaluate(base)
+    assert base_acc > 0.95 and base_on_keyword > 0.5
+    deceptive = copy.deepcopy(base)
+    # At the base model both terms of the loss are stationary (TVD 0, the divergence at its minimum); the
+    # experiment's weight decay (1e-5, as here) is what moves the copy off that point.
+    opt = torch.optim.Adam(deceptive.parameters(), lr=1e-2, weight_decay=1e-5)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        x, m, _, _ = task.sample(64, gen)
+        with torch.no_grad():
+            target = base(x, m)
+        loss = deceptive_loss(deceptive, x, m, torch.softmax(target.logits, -1), target.weights, normalizer, lam=0.3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    acc, on_keyword = evaluate(deceptive)
+    assert acc >= base_acc - 0.05, (acc, base_acc)
+    assert on_keyword < 0.5 * base_on_keyword, (on_keyword, base_on_keyword)

@@ -2,6 +2,8 @@
 
 - Uniform attention (weights fixed to 1/n, Wiegreffe & Pinter's baseline) and frozen random attention (the scorer
   and query left at their random initialisation) against the learned attention: test accuracy and macro-F1.
+- Seed variance: a model trained on the same split from another initialisation, compared with the base model as
+  the deceptive models are (Wiegreffe & Pinter's yardstick for how far attention moves by chance).
 - The deceptive model: a copy of the base (learned) model trained further to reproduce the base model's
   predictions while attending differently, with the loss ``TVD(ŷ_adv, ŷ_base) − λ KL(a_base ‖ a_adv)`` per
   training instance, for each λ. KL is infinite between sparse distributions with different supports, so for
@@ -25,6 +27,8 @@ from attnkern.experiments.interpret.metrics import jsd, tvd
 NAME = "baselines"
 DEFAULT_LAMBDAS = (0.001, 0.01, 0.1, 1.0)
 QUICK_DECEPTIVE_EPOCHS = 1
+# The seed-variance model of a base model with seed s is trained on s's split from initialisation seed s + this.
+SEED_VARIANCE_OFFSET = 1000
 _FLOOR = 1e-12  # keeps log q finite where float32 softmax underflows to 0
 
 
@@ -64,6 +68,13 @@ def _batch_targets(idx, probs, weights, T):
     for row, i in enumerate(idx):
         w[row, : weights[i].shape[0]] = weights[i]
     return p, w
+
+
+def deceptive_loss(model, tokens, mask, base_probs, base_weights, normalizer: str, lam: float) -> torch.Tensor:
+    """The deceptive model's training loss on a batch: mean of TVD(ŷ, ŷ_base) − λ·divergence(a_base, a)."""
+    out = model(tokens, mask)
+    q = torch.softmax(out.logits, -1)
+    return (tvd(q, base_probs) - lam * attention_divergence(base_weights, out.weights, normalizer)).mean()
 
 
 def deceptive_stats(model, base_targets, split, normalizer: str, lam: float, batch_size: int = 64) -> dict:
@@ -116,9 +127,7 @@ def get_deceptive(base: classifiers.Trained, lam: float, out, epochs: int | None
         for idx in classifiers.batches(len(seqs), cfg.batch_size, rng):
             tokens, mask = classifiers.pad_batch([seqs[i] for i in idx])
             p, w = _batch_targets(idx, *train_targets, tokens.shape[1])
-            out = model(tokens, mask)
-            q = torch.softmax(out.logits, -1)
-            loss = (tvd(q, p) - lam * attention_divergence(w, out.weights, cfg.normalizer)).mean()
+            loss = deceptive_loss(model, tokens, mask, p, w, cfg.normalizer, lam)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
@@ -150,6 +159,11 @@ def analyse(config: dict, seed: int) -> dict:
         _, stats = get_deceptive(learned, lam, out, config.get("deceptive_epochs"))
         result["deceptive"].append({"lambda": lam, **stats})
     result["base_self"] = base_stats  # sanity: TVD and JSD of the base model against itself are 0
+    # Wiegreffe & Pinter's yardstick for "far": how far the attention of a model trained on the same data from
+    # another initialisation (and batch order) lies from the base model's.
+    other = classifiers.get_classifier(replace(cfg, init_seed=cfg.seed + SEED_VARIANCE_OFFSET), out)
+    result["seed_variance"] = deceptive_stats(other.model, _targets(learned.model, learned.data.test),
+                                              learned.data.test, cfg.normalizer, 0.0)
     return result
 
 
@@ -175,6 +189,8 @@ def run(args) -> dict:
         for name in ("learned", "random", "uniform"):
             row[f"{name}_accuracy"] = float(np.mean([r[name]["accuracy"] for r in results]))
             row[f"{name}_macro_f1"] = float(np.mean([r[name]["macro_f1"] for r in results]))
+        row["seed_variance"] = {k: float(np.mean([r["seed_variance"][k] for r in results]))
+                                for k in ("accuracy", "tvd", "jsd", "divergence")}
         row["deceptive"] = []
         for i, lam in enumerate(lambdas):
             entries = [r["deceptive"][i] for r in results]
@@ -224,8 +240,16 @@ def markdown(result: dict) -> str:
               "predictions, mean JSD between the attentions (nats, ≤ 0.693). Fine-tuning epochs: "
               + (f"{result['deceptive_epochs']} (quick configuration)." if result.get("deceptive_epochs")
                  else "as many as the base model's."), ""]
+    lines += ["The row \"another seed\" is Wiegreffe & Pinter's yardstick: a model trained on the same split "
+              "from another initialisation and batch order, compared with the base model in the same way. "
+              "A deceptive model whose attention lies no farther from the base model's than that has not "
+              "moved it far.", ""]
     body = []
     for r in result["rows"]:
+        sv = r.get("seed_variance")
+        if sv:
+            body.append([r["dataset"], r["encoder"], r["normalizer"], r["divergence"], "another seed",
+                         f"{sv['accuracy']:.3f}", f"{sv['tvd']:.3f}", f"{sv['jsd']:.3f}"])
         for d in r["deceptive"]:
             body.append([r["dataset"], r["encoder"], r["normalizer"], r["divergence"], f"{d['lambda']:g}",
                          f"{d['accuracy']:.3f}", f"{d['tvd']:.3f}", f"{d['jsd']:.3f}"])

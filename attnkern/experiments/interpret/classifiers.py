@@ -165,13 +165,21 @@ class TrainConfig:
     weight_decay: float = 1e-5
     max_len: int | None = None
     backend: str = "auto"
+    # The seed of the initialisation and the batch order when it differs from `seed` (which also draws the
+    # data split): models on one split that differ only in training randomness (the seed-variance baseline).
+    init_seed: int | None = None
+
+    @property
+    def training_seed(self) -> int:
+        return self.seed if self.init_seed is None else self.init_seed
 
     def key(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def name(self) -> str:
-        return f"{self.dataset}-{self.encoder}-{self.normalizer}-{self.mode}-s{self.seed}"
+        init = "" if self.init_seed is None else f"-i{self.init_seed}"
+        return f"{self.dataset}-{self.encoder}-{self.normalizer}-{self.mode}-s{self.seed}{init}"
 
 
 def default_max_len(dataset: str, quick: bool) -> int | None:
@@ -252,8 +260,8 @@ def fit(model, data: TextData, cfg: TrainConfig, loss_fn=None, score_fn=None) ->
     loss_fn(model, tokens, mask, labels) -> scalar loss (default: cross-entropy on the labels);
     score_fn(model) -> dev score to maximise (default: dev accuracy). Returns the history.
     """
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
+    torch.manual_seed(cfg.training_seed)
+    rng = np.random.default_rng(cfg.training_seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if loss_fn is None:
@@ -311,7 +319,7 @@ def get_classifier(cfg: TrainConfig, out: str | Path) -> Trained:
     check_choices([cfg.mode], MODES, "mode")
     data = load_text_data(cfg.dataset, cfg.seed, cfg.max_len)
     path = model_path(cfg, out, model_fingerprint(data))
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.training_seed)
     model = build_model(cfg, len(data.vocab), data.num_classes)
     if cfg.mode == "random":
         freeze_attention(model)
