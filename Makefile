@@ -11,7 +11,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -na
 
 # Everything the build, the tests and the experiments need besides torch and numpy.
 DEV_DEPS := ninja pybind11 setuptools wheel pytest pytest-benchmark hypothesis mpmath ruff "entmax==1.3" \
-	    matplotlib joblib tqdm scipy "dask[distributed]" captum
+	    matplotlib joblib tqdm scipy "dask[distributed]" captum "transformers==5.24.0" tokenizers
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -93,7 +93,7 @@ experiments: $(BUILT)
 	    $(VPY) -m attnkern.experiments $$e --quick --jobs 2 --out out/experiments || exit 1; done
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check attnkern tests benchmarks setup.py
+	$(VENV)/bin/ruff check attnkern tests benchmarks examples setup.py
 
 info: $(BUILT)
 	$(VPY) -m attnkern.info

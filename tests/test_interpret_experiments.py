@@ -276,6 +276,19 @@ def test_density_grid_writes_one_figure_per_dataset(tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def _trained_on_planted_keyword(normalizer):
+    """(task, a small BiLSTM classifier trained on it, 200 held-out sentences (tokens, mask, labels, keyword
+    position)) for data.synthetic.KeywordTask, where one keyword decides the label."""
+    from attnkern.experiments.data.synthetic import KeywordTask
+
+    torch.manual_seed(0)
+    task = KeywordTask(n_filler=50, n_keywords=3, min_len=6, max_len=12)
+    model = AttentionClassifier(task.vocab_size, 2, encoder="bilstm", normalizer=normalizer, embed_dim=16,
+                                hidden_dim=16)
+    train_on_keywords(model, task, steps=150, batch=64)
+    return task, model, task.sample(200, torch.Generator().manual_seed(1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
 def test_importance_finds_a_planted_token(normalizer):
@@ -285,15 +298,9 @@ def test_importance_finds_a_planted_token(normalizer):
     moves the output by a TVD of at least 0.25): there gradient and leave-one-out
     importance must rank it first in at least 90% of them, and erasing by gradient must
     flip the decision no later than erasing at random."""
-    from attnkern.experiments.data.synthetic import KeywordTask
     from attnkern.experiments.interpret.erasure import rankings
 
-    torch.manual_seed(0)
-    task = KeywordTask(n_filler=50, n_keywords=3, min_len=6, max_len=12)
-    model = AttentionClassifier(task.vocab_size, 2, encoder="bilstm", normalizer=normalizer, embed_dim=16,
-                                hidden_dim=16)
-    train_on_keywords(model, task, steps=150, batch=64)
-    tokens, mask, labels, planted = task.sample(200, torch.Generator().manual_seed(1))
+    _, model, (tokens, mask, labels, planted) = _trained_on_planted_keyword(normalizer)
     enc = shared.encode_batch(model, tokens, mask)
     assert (enc.pred == labels).float().mean() > 0.95
     grad = shared.gradient_importance(model, enc)
@@ -320,15 +327,9 @@ def test_deceptive_training_moves_attention_off_a_planted_token(normalizer):
     model's: the BiLSTM states around the keyword carry what the decision needs."""
     import copy
 
-    from attnkern.experiments.data.synthetic import KeywordTask
     from attnkern.experiments.interpret.baselines import deceptive_loss
 
-    torch.manual_seed(0)
-    task = KeywordTask(n_filler=50, n_keywords=3, min_len=6, max_len=12)
-    base = AttentionClassifier(task.vocab_size, 2, encoder="bilstm", normalizer=normalizer, embed_dim=16,
-                               hidden_dim=16)
-    train_on_keywords(base, task, steps=150, batch=64)
-    tokens, mask, labels, planted = task.sample(200, torch.Generator().manual_seed(1))
+    task, base, (tokens, mask, labels, planted) = _trained_on_planted_keyword(normalizer)
 
     def evaluate(model):
         with torch.no_grad():

@@ -1,0 +1,1 @@
+"""Integrations of attnkern with other libraries (each imports its library lazily)."""
