@@ -21,6 +21,7 @@ the result file has ratios.py's format, so `make docs` renders it.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -71,8 +72,9 @@ def generate_fn(implementation: str, dtype, prompt):
 PEER = "hf-attention-normalizers"
 
 
+@functools.cache
 def peer_backends() -> dict[str, str]:
-    """The peer's eager backends by our implementation name, registered; {} when it is not installed."""
+    """The peer's eager backends by our implementation name, registered once; {} when it is not installed."""
     try:
         import hf_attention_normalizers as peer
     except ImportError:

@@ -23,6 +23,7 @@ compare models on non-padding positions only.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -147,12 +148,19 @@ def _attentions_recorded() -> bool:
     """Whether the model is collecting attention weights (output_attentions=True
     reaches attention functions through transformers' output-capturing hooks,
     not always as an argument)."""
+    collector = _output_collector()
+    collected = collector.get() if collector is not None else None
+    return collected is not None and "attentions" in collected
+
+
+@functools.cache
+def _output_collector():
+    """transformers' collector of captured outputs, or None in versions without one."""
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
-        return False
-    collected = _active_collector.get()
-    return collected is not None and "attentions" in collected
+        return None
+    return _active_collector
 
 
 # --- per-model configuration -------------------------------------------------------------------------
@@ -164,17 +172,12 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "config") and _dispatches_through_interface(type(m))]
 
 
-_DISPATCHES: dict[type, bool] = {}
-
-
+@functools.cache
 def _dispatches_through_interface(cls: type) -> bool:
-    if cls not in _DISPATCHES:
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            source = ""
-        _DISPATCHES[cls] = "ALL_ATTENTION_FUNCTIONS" in source
-    return _DISPATCHES[cls]
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def configure(model, normalizer: str = "entmax15", alpha=None, alpha_init: float = 1.5) -> None:
