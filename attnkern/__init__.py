@@ -3,7 +3,7 @@
 Row-wise normalizers (drop-in for the `entmax` package):
     softmax, sparsemax, entmax15, entmax, entmax_bisect
 Fused attention (SDPA-compatible, softmax / sparsemax / entmax15 / α-entmax):
-    attention
+    attention, attention_varlen (packed documents)
 Modules: attnkern.nn
 
 `import attnkern as entmax` also gives every other name the `entmax` package
@@ -24,6 +24,7 @@ from attnkern.nn.bisect import BudgetBisect, NormmaxBisect, SparsemaxBisect
 from attnkern.nn.losses import Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss
 from attnkern.nn.normalizers import Entmax15, EntmaxBisect, Sparsemax
 from attnkern.ops import entmax, entmax15, entmax_bisect, softmax, sparsemax
+from attnkern.varlen import attention_varlen
 
 __version__ = "0.1.0"
 
@@ -37,7 +38,8 @@ ENTMAX_COMPAT = (
 )
 
 __all__ = [
-    "softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "attention", "nn", "__version__",
+    "softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "attention", "attention_varlen", "nn",
+    "__version__",
     # entmax-package compatibility
     "sparsemax_bisect", "normmax_bisect", "budget_bisect",
     "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss",

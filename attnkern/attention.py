@@ -65,6 +65,66 @@ def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     Family.of(normalizer)
 
 
+def _check_window(window):
+    """window as a pair of ints (left, right), each >= -1 (-1: unbounded), or None."""
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window)):
+        raise TypeError(f"window must be None or a pair of ints (left, right), got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window sides must be >= 0, or -1 for unbounded; got ({left}, {right})")
+    return None if left == -1 and right == -1 else (left, right)
+
+
+def _intersect_windows(a, b):
+    """The window allowing what both allow (None: unbounded)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return tuple(min(x, y) if x >= 0 and y >= 0 else max(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _causal_bias(attn_mask, is_causal, window, L, S):
+    """A torch.nn.attention.bias.CausalBias as attn_mask turned into is_causal
+    (upper left, SDPA's alignment) or the window (-1, 0) (lower right), never
+    materialized: (attn_mask, is_causal, window)."""
+    # (Imported here: torch.nn.attention's modules import Triton on a GPU host,
+    # which `import attnkern` must not.)
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    if not isinstance(attn_mask, CausalBias):
+        return attn_mask, is_causal, window
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (L, S):
+        raise ValueError(f"attn_mask is a CausalBias for {attn_mask.seq_len_q} queries and "
+                         f"{attn_mask.seq_len_kv} keys, but query has {L} and key {S}")
+    if attn_mask.variant == CausalVariant.UPPER_LEFT:
+        return None, True, window
+    return None, is_causal, _intersect_windows(window, (-1, 0))
+
+
+def _check_cache_seqlens(cache_seqlens, batch, S, device, compiling: bool):
+    """cache_seqlens as an int64 tensor of one length per flattened batch
+    element, each in [0, S]."""
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.is_floating_point() or \
+            cache_seqlens.is_complex() or cache_seqlens.dtype == torch.bool:
+        raise TypeError(f"cache_seqlens must be an integer tensor, got {type(cache_seqlens).__name__}"
+                        + (f" of {cache_seqlens.dtype}" if isinstance(cache_seqlens, torch.Tensor) else ""))
+    B = math.prod(batch)
+    if tuple(cache_seqlens.shape) not in (tuple(batch), (B,)):
+        raise ValueError(f"cache_seqlens must have one length per batch element, shape {tuple(batch)}, got "
+                         f"{tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != device:
+        raise ValueError(f"cache_seqlens must be on the inputs' device {device}, got {cache_seqlens.device}")
+    lengths = cache_seqlens.reshape(B).to(torch.int64)
+    if not compiling and B > 0:
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 0 or hi > S:
+            raise ValueError(f"cache_seqlens must lie in [0, S = {S}] (the keys in the cache), got values in "
+                             f"[{lo}, {hi}]")
+    return lengths.contiguous()
+
+
 # --- the plain call -----------------------------------------------------------------
 
 # Normalizers that take no α: a call with one of them can skip the α handling.
@@ -102,14 +162,17 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               dropout_p: float = 0.0, is_causal: bool = False, scale=None, enable_gqa: bool = False, *,
-              normalizer: str = "softmax", alpha=None, backend: str = "auto", return_weights: bool = False):
+              normalizer: str = "softmax", alpha=None, backend: str = "auto", return_weights: bool = False,
+              window=None, cache_seqlens=None):
     """Attention with softmax, sparsemax, entmax15 or α-entmax weights.
 
     Arguments as torch.nn.functional.scaled_dot_product_attention:
       query (..., H, L, E), key (..., Hk, S, E), value (..., Hk, S, Ev); leading
       dims broadcast; Hk == H, or H a multiple of Hk with enable_gqa=True (or
       Hk == 1). attn_mask: bool (True = takes part) or float (added to the
-      scores), broadcastable to (..., H, L, S). is_causal: query i sees keys
+      scores), broadcastable to (..., H, L, S), or a
+      torch.nn.attention.bias.CausalBias (causal_upper_left = is_causal,
+      causal_lower_right = window (-1, 0); never materialized). is_causal: query i sees keys
       j <= i (SDPA's top-left alignment). scale: default 1/sqrt(E).
       dropout_p: dropout on the weights (kept with probability 1 - dropout_p,
       scaled by 1 / (1 - dropout_p), as SDPA; 1 drops them all); the kernels regenerate the mask
@@ -121,18 +184,35 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
       require grad. Each row of weights p solves
       argmax_{p in Δ} <p, s> + H^T_α(p) (Tsallis entropy; α = 1 Shannon).
     A query whose keys are all masked gets zeros (no NaN) for every normalizer.
+    window: (left, right), FlashAttention's window_size: query i sees keys
+      i + S - L - left <= j <= i + S - L + right (bottom-right alignment; the
+      plain band for L = S); -1 leaves a side unbounded. With is_causal or a
+      mask, the keys all of them allow. The kernels compute only the key
+      blocks the window reaches.
+    cache_seqlens: int tensor, one length per batch element (shape: the batch
+      dims): batch element b sees only keys [0, cache_seqlens[b]) of a padded
+      cache, no mask needed; the window then aligns to S_b = cache_seqlens[b].
     backend: "auto", "cpu", "cuda", "triton" or "reference".
     return_weights: also return the weights (..., H, L, S); this materializes
       them and runs unfused (the row-wise normalizer kernels).
     Returns out (..., H, L, Ev) in query's dtype [, weights].
     """
-    if _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha,
-                   backend, return_weights):
+    if window is None and cache_seqlens is None and _plain_call(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha, backend,
+            return_weights):
         from attnkern.autograd import AttentionFunction
 
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         return AttentionFunction.apply(query, key, value, None, None, is_causal, scale, normalizer, "ops", 0.0, None)
+    if query.is_nested or key.is_nested or value.is_nested:
+        return _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha,
+                       backend, return_weights, window, cache_seqlens)
     compiling = ops._compiling()
+    if not compiling:
+        window = _check_window(window)
+    if attn_mask is not None and type(attn_mask) is not torch.Tensor:
+        attn_mask, is_causal, window = _causal_bias(attn_mask, is_causal, window, query.shape[-2],
+                                                    key.shape[-2])
     if not compiling:
         _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer,
                       return_weights)
@@ -140,7 +220,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         # Every weight dropped, as SDPA and torch's module allow: zeros (and zero
         # gradients) in the shape and graph of the undropped result.
         res = attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, normalizer=normalizer,
-                        alpha=alpha, backend=backend, return_weights=return_weights)
+                        alpha=alpha, backend=backend, return_weights=return_weights, window=window,
+                        cache_seqlens=cache_seqlens)
         return tuple(r * 0 for r in res) if isinstance(res, tuple) else res * 0
     E = query.shape[-1]
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
@@ -183,11 +264,26 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
     alpha_batched = (isinstance(alpha, torch.Tensor) and alpha.dim() > 3
                      and any(d != 1 for d in alpha.shape[:-3]))
+    key_lengths = None
+    if cache_seqlens is not None:
+        key_lengths = _check_cache_seqlens(cache_seqlens, batch, S, query.device, compiling)
+        if alpha_batched and takes_alpha(normalizer):
+            raise ValueError("cache_seqlens with an alpha that differs along the batch dims is not supported: "
+                             "give alpha one value per head, or call per batch element")
     mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
 
     chosen = registry.choose(backend, query, "attention", mask_grad=mask_grad)
     if H == 0 or E == 0:
         chosen = "reference"  # nothing for a kernel to do: no heads, or scores all 0 (E = 0)
+    if (chosen == "reference" or return_weights) and (window is not None or key_lengths is not None):
+        # (Unfused: the key band as a dense mask.)
+        band = reference.band_mask(L, S, is_causal=is_causal, window=window, cache_seqlens=key_lengths,
+                                   device=query.device)
+        if key_lengths is not None:
+            band = band.reshape(batch + (1, L, S))
+        attn_mask = band if attn_mask is None else (
+            attn_mask & band if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~band, -math.inf))
+        is_causal = False
     if chosen == "reference":
         res = reference.attention(q, k, v, attn_mask, is_causal, scale, normalizer=normalizer, alpha=alpha,
                                   dropout_p=float(dropout_p), return_weights=return_weights)
@@ -242,10 +338,38 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     impl = "triton" if chosen == "triton" else "ops"
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed() if dropout_p > 0 else None
-    out = AttentionFunction.apply(q4, k4, v4, mask4, alpha_h, is_causal, scale, normalizer, impl, dropout_p, seed)
+    out = AttentionFunction.apply(q4, k4, v4, mask4, alpha_h, is_causal, scale, normalizer, impl, dropout_p, seed,
+                                  window if window is not None else (-1, -1), key_lengths)
     if out.shape != batch + (H, L, Ev):
         out = out.reshape(batch + (H, L, Ev))
     return _unpad(out if out.dtype == query.dtype else out.to(query.dtype), added)
+
+
+def _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha, backend,
+            return_weights, window, cache_seqlens):
+    """Nested tensors with the jagged layout, (B, H, j, E) as SDPA takes them:
+    attnkern.attention_varlen on their values and offsets, the result nested
+    the same way."""
+    from attnkern.varlen import attention_varlen
+
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not (t.is_nested and t.layout == torch.jagged and t.dim() == 4 and t._ragged_idx == 2):
+            raise ValueError(f"with nested tensors, query, key and value must all be jagged nested tensors "
+                             f"(B, heads, j, dim) (ragged sequence dim); {name} is not")
+    if attn_mask is not None or cache_seqlens is not None or return_weights:
+        raise ValueError("with nested tensors, attn_mask, cache_seqlens and return_weights are not supported: "
+                         "the documents' lengths already say which keys each query sees")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, j, heads, dim)
+    if not torch.equal(k.offsets(), v.offsets()):
+        raise ValueError("with nested tensors, key and value must have the same lengths")
+    if is_causal and not torch.equal(q.offsets(), k.offsets()):
+        raise ValueError("with nested tensors, is_causal needs queries and keys of the same lengths (SDPA's "
+                         "top-left alignment); for bottom-right causality within each sequence use "
+                         "attention_varlen(is_causal=True) or window=(-1, 0)")
+    out = attention_varlen(q.values(), k.values(), v.values(), q.offsets(), k.offsets(),
+                           is_causal=is_causal, window=window, scale=scale, normalizer=normalizer, alpha=alpha,
+                           dropout_p=dropout_p, enable_gqa=enable_gqa, backend=backend)
+    return torch.nested.nested_tensor_from_jagged(out, q.offsets()).transpose(1, 2)
 
 
 def _unpad(res, added: int):

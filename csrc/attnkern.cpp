@@ -15,7 +15,10 @@
 // Fused attention (q (B,H,L,E), k (B,Hk,S,E), v (B,Hk,S,Ev), H % Hk == 0):
 //   attention_fwd(...) -> (out (B,H,L,Ev) in q's dtype, shift (B,H,L) float32)
 //       scores s = scale·q·kᵀ + mask (float, broadcastable to (B,H,L,S),
-//       -inf = not allowed), causal: key j <= query i. p = φ_b(s - shift);
+//       -inf = not allowed), causal: key j <= query i; window_left/_right
+//       (-1: unbounded): key j within [i + S_b - L - left, i + S_b - L + right]
+//       (bottom-right); key_lengths (int64 (B,), optional): batch b's keys
+//       [0, S_b) valid, S_b = S without it. p = φ_b(s - shift);
 //       a row with no allowed key has shift +inf and output 0.
 //       normalizer: softmax | sparsemax | entmax15 | entmax (alpha: float32 (H,))
 //       dropout_p > 0: each weight is kept with probability 1 - dropout_p and
@@ -61,10 +64,12 @@ TORCH_LIBRARY(attnkern, m) {
   // --- end entmax-package compatibility ---
 
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, str normalizer, "
-        "Tensor? alpha, float dropout_p=0., Tensor? dropout_seed=None) -> (Tensor out, Tensor shift)");
+        "Tensor? alpha, float dropout_p=0., Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "
+        "Tensor? key_lengths=None) -> (Tensor out, Tensor shift)");
   m.def("attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, "
         "str normalizer, Tensor? alpha, Tensor out, Tensor shift, bool alpha_grad, float dropout_p=0., "
-        "Tensor? dropout_seed=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dalpha)");
+        "Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, Tensor? key_lengths=None) "
+        "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dalpha)");
   // attention_dropout_mask(B, H, L, S, dropout_p, dropout_seed) -> keep (B, H, L, S) bool: the mask that
   //     attention_fwd/_bwd with these arguments apply (for tests; csrc/cpu/dropout.h).
   m.def("attention_dropout_mask(int B, int H, int L, int S, float dropout_p, Tensor dropout_seed) -> Tensor");

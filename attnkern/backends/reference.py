@@ -350,6 +350,33 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal
     return s
 
 
+def band_mask(L: int, S: int, *, is_causal: bool = False, window=None, cache_seqlens=None,
+              device=None) -> torch.Tensor:
+    """Which keys each query may see, as a dense bool mask (True = allowed):
+    (L, S), or (B, 1, L, S) with cache_seqlens (B,) valid keys per batch
+    element. is_causal: j <= i (top-left). window (left, right), -1 for
+    unbounded: i + S_b - L - left <= j <= i + S_b - L + right, S_b the batch
+    element's key count (bottom-right alignment); keys j >= S_b are never
+    allowed. The oracle of the kernels' key bands."""
+    i = torch.arange(L, device=device).view(-1, 1)
+    j = torch.arange(S, device=device).view(1, -1)
+    if cache_seqlens is None:
+        sb = torch.tensor(S, device=device)
+    else:
+        sb = cache_seqlens.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1)
+    allowed = j < sb
+    if is_causal:
+        allowed = allowed & (j <= i)
+    if window is not None:
+        left, right = window
+        diag = i + sb - L
+        if left >= 0:
+            allowed = allowed & (j >= diag - left)
+        if right >= 0:
+            allowed = allowed & (j <= diag + right)
+    return allowed
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               is_causal: bool = False, scale=None, *, normalizer: str = "softmax", alpha=None,
               dropout_p: float = 0.0, dropout_mask: torch.Tensor | None = None, return_weights: bool = False):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnkern.attention import attention
+from attnkern.attention import _check_window, attention
 from attnkern.nn.normalizers import EntmaxAlpha
 from attnkern.validation import check_mask_dtype, check_module_alpha
 
@@ -37,6 +37,9 @@ class MultiheadAttention(nn.Module):
         `alpha_init` (as attnkern.nn.EntmaxAlpha; θ follows device and dtype,
         but stays float32 for float16 and bfloat16).
       backend: passed to attnkern.attention.
+      window: (left, right) keys around each query's position, as
+        attnkern.attention's (bottom-right alignment; -1 unbounded), computed
+        without materializing a mask; None: every key.
     Shapes: query (L, N, E) or (N, L, E) with batch_first, or unbatched (L, E).
     need_weights=True returns the attention weights (averaged over heads when
     average_attn_weights), which materializes them; pass need_weights=False for
@@ -46,12 +49,17 @@ class MultiheadAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, device=None, dtype=None, *,
-                 normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, backend: str = "auto"):
+                 normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, backend: str = "auto",
+                 window=None):
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         check_module_alpha(normalizer, alpha)
+        window = _check_window(window)
+        if window is not None and (add_bias_kv or add_zero_attn):
+            raise ValueError("window cannot be combined with add_bias_kv or add_zero_attn: the keys they append "
+                             "would move the window's bottom-right alignment")
         factory = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
@@ -62,7 +70,7 @@ class MultiheadAttention(nn.Module):
         self.dropout = dropout
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
-        self.normalizer, self.backend = normalizer, backend
+        self.normalizer, self.backend, self.window = normalizer, backend, window
         if not self._qkv_same_embed_dim:
             self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory))
             self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory))
@@ -176,7 +184,7 @@ class MultiheadAttention(nn.Module):
 
         res = attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
                         is_causal=causal, normalizer=self.normalizer, alpha=self.alpha, backend=self.backend,
-                        return_weights=need_weights)
+                        return_weights=need_weights, window=self.window)
         out, weights = res if need_weights else (res, None)
         out = self.out_proj(out.transpose(1, 2).reshape(N, L, E))
         if weights is not None and average_attn_weights:

@@ -38,25 +38,33 @@ bool decodes(const Problem<acc_t>& P) {
   return P.L <= kDecodeRows && all_softmax_heads(P);
 }
 
-// Decoding: every (batch, head) split over fixed chunks of keys, one task per
-// chunk, then the chunks of each head merged in order.
+// Decoding: every (batch, head) split over fixed chunks of keys from the
+// first of its band, one task per chunk, then the chunks of each head merged
+// in order. (Chunks take absolute key indices: P.key0 stays 0.)
 template <typename acc_t>
 void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
-  const int64_t m = P.L, n = P.keys_for(0, m);
-  const int64_t nchunks = std::max<int64_t>(1, (n + kDecodeKeys - 1) / kDecodeKeys);
+  const int64_t m = P.L;
+  std::vector<std::pair<int64_t, int64_t>> range(P.B);
+  int64_t n_max = 0;
+  for (int64_t bi = 0; bi < P.B; ++bi) {
+    range[bi] = P.block_keys(bi, 0, m);
+    n_max = std::max(n_max, range[bi].second);
+  }
+  const int64_t nchunks = std::max<int64_t>(1, (n_max + kDecodeKeys - 1) / kDecodeKeys);
   const int64_t heads = P.B * P.H;
   std::vector<acc_t> po(heads * nchunks * m * P.Ev), pm(heads * nchunks * m), pl(heads * nchunks * m);
   at::parallel_for(0, heads * nchunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> y(m * std::min(n, kDecodeKeys));
+    std::vector<acc_t> y(m * std::min(n_max, kDecodeKeys));
     FlushDenormals ftz;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t bh = t / nchunks, u = t % nchunks, j0 = u * kDecodeKeys;
-      if (n == 0) {
+      const int64_t bh = t / nchunks, u = t % nchunks, bi = bh / P.H;
+      const auto [jb, n] = range[bi];
+      if (u * kDecodeKeys >= n) {  // (no key in this chunk)
         std::fill(pm.begin() + t * m, pm.begin() + (t + 1) * m, -std::numeric_limits<acc_t>::infinity());
         continue;
       }
-      softmax_decode_chunk(P, bh / P.H, bh % P.H, 0, m, j0, std::min(kDecodeKeys, n - j0), y.data(),
-                           po.data() + t * m * P.Ev, pm.data() + t * m, pl.data() + t * m);
+      softmax_decode_chunk(P, bi, bh % P.H, 0, m, jb + u * kDecodeKeys, std::min(kDecodeKeys, n - u * kDecodeKeys),
+                           y.data(), po.data() + t * m * P.Ev, pm.data() + t * m, pl.data() + t * m);
     }
   });
   at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
@@ -175,7 +183,8 @@ void forward_kernel(const Problem<acc_t>& P, const OutRows& out, float* shift) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nb, bi = bh / P.H, h = bh % P.H;
       const int64_t i0 = zigzag(t % nb, nb) * BM, m = std::min(BM, P.L - i0);
-      const int64_t n = P.keys_for(i0, m);
+      const auto [jb, n] = P.block_keys(bi, i0, m);
+      Pt.key0 = jb;
       acc_t* o = in_place ? static_cast<acc_t*>(out.data) + (bh * P.L + i0) * P.Ev : ws.out_rows.data();
       float* c = shift + bh * P.L + i0;
       if (n > 0 && P.k_src) pack_thread_keys(P, bi, h, Pt, ws);
@@ -267,6 +276,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
       const int64_t chunk = t % nchunks, bk = t / nchunks, bi = bk / P.Hk, hk = bk % P.Hk;
       acc_t* dk = dk_acc + (chunk * P.B * P.Hk + bk) * kv_head_k;
       acc_t* dv = dv_acc + (chunk * P.B * P.Hk + bk) * kv_head_v;
+      Pt.key0 = 0;  // (the task's operands are whole heads)
       backward_task_operands(P, bk, Pt, ws);
       for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
         const int64_t bh = bi * P.H + h;
@@ -275,7 +285,11 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
         const int64_t bm = tiled_h ? BMs : BM, nbh = tiled_h ? nbs : nb;
         for (int64_t u = chunk; u < nbh; u += nchunks) {
           const int64_t i0 = zigzag(u, nbh) * bm, m = std::min(bm, P.L - i0);
-          const int64_t n = P.keys_for(i0, m);
+          const auto [jb, n] = P.block_keys(bi, i0, m);
+          Pt.key0 = jb;
+          // (The block's keys in the accumulators: transposed ones, E x Sa, by column.)
+          acc_t* dkb = P.do16 ? dk + jb : dk + jb * P.E;
+          acc_t* dvb = P.do16 ? dv + jb : dv + jb * P.Ev;
           acc_t* dqb = dq + (bh * P.L + i0) * P.E;
           const acc_t* dob = dout ? dout + (bh * P.L + i0) * P.Ev : nullptr;
           const float* c = shift + bh * P.L + i0;
@@ -283,10 +297,10 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
           if (n == 0) {
             std::fill(dqb, dqb + m * P.E, acc_t(0));
           } else if (tiled_h) {
-            softmax_backward_block(Pt, bi, h, i0, m, n, c, delta + bh * P.L + i0, dob, dqb, dk, dv, ws.y.data(),
+            softmax_backward_block(Pt, bi, h, i0, m, n, c, delta + bh * P.L + i0, dob, dqb, dkb, dvb, ws.y.data(),
                                    ws.d.data(), ws.lse.data(), ws.keep);
           } else {
-            rows_backward_block(Pt, bi, h, i0, m, n, c, dob, dqb, dk, dv, da, ws);
+            rows_backward_block(Pt, bi, h, i0, m, n, c, dob, dqb, dkb, dvb, da, ws);
           }
         }
       }
@@ -330,9 +344,37 @@ Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
   return c;
 }
 
+// The key band's arguments: the window's sides (-1 unbounded) and the valid
+// keys per batch (key_lengths, int64 (B,), or undefined).
+struct Band {
+  int64_t left = -1, right = -1;
+  Tensor key_lengths;
+};
+
+Band prepare_band(int64_t window_left, int64_t window_right, const c10::optional<Tensor>& key_lengths,
+                  const Checked& c) {
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
+                    "attnkern.attention: window sides must be >= 0, or -1 for unbounded; got (", window_left, ", ",
+                    window_right, ")");
+  Band band{window_left, window_right, Tensor()};
+  if (key_lengths.has_value() && key_lengths->defined()) {
+    const Tensor& kl = *key_lengths;
+    TORCH_CHECK_VALUE(kl.device().is_cpu() && kl.scalar_type() == at::kLong && kl.dim() == 1 && kl.size(0) == c.B,
+                      "attnkern.attention: key_lengths must be a CPU int64 tensor of shape (", c.B, "), got ",
+                      kl.scalar_type(), " ", kl.sizes(), " on ", kl.device());
+    band.key_lengths = kl.contiguous();
+    const int64_t* p = band.key_lengths.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < c.B; ++b)
+      TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= c.S, "attnkern.attention: key_lengths[", b, "] = ", p[b],
+                        " lies outside [0, S = ", c.S, "]");
+  }
+  return band;
+}
+
 template <typename acc_t>
 Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const Tensor& mask, bool is_causal, double scale, Family fam, const Tensor& alpha) {
+                            const Tensor& mask, bool is_causal, const Band& band, double scale, Family fam,
+                            const Tensor& alpha) {
   Problem<acc_t> P;
   // (Undefined q, k or v: decoding reads half-precision K and V in place, and
   // half-type GEMMs read half-type copies.)
@@ -343,6 +385,8 @@ Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, 
   P.E = round_up_panel<acc_t>(c.E), P.Ev = round_up_panel<acc_t>(c.Ev);
   P.scale = static_cast<acc_t>(scale);
   P.causal = is_causal;
+  P.win_left = band.left, P.win_right = band.right;
+  P.key_len = band.key_lengths.defined() ? band.key_lengths.const_data_ptr<int64_t>() : nullptr;
   if (mask.defined()) {
     P.mask = mask.const_data_ptr<acc_t>();
     P.msb = mask.stride(0), P.msh = mask.stride(1), P.msl = mask.stride(2), P.mss = mask.stride(3);
@@ -523,8 +567,11 @@ void set_half_scores(Problem<acc_t>& P, const HalfGemm& hg, const Tensor& q_in, 
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const c10::optional<Tensor>& mask_in, bool is_causal, double scale,
                                          c10::string_view normalizer, const c10::optional<Tensor>& alpha_in,
-                                         double dropout_p, const c10::optional<Tensor>& dropout_seed) {
+                                         double dropout_p, const c10::optional<Tensor>& dropout_seed,
+                                         int64_t window_left, int64_t window_right,
+                                         const c10::optional<Tensor>& key_lengths) {
   Checked c = check_inputs(q_in, k_in, v_in);
+  const Band band = prepare_band(window_left, window_right, key_lengths, c);
   const Family fam = normalizer_family(normalizer);
   const Dropout drop = prepare_dropout(dropout_p, dropout_seed, c.S);
   Tensor alpha = prepare_alpha(alpha_in, fam, c);
@@ -562,7 +609,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
                        q_in.scalar_type() == at::kDouble;
     Tensor out_k = at::empty({c.B, c.H, c.L, c.Ev}, q_in.options().dtype(as_is ? q_in.scalar_type() : c.acc));
     if (out_k.numel() > 0 || shift.numel() > 0) {
-      auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
+      auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, band, scale, fam, alpha);
       P.drop = drop;
       if (gemm16) {
         set_half_scores(P, hg, q_in, k_in, dt, Ep, q16, k16);
@@ -617,8 +664,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& mask_in, bool is_causal, double scale, c10::string_view normalizer,
     const c10::optional<Tensor>& alpha_in, const Tensor& out, const Tensor& shift_in, bool alpha_grad,
-    double dropout_p, const c10::optional<Tensor>& dropout_seed) {
+    double dropout_p, const c10::optional<Tensor>& dropout_seed, int64_t window_left, int64_t window_right,
+    const c10::optional<Tensor>& key_lengths) {
   Checked c = check_inputs(q_in, k_in, v_in);
+  const Band band = prepare_band(window_left, window_right, key_lengths, c);
   const Family fam = normalizer_family(normalizer);
   const Dropout drop = prepare_dropout(dropout_p, dropout_seed, c.S);
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef({c.B, c.H, c.L, c.Ev}),
@@ -690,7 +739,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     Tensor dv_acc = at::zeros(gemm16 ? at::IntArrayRef{nchunks, c.B, c.Hk, Evp, Sa}
                                      : at::IntArrayRef{nchunks, c.B, c.Hk, c.S, Evp}, opts);
     if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
-      auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, scale, fam, alpha);
+      auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, band, scale, fam, alpha);
       P.drop = drop;
       Tensor q16, k16, do16, vk16, kv16, delta;
       if (gemm16) {

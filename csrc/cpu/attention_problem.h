@@ -87,7 +87,20 @@ struct Problem {
   const acc_t* kp = nullptr;
   const acc_t* vp = nullptr;
   acc_t scale;
+  // Which keys each query row may see besides the mask (the key band): row
+  // i of batch bi sees keys [key_lo(bi, i), key_hi(bi, i)). causal: j <= i
+  // (SDPA's top-left alignment). A window of win_left / win_right keys (-1:
+  // unbounded) around i + S_b - L (bottom-right alignment, as
+  // FlashAttention's window_size). key_len: per batch the valid keys
+  // [0, S_b) (a padded cache: cache_seqlens), null for S_b = S.
   bool causal;
+  int64_t win_left = -1, win_right = -1;
+  const int64_t* key_len = nullptr;
+  // The key the block functions' key 0 is: the first of the block's range
+  // (a multiple of kBlockN), set in the schedulers' per-thread copies. Key
+  // indices inside the block functions are relative to it; the head accessors
+  // and the dropout counters add it.
+  int64_t key0 = 0;
   // Per head: b = α - 1 and its family.
   std::vector<acc_t> b;
   std::vector<Family> fam;
@@ -156,27 +169,58 @@ struct Problem {
   int64_t group() const { return H / Hk; }
   // The global index of query row i of (batch bi, head h): the dropout counter.
   int64_t row_id(int64_t bi, int64_t h, int64_t i) const { return (bi * H + h) * L + i; }
-  // Keys a block of rows [i0, i0 + m) can see.
-  int64_t keys_for(int64_t i0, int64_t m) const { return causal ? std::min(S, i0 + m) : S; }
-  // How many of the tile's keys [j0, j0 + w) query row i sees (a prefix).
-  int64_t keys_seen(int64_t i, int64_t j0, int64_t w) const {
-    return causal ? std::clamp<int64_t>(i + 1 - j0, 0, w) : w;
+  bool banded() const { return causal || win_left >= 0 || win_right >= 0 || key_len != nullptr; }
+  int64_t keys_valid(int64_t bi) const { return key_len ? key_len[bi] : S; }
+  // The band of query row i of batch bi, in absolute keys; both ends are
+  // non-decreasing in i, so a block's rows see keys within [lo(first), hi(last)).
+  int64_t key_lo(int64_t bi, int64_t i) const {
+    const int64_t sb = keys_valid(bi);
+    return win_left < 0 ? 0 : std::clamp<int64_t>(i + sb - L - win_left, 0, sb);
+  }
+  int64_t key_hi(int64_t bi, int64_t i) const {
+    const int64_t sb = keys_valid(bi);
+    int64_t hi = sb;
+    if (causal) hi = std::min(hi, i + 1);
+    if (win_right >= 0) hi = std::min(hi, std::max<int64_t>(0, i + sb - L + win_right + 1));
+    return hi;
+  }
+  // The keys a block of rows [i0, i0 + m) of batch bi runs over: from the
+  // returned first key (a multiple of kBlockN, the block's key0), n of them
+  // (0: no row of the block sees a key).
+  std::pair<int64_t, int64_t> block_keys(int64_t bi, int64_t i0, int64_t m) const;
+  // How many of the tile's keys [j0, j0 + w) (relative to key0) query row i
+  // of batch bi may see, counted from the tile's first key: the keys past
+  // the band's end are cut (those before its start are -inf: mask_scores).
+  int64_t keys_seen(int64_t bi, int64_t i, int64_t j0, int64_t w) const {
+    return banded() ? std::clamp<int64_t>(key_hi(bi, i) - key0 - j0, 0, w) : w;
   }
   const acc_t* q_rows(int64_t bi, int64_t h, int64_t i0) const { return q + ((bi * H + h) * L + i0 - q_row0) * E; }
-  const acc_t* k_head(int64_t bi, int64_t hk) const { return k + (bi * Hk + hk - k_head0) * S * E; }
-  const acc_t* v_head(int64_t bi, int64_t hk) const { return v + (bi * Hk + hk - v_head0) * S * Ev; }
+  // (From key key0 on: the block's keys.)
+  const acc_t* k_head(int64_t bi, int64_t hk) const { return k + ((bi * Hk + hk - k_head0) * S + key0) * E; }
+  const acc_t* v_head(int64_t bi, int64_t hk) const { return v + ((bi * Hk + hk - v_head0) * S + key0) * Ev; }
   const acc_t* kp_head(int64_t bi, int64_t hk) const {
-    return kp + (bi * Hk + hk - kp_head0) * round_up_panel<acc_t>(S) * E;
+    return kp + ((bi * Hk + hk - kp_head0) * round_up_panel<acc_t>(S) + key0) * E;
   }
   const acc_t* vp_head(int64_t bi, int64_t hk) const {
-    return vp + (bi * Hk + hk - vp_head0) * round_up_panel<acc_t>(S) * Ev;
+    return vp + ((bi * Hk + hk - vp_head0) * round_up_panel<acc_t>(S) + key0) * Ev;
   }
   const h16* q16_rows(int64_t bi, int64_t h, int64_t i0) const { return q16 + ((bi * H + h) * L + i0) * E; }
+  // (The whole head: their layouts take key offsets j0 + key0, as scores_half
+  // and pv_half do.)
   const h16* k16_head(int64_t bi, int64_t hk) const { return k16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
   const h16* v16_head(int64_t bi, int64_t hk) const { return v16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
   const h16* vk16_head(int64_t bi, int64_t hk) const { return vk16 + (bi * Hk + hk) * round_up_vnni(S) * Ev; }
   const h16* kv16_head(int64_t bi, int64_t hk) const { return kv16 + (bi * Hk + hk) * round_up_vnni(S) * E; }
 };
+
+template <typename acc_t>
+std::pair<int64_t, int64_t> Problem<acc_t>::block_keys(int64_t bi, int64_t i0, int64_t m) const {
+  if (!banded()) return {0, S};
+  const int64_t lo = key_lo(bi, i0), hi = key_hi(bi, i0 + m - 1);
+  if (hi <= lo) return {0, 0};
+  const int64_t first = lo - lo % kBlockN;
+  return {first, hi - first};
+}
 
 template <typename acc_t>
 inline void add_row(acc_t* y, int64_t n, const acc_t* m, int64_t ms) {
@@ -191,19 +235,37 @@ inline void add_row(acc_t* y, int64_t n, const acc_t* m, int64_t ms) {
 }
 
 // Adds the mask to the scores y (m x w, row stride ldy) of query rows
-// [i0, i0 + m) against keys [j0, j0 + w), and sets -inf above the causal
-// diagonal.
+// [i0, i0 + m) against keys [j0, j0 + w) (relative to key0), and sets -inf
+// outside each row's key band.
 template <typename acc_t>
 inline void mask_scores(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
                         acc_t* y, int64_t ldy) {
-  if (!P.mask && !P.causal) return;
+  if (!P.mask && !P.banded()) return;
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const int64_t a0 = P.key0 + j0;  // the tile's first key, absolute
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * ldy;
-    if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + j0 * P.mss, P.mss);
-    if (P.causal) {
-      for (int64_t j = std::max<int64_t>(0, i0 + r + 1 - j0); j < w; ++j)
-        row[j] = -std::numeric_limits<acc_t>::infinity();
+    if (P.mask) add_row(row, w, P.mask + bi * P.msb + h * P.msh + (i0 + r) * P.msl + a0 * P.mss, P.mss);
+    if (P.banded()) {
+      const int64_t lo = std::clamp<int64_t>(P.key_lo(bi, i0 + r) - a0, 0, w);
+      const int64_t hi = std::clamp<int64_t>(P.key_hi(bi, i0 + r) - a0, lo, w);
+      std::fill(row, row + lo, -inf);
+      std::fill(row + hi, row + w, -inf);
     }
+  }
+}
+
+// Sets -inf before each row's key band in the raw (unscaled, unmasked)
+// scores of a half-type tile, whose ends past the band the caller cuts
+// (keys_seen).
+template <typename acc_t>
+inline void mask_band_start(const Problem<acc_t>& P, int64_t bi, int64_t i0, int64_t m, int64_t j0, int64_t w,
+                            acc_t* y, int64_t ldy) {
+  if (P.win_left < 0) return;
+  const int64_t a0 = P.key0 + j0;
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t lo = std::clamp<int64_t>(P.key_lo(bi, i0 + r) - a0, 0, w);
+    std::fill(y + r * ldy, y + r * ldy + lo, -std::numeric_limits<acc_t>::infinity());
   }
 }
 
@@ -254,7 +316,7 @@ inline bool scores_half_masked(const Problem<acc_t>& P, int64_t bi, int64_t h, i
                                int64_t w, acc_t* y, int64_t ldy, bool* scale_later = nullptr) {
   if constexpr (std::is_same_v<acc_t, float>) {
     if (P.q16) {
-      scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
+      scores_half(P.hg, m, w, P.key0 + j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
       if (scale_later && !P.mask && P.scale > acc_t(0) && P.scale < std::numeric_limits<acc_t>::infinity()) {
         *scale_later = true;
       } else {

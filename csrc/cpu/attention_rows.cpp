@@ -490,7 +490,7 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
       // dp_j = dO·v_j · keep_j / (1 - p); a dropped entry's dp and weight
       // are 0 whatever v_j holds.
       for (int64_t t = 0; t < k; ++t) {
-        const acc_t kj = static_cast<acc_t>(dropout_keep(drop, row0 + r, idx[t0 + t])) * dscale;
+        const acc_t kj = static_cast<acc_t>(dropout_keep(drop, row0 + r, P.key0 + idx[t0 + t])) * dscale;
         pkr[t] = kj == acc_t(0) ? acc_t(0) : pv[t0 + t] * kj;
         dpr[t] = kj == acc_t(0) ? acc_t(0) : kj * dpr[t];
       }
@@ -566,7 +566,7 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
 template <typename acc_t>
 const acc_t* widen_v_rows(const Problem<acc_t>& P, int64_t bi, int64_t hk, int64_t j0, int64_t j1,
                           std::vector<acc_t>& buf) {
-  return widen_half_rows(static_cast<const h16*>(P.v_rows_half) + ((bi * P.Hk + hk) * P.S + j0) * P.ev_half,
+  return widen_half_rows(static_cast<const h16*>(P.v_rows_half) + ((bi * P.Hk + hk) * P.S + P.key0 + j0) * P.ev_half,
                          P.half_is_bf16, j1 - j0, P.ev_half, P.Ev, buf);
 }
 
@@ -598,7 +598,7 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
     };
     if constexpr (std::is_same_v<acc_t, float>) {
       if (P.v_rows_half) {
-        const int64_t off = (bi * P.Hk + hk) * P.S * P.ev_half;
+        const int64_t off = ((bi * P.Hk + hk) * P.S + P.key0) * P.ev_half;
         if (P.half_is_bf16) return rows(static_cast<const c10::BFloat16*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
         return rows(static_cast<const c10::Half*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
       }
@@ -617,7 +617,7 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
     for (int64_t r = 0; r < m; ++r)
       c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * ld, n, b, ws.work.data(), ws.pidx.data()));
   }
-  if (P.drop.on) apply_dropout(P.drop, y, m, n, ld, P.row_id(bi, h, i0), 0);
+  if (P.drop.on) apply_dropout(P.drop, y, m, n, ld, P.row_id(bi, h, i0), P.key0);
   if (collect_support(y, m, n, ld, limit, ws.idx, ws.ptr)) {
     gather_listed(y, m, ld, ws);
     return listed_pv();
@@ -702,7 +702,7 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   // normalizer's backward needs P whole, so it runs on a copy.
   if (P.drop.on) {
     ws.pkept.assign(y, y + m * n);
-    apply_dropout(P.drop, ws.pkept.data(), m, n, n, P.row_id(bi, h, i0), 0, d);
+    apply_dropout(P.drop, ws.pkept.data(), m, n, n, P.row_id(bi, h, i0), P.key0, d);
   }
   backward_rows<acc_t, FAM>(y, d, m, n, runs, b, P.scale, da, ws.work.data(), ws.pidx.data());
   if (P.drop.on) std::copy(ws.pkept.begin(), ws.pkept.end(), y);

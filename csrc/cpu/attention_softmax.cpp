@@ -140,11 +140,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 // scores' order, so that the exponentials apply the scale; else scaled and
 // masked in a pass of their own (scores_half_masked). Returns the factor the
 // exponentials still apply (the scale, or 1). Causal tiles are cut at the
-// diagonal by the caller (Problem::keys_seen).
+// band's end by the caller (Problem::keys_seen).
 inline float half_tile_scores(const Problem<float>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
                               int64_t w, float* y, int64_t ldy) {
   if (P.mask == nullptr && P.scale > 0.f) {
-    scores_half(P.hg, m, w, j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
+    scores_half(P.hg, m, w, P.key0 + j0, P.E, P.q16_rows(bi, h, i0), P.k16_head(bi, h / P.group()), y, ldy);
+    mask_band_start(P, bi, i0, m, j0, w, y, ldy);
     return P.scale;
   }
   scores_half_masked(P, bi, h, i0, m, j0, w, y, ldy);
@@ -171,7 +172,7 @@ void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, 
     for (int64_t r = 0; r < m; ++r) {
       const float* row = y + r * ldy;
       h16* prow = ph.data() + r * wk;
-      const int64_t wr = P.keys_seen(i0 + r, j0, w);
+      const int64_t wr = P.keys_seen(bi, i0 + r, j0, w);
       const float bm = wr > 0 ? sc * row_max_loose(row, wr) : -inf;
       const float old = mrow[r];
       float mx = std::max(old, bm);
@@ -191,7 +192,7 @@ void softmax_forward_block_half(const Problem<acc_t>& P, int64_t bi, int64_t h, 
       online_step(old, mx, sum, mrow[r], lrow[r], o + r * P.Ev, P.Ev);
     }
     // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
-    pv_half_rows(P.hg, m, wk, j0, ph.data(), P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
+    pv_half_rows(P.hg, m, wk, P.key0 + j0, ph.data(), P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
   }
 }
 
@@ -235,11 +236,11 @@ void softmax_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64
       const acc_t sum = exp_shifted(row, w, mx, row);  // exp_u20, in place
       online_step(old, mx, sum, mrow[r], lrow[r], o + r * P.Ev, P.Ev);
     }
-    if (P.drop.on) apply_dropout(P.drop, y, m, w, ldy, P.row_id(bi, h, i0), j0);
+    if (P.drop.on) apply_dropout(P.drop, y, m, w, ldy, P.row_id(bi, h, i0), P.key0 + j0);
     // The first tile writes o (rows with nothing allowed yet get 0 · V = 0).
     if constexpr (std::is_same_v<acc_t, float>) {
       if (P.v16) {
-        pv_half(P.hg, m, w, j0, y, ldy, P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
+        pv_half(P.hg, m, w, P.key0 + j0, y, ldy, P.v16_head(bi, hk), P.S, P.Ev, o, j0 > 0);
         continue;
       }
     }
@@ -390,7 +391,7 @@ void tile_deltas(int64_t m, const int64_t* lim, acc_t* p, const acc_t* d, int64_
 // row (delta) replaces Σ_j p_j dp_j (except for rows within one key tile:
 // tile_deltas), and dS = scale · P ⊙ (dO·Vᵀ − δ).
 // dQ (dqb, m x E) = Σ over tiles of dS·K; dK += dSᵀ·Q and dV += Pᵀ·dO go
-// into the chunk's accumulators dk, dv (S x E, S x Ev of this kv-head).
+// into the chunk's accumulators dk, dv (from key key0: the caller offsets them).
 // y, d: m x softmax_block_keys(half) scratch; lse: m entries.
 template <typename acc_t>
 void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
@@ -439,8 +440,8 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       // A tile's scores and dP (in y and d), with each row's keys seen in lim.
       auto tile_scores_dp = [&](int64_t j0, int64_t w, int64_t ldy) {
         const float sc = half_tile_scores(P, bi, h, i0, m, j0, w, y, ldy);
-        scores_half(P.hg, m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
-        for (int64_t r = 0; r < m; ++r) lim[r] = P.keys_seen(i0 + r, j0, w);
+        scores_half(P.hg, m, w, P.key0 + j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
+        for (int64_t r = 0; r < m; ++r) lim[r] = P.keys_seen(bi, i0 + r, j0, w);
         return sc;
       };
       // The tile's P (unnormalized) and δ (tile_deltas), P into scratch.
@@ -498,7 +499,7 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
         // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS, dQ (+)= dS·K.
         rows_product_half(P.hg, P.Ev, m, w, dot_t.data(), yk.data(), dv + j0, ldt);
         rows_product_half(P.hg, P.E, m, w, qt.data(), dsk.data(), dk + j0, ldt);
-        pv_half_rows(P.hg, m, round_up_k(w), j0, dsa.data(), P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);
+        pv_half_rows(P.hg, m, round_up_k(w), P.key0 + j0, dsa.data(), P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);
       }
       return;
     }
@@ -509,7 +510,7 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
     bool dp_done = false;
     if constexpr (std::is_same_v<acc_t, float>) {
       if (b16) {
-        scores_half(P.hg, m, w, j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
+        scores_half(P.hg, m, w, P.key0 + j0, P.Ev, do16, P.vk16_head(bi, hk), d, ldy);
         dp_done = true;
       }
     }
@@ -523,7 +524,7 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
       // dP of the kept weights, times 1 / (1 - p).
       keep.resize(static_cast<size_t>(m * w));
       for (int64_t r = 0; r < m; ++r) {
-        dropout_keeps(P.drop, P.row_id(bi, h, i0) + r, j0, w, keep.data() + r * w);
+        dropout_keeps(P.drop, P.row_id(bi, h, i0) + r, P.key0 + j0, w, keep.data() + r * w);
         apply_keep(d + r * ldy, keep.data() + r * w, w, P.drop);
       }
     }
@@ -602,7 +603,7 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
         rows_product_half(P.hg, P.Ev, m, w, dot_t.data(), yk.data(), dv + j0, ldt);
         pack_rows(P.hg, d, m, w, ldy, yk.data());
         rows_product_half(P.hg, P.E, m, w, qt.data(), yk.data(), dk + j0, ldt);
-        pv_half(P.hg, m, w, j0, d, ldy, P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);
+        pv_half(P.hg, m, w, P.key0 + j0, d, ldy, P.kv16_head(bi, hk), P.S, P.E, dqb, j0 > 0);
         continue;
       }
     }
@@ -705,7 +706,7 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
     }
     l[r] = exp_shifted(row, w, bm, row);
   }
-  if (P.drop.on) apply_dropout(P.drop, y, m, w, w, P.row_id(bi, h, i0), j0);
+  if (P.drop.on) apply_dropout(P.drop, y, m, w, w, P.row_id(bi, h, i0), P.key0 + j0);
   std::fill(o, o + m * P.Ev, acc_t(0));  // (columns ev.. of o are padding: zeros)
   if constexpr (std::is_same_v<acc_t, float>) {
     for (int64_t r = 0; r < m; ++r) accumulate_pv(y + r * w, w, vh, ev, ev, o + r * P.Ev);
@@ -725,8 +726,8 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
       const int64_t head = bi * P.Hk + hk;
       auto run = [&](auto tag) {
         using half_t = decltype(tag);
-        const half_t* kh = static_cast<const half_t*>(P.k_half) + (head * P.S + j0) * P.e_half;
-        const half_t* vh = static_cast<const half_t*>(P.v_half) + (head * P.S + j0) * P.ev_half;
+        const half_t* kh = static_cast<const half_t*>(P.k_half) + (head * P.S + P.key0 + j0) * P.e_half;
+        const half_t* vh = static_cast<const half_t*>(P.v_half) + (head * P.S + P.key0 + j0) * P.ev_half;
         decode_chunk(P, bi, h, i0, m, j0, w, kh, P.e_half, vh, P.ev_half, y, o, mx, l);
       };
       return P.half_is_bf16 ? run(c10::BFloat16()) : run(c10::Half());

@@ -48,16 +48,30 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p=0.0, dropout_seed=None):
+def _refuse_band(window_left, window_right, key_lengths) -> None:
+    """The Triton kernels take no key band yet: a window or per-batch key
+    lengths get an error naming them, not a dense fallback."""
+    if window_left != -1 or window_right != -1:
+        raise NotImplementedError("attnkern.attention: window is not implemented by the Triton backend yet; "
+                                  "the CPU and reference backends take it")
+    if key_lengths is not None:
+        raise NotImplementedError("attnkern.attention: cache_seqlens is not implemented by the Triton backend yet; "
+                                  "the CPU and reference backends take it")
+
+
+def attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p=0.0, dropout_seed=None,
+                  window_left=-1, window_right=-1, key_lengths=None):
     from attnkern.backends.triton import attention
 
+    _refuse_band(window_left, window_right, key_lengths)
     return attention.attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed)
 
 
 def attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad,
-                  dropout_p=0.0, dropout_seed=None):
+                  dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None):
     from attnkern.backends.triton import attention
 
+    _refuse_band(window_left, window_right, key_lengths)
     return attention.attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift,
                                    alpha_grad, dropout_p, dropout_seed)
 

@@ -1,0 +1,172 @@
+"""Attention whose keys are cut to a band, a document or a cache length,
+against the dense calls that would stand in for it: interleaved rounds.
+
+    python benchmarks/bands.py --out results/bench/<cpu>/bands
+    python benchmarks/bands.py --cases window --threads 2 --rounds 3
+
+Cases (float32, H = 8, E = 64; the baseline is named in the case):
+  window     sliding window (256, 0), B = 1, N = 16384, fwd+bwd, every
+             normalizer, against attnkern's own causal attention at the same N
+             (target 0.06), and at N = 8192 against SDPA given the window as a
+             boolean mask (softmax, target 0.1; the sparse normalizers' ratio
+             to the same SDPA call is reported without a target)
+  packed     16 documents of lengths uniform in [64, 2048] (seed 0), causal,
+             through attention_varlen, fwd+bwd, against the 16 per-document
+             calls (target 1.2) and against SDPA on the padded batch with
+             causality and padding as one boolean mask (softmax, target 0.3)
+  decode     batch 8, a cache of 8192 with valid lengths uniform in
+             [512, 8192] (seed 0), one query, cache_seqlens, against the eight
+             calls on exactly-sized caches (target 0.8); H = 8 and GQA 8:2
+Ratios as in ratios.py (the median over rounds of attnkern's time over the
+baseline's); the result file has ratios.py's format, so `make docs` renders it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from conftest import steady_heap
+from machine import describe, machine_meta
+from ratios import NORMALIZER_KW, interleaved, write
+
+import attnkern
+
+H, E = 8, 64
+WINDOW = (256, 0)
+WINDOW_N, WINDOW_SDPA_N = 16384, 8192
+# Targets (issue: packed, windowed and cached attention): the largest passing ratio.
+WINDOW_VS_CAUSAL, WINDOW_VS_SDPA, PACKED_VS_DOCS, PACKED_VS_SDPA, DECODE_VS_CALLS = 0.06, 0.1, 1.2, 0.3, 0.8
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def fwd_bwd(fn, inputs, dout):
+    def call():
+        xs = [t.detach().requires_grad_(True) for t in inputs]
+        fn(*xs).backward(dout)
+    return call
+
+
+def window_rows(rounds):
+    rows = []
+    q, k, v, do = (randn(1, H, WINDOW_N, E, seed=s) for s in range(4))
+    for name, kw in NORMALIZER_KW.items():
+        t = interleaved(fwd_bwd(lambda a, b, c, kw=kw: attnkern.attention(a, b, c, window=WINDOW, **kw), (q, k, v), do),
+                        fwd_bwd(lambda a, b, c, kw=kw: attnkern.attention(a, b, c, is_causal=True, **kw), (q, k, v),
+                                do), rounds)
+        rows.append((f"window {WINDOW}, N = {WINDOW_N}, vs attnkern causal", name, "fwd+bwd", WINDOW_VS_CAUSAL, t))
+    n = WINDOW_SDPA_N
+    q, k, v, do = (t[:, :, :n].contiguous() for t in (q, k, v, do))
+    i = torch.arange(n)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - WINDOW[0])
+    sdpa = fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=band), (q, k, v), do)
+    for name, kw in NORMALIZER_KW.items():
+        t = interleaved(fwd_bwd(lambda a, b, c, kw=kw: attnkern.attention(a, b, c, window=WINDOW, **kw), (q, k, v), do),
+                        sdpa, max(1, rounds // 2))
+        rows.append((f"window {WINDOW}, N = {n}, vs SDPA with the window as a bool mask", name, "fwd+bwd",
+                     WINDOW_VS_SDPA if name == "softmax" else None, t))
+    return rows
+
+
+def packed_rows(rounds):
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(64, 2049, (16,), generator=g).tolist()
+    total = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, do = (randn(total, H, E, seed=s) for s in range(4))
+    rows = []
+    longest = max(lengths)
+    # SDPA's padded batch: (16, H, longest, E), causality and padding in one mask (SDPA refuses both together).
+    pad = torch.zeros(16, longest, dtype=torch.bool)
+    for d, n in enumerate(lengths):
+        pad[d, :n] = True
+    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+    mask = (causal[None] & pad[:, None, :]).unsqueeze(1)
+
+    def padded(t):
+        out = t.new_zeros(16, longest, H, E)
+        for d, n in enumerate(lengths):
+            out[d, :n] = t[cu[d]:cu[d + 1]]
+        return out.transpose(1, 2).contiguous()
+
+    qp, kp, vp, dop = (padded(t) for t in (q, k, v, do))
+    for name, kw in NORMALIZER_KW.items():
+        ours = fwd_bwd(lambda a, b, c, kw=kw: attnkern.attention_varlen(a, b, c, cu, cu, longest, longest,
+                                                                        is_causal=True, **kw), (q, k, v), do)
+
+        def per_doc(a, b, c, kw=kw):
+            outs = [attnkern.attention(a[cu[d]:cu[d + 1]].transpose(0, 1)[None],
+                                       b[cu[d]:cu[d + 1]].transpose(0, 1)[None],
+                                       c[cu[d]:cu[d + 1]].transpose(0, 1)[None], is_causal=True, **kw)[0]
+                    for d in range(16)]
+            return torch.cat([o.transpose(0, 1) for o in outs])
+
+        t = interleaved(ours, fwd_bwd(per_doc, (q, k, v), do), rounds)
+        rows.append(("16 packed documents (64–2048), causal, vs 16 per-document calls", name, "fwd+bwd",
+                     PACKED_VS_DOCS, t))
+        t = interleaved(ours, fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask),
+                                      (qp, kp, vp), dop), max(1, rounds // 2))
+        rows.append(("16 packed documents (64–2048), causal, vs SDPA on the padded batch with one bool mask", name,
+                     "fwd+bwd", PACKED_VS_SDPA if name == "softmax" else None, t))
+    return rows
+
+
+def decode_rows(rounds):
+    rows = []
+    lengths = torch.randint(512, 8193, (8,), generator=torch.Generator().manual_seed(0))
+    for hk in (H, 2):
+        q = randn(8, H, 1, E, seed=1)
+        k, v = randn(8, hk, 8192, E, seed=2), randn(8, hk, 8192, E, seed=3)
+        for name, kw in NORMALIZER_KW.items():
+            def ours(kw=kw, q=q, k=k, v=v):
+                with torch.no_grad():
+                    attnkern.attention(q, k, v, cache_seqlens=lengths, enable_gqa=True, **kw)
+
+            def calls(kw=kw, q=q, k=k, v=v):
+                with torch.no_grad():
+                    for b in range(8):
+                        n = int(lengths[b])
+                        attnkern.attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], enable_gqa=True, **kw)
+
+            t = interleaved(ours, calls, rounds * 4)
+            rows.append((f"decode, batch 8, cache 8192 (512–8192 valid), H {H}:{hk}, vs 8 exactly-sized calls",
+                         name, "fwd", DECODE_VS_CALLS, t))
+    return rows
+
+
+CASES = {"window": window_rows, "packed": packed_rows, "decode": decode_rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", required=True, help="prefix of the .md and .json written")
+    args = ap.parse_args()
+    heap = "steady (glibc mallopt)" if steady_heap() else "the C library's default"
+    meta = dict(machine_meta("benchmarks/bands.py"), heap=heap,
+                ratio_note="Ratio = attnkern's banded, packed or cached call / the baseline the case names "
+                           "(< 1: the banded call is faster; the \"baseline ms\" column holds the baseline's time)")
+    print(describe(meta), meta["ratio_note"], flush=True)
+    results = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for case in args.cases:
+            for label, name, mode, target, t in CASES[case](args.rounds):
+                results.append(dict(dtype="float32", threads=threads, case=label, normalizer=name, mode=mode,
+                                    ratio=t.ratio, target=target, ours_s=t.ours, torch_s=t.theirs, rounds=t.rounds,
+                                    ours_faults=t.ours_faults, torch_faults=t.theirs_faults))
+                print(f"{threads} thr | {label} | {name} | {t.ratio:.3f} (target {target}) | "
+                      f"{t.ours * 1e3:.1f} ms vs {t.theirs * 1e3:.1f} ms", flush=True)
+    write(dict(machine=meta, processes=1, results=results), Path(args.out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
