@@ -165,14 +165,17 @@ void forward_kernel(const Problem<acc_t>& P, const OutRows& out, float* shift) {
   // softmax_block_keys() of scores; the sparse normalizers need whole rows.
   const bool all_softmax = all_softmax_heads(P);
   const bool half = P.q16 != nullptr;
-  const int64_t BM = all_softmax ? softmax_block_rows(P.L, half) : block_rows(P.S, P.L, sizeof(acc_t));
+  const int64_t BM = all_softmax ? softmax_block_rows(P.L, half)
+                                 : band_block_rows(P.S, P.win_left, P.win_right, P.L, sizeof(acc_t));
+  const int64_t row_keys = band_keys_bound(P.S, P.win_left, P.win_right, BM);  // (the rows' widest block)
   const int64_t tile = std::min(softmax_block_keys(half), round_up_panel<acc_t>(P.S));
   const int64_t nb = (P.L + BM - 1) / BM;
   const int64_t tasks = P.B * P.H * nb;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Problem<acc_t> Pt = P;  // (this thread's: q and V widened from the half type into ws)
     Workspace<acc_t> ws;
-    ws.y.resize(BM * std::max<int64_t>({all_softmax ? 0 : rows_ld(P.S, half), half ? half_tile_ld(tile) : tile, 1}));
+    ws.y.resize(BM *
+                std::max<int64_t>({all_softmax ? 0 : rows_ld(row_keys, half), half ? half_tile_ld(tile) : tile, 1}));
     ws.work.resize(std::max<int64_t>(2 * P.S, 1));  // normalize_scores: candidates + scratch
     ws.pidx.resize(P.S + Vec<acc_t>::size());  // (room for whole-vector stores)
     ws.mrow.resize(BM);
@@ -244,7 +247,8 @@ const acc_t* backward_block_operands(const Problem<acc_t>& P, int64_t bi, int64_
 template <typename acc_t>
 void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* shift, const acc_t* delta, acc_t* dq,
                      acc_t* dk_acc, acc_t* dv_acc, int64_t nchunks, double* dalpha_acc) {
-  const int64_t BM = block_rows(P.S, P.L, sizeof(acc_t));
+  const int64_t BM = band_block_rows(P.S, P.win_left, P.win_right, P.L, sizeof(acc_t));
+  const int64_t row_keys = band_keys_bound(P.S, P.win_left, P.win_right, BM);  // (the rows' widest block)
   const int64_t nb = (P.L + BM - 1) / BM;
   const bool half = P.q16 != nullptr;
   const int64_t BMs = softmax_block_rows(P.L, half);
@@ -261,7 +265,7 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
   for (int64_t h = 0; h < P.H; ++h) (tiled(h) ? any_tiled : any_rows) = true;
   const int64_t tile = std::min(softmax_block_keys(half), round_up_panel<acc_t>(P.S));
   const int64_t buf =
-      std::max<int64_t>({any_rows ? BM * P.S : 0, any_tiled ? BMs * (half ? half_tile_ld(tile) : tile) : 0, 1});
+      std::max<int64_t>({any_rows ? BM * row_keys : 0, any_tiled ? BMs * (half ? half_tile_ld(tile) : tile) : 0, 1});
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Problem<acc_t> Pt = P;  // (this thread's: the task's and the block's operands in ws)
     Workspace<acc_t> ws;
@@ -687,7 +691,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
   // still uses every core. The split is fixed (not the thread count's), and the
   // chunks are summed in order, so results do not depend on the thread count.
   const int64_t bhk = c.B * c.Hk;
-  const int64_t BM = block_rows(c.S, c.L, c.acc == at::kDouble ? 8 : 4);
+  const int64_t BM = band_block_rows(c.S, band.left, band.right, c.L, c.acc == at::kDouble ? 8 : 4);
   const int64_t nb = (c.L + BM - 1) / BM;
   const int64_t nchunks = std::clamp<int64_t>((kBackwardTasks + bhk - 1) / std::max<int64_t>(bhk, 1), 1,
                                               std::max<int64_t>(nb, 1));

@@ -68,6 +68,22 @@ inline int64_t block_rows(int64_t S, int64_t L, size_t elem) {
   return std::max<int64_t>(1, std::min(bm, std::max<int64_t>(L, 1)));
 }
 
+// The most keys a block of m query rows can run over (Problem::block_keys'
+// n) under a window of win_left / win_right keys (-1: unbounded): the band's
+// width plus the block's rows and the rounding of its first key down to
+// kBlockN. With a window the row blocks and their score buffers are sized
+// by it, not by S.
+inline int64_t band_keys_bound(int64_t S, int64_t win_left, int64_t win_right, int64_t m) {
+  if (win_left < 0 || win_right < 0) return S;
+  return std::min(S, win_left + win_right + m + kBlockN);
+}
+
+// Query rows per block of the row-buffer path (block_rows) for a problem
+// whose keys may be cut by a window.
+inline int64_t band_block_rows(int64_t S, int64_t win_left, int64_t win_right, int64_t L, size_t elem) {
+  return block_rows(band_keys_bound(S, win_left, win_right, 64), L, elem);
+}
+
 // Block index of the t-th task of a head, in an order that interleaves the
 // early (cheap under a causal mask) and late blocks, so that at::parallel_for's
 // contiguous split hands every thread a similar amount of work.
