@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from conftest import steady_heap
 from machine import describe, machine_meta
-from ratios import NORMALIZER_KW, interleaved, write
+from ratios import NORMALIZER_KW, interleaved, result_row, table_row, write
 
 import attnkern
 
@@ -161,11 +161,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         for case in args.cases:
             for label, name, mode, target, t in CASES[case](args.rounds):
-                results.append(dict(dtype="float32", threads=threads, case=label, normalizer=name, mode=mode,
-                                    ratio=t.ratio, target=target, ours_s=t.ours, torch_s=t.theirs, rounds=t.rounds,
-                                    ours_faults=t.ours_faults, torch_faults=t.theirs_faults))
-                print(f"{threads} thr | {label} | {name} | {t.ratio:.3f} (target {target}) | "
-                      f"{t.ours * 1e3:.1f} ms vs {t.theirs * 1e3:.1f} ms", flush=True)
+                results.append(result_row("float32", threads, label, name, mode, target, t))
+                print(f"{threads} thr", table_row(results[-1], 1), flush=True)
     write(dict(machine=meta, processes=1, results=results), Path(args.out))
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from conftest import steady_heap
 from machine import describe, machine_meta
-from ratios import interleaved, write
+from ratios import interleaved, result_row, table_row, write
 
 import attnkern.integrations.transformers as ak_hf
 
@@ -154,11 +154,8 @@ def main() -> None:
                          GENERATE_TARGET, t))
             rows += peer_rows(dtype, ids, baseline, args.rounds)
             for case, name, mode, target, t in rows:
-                results.append(dict(dtype=dtype_name, threads=threads, case=case, normalizer=name, mode=mode,
-                                    ratio=t.ratio, target=target, ours_s=t.ours, torch_s=t.theirs, rounds=t.rounds,
-                                    ours_faults=t.ours_faults, torch_faults=t.theirs_faults))
-                print(f"{dtype_name} {threads} thr | {case} | {name} | {t.ratio:.2f} (target {target}) | "
-                      f"{t.ours * 1e3:.0f} ms vs {t.theirs * 1e3:.0f} ms", flush=True)
+                results.append(result_row(dtype_name, threads, case, name, mode, target, t))
+                print(f"{dtype_name} {threads} thr", table_row(results[-1], 1), flush=True)
     write(dict(machine=meta, processes=1, results=results), Path(args.out))
 
 
