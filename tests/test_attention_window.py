@@ -124,17 +124,29 @@ def test_cache_seqlens_matches_reference(normalizer, alpha, window, L):
         assert_close_tol(g, w, dalpha_tol(tol, B * L) if name == "dalpha" else tol, name)
 
 
-def test_cache_seqlens_equals_exactly_sized_caches():
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_cache_seqlens_equals_exactly_sized_caches(backend):
     """One call over a padded cache gives, per batch element, what a call on
-    that element's exactly-sized cache gives (decoding, softmax, float32)."""
+    that element's exactly-sized cache gives (decoding, softmax, float32); the
+    reference's mask of cache lengths alone (no window) covers every query."""
     B, H, S, E = 3, 4, 900, 64
-    q, k, v = make_qkv(B, H, H, 1, S, E, E, seed=2)
+    q, k, v = make_qkv(B, H, H, 2, S, E, E, seed=2)
     lengths = torch.tensor([900, 17, 512])
-    out = attnkern.attention(q, k, v, cache_seqlens=lengths)
+    out = attnkern.attention(q, k, v, cache_seqlens=lengths, backend=backend)
     for b in range(B):
         n = int(lengths[b])
-        alone = attnkern.attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+        alone = attnkern.attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], backend=backend)
         torch.testing.assert_close(out[b:b + 1], alone, atol=2e-6, rtol=2e-6)
+
+
+def test_band_mask_has_its_documented_shape():
+    # Every combination gives (L, S), or (B, 1, L, S) with cache lengths, even
+    # where no term depends on the query (cache lengths alone, no band at all).
+    lengths = torch.tensor([2, 5])
+    for kw in ({}, {"is_causal": True}, {"window": (1, -1)}):
+        assert reference.band_mask(3, 5, **kw).shape == (3, 5)
+        assert reference.band_mask(3, 5, cache_seqlens=lengths, **kw).shape == (2, 1, 3, 5)
+    assert reference.band_mask(3, 5, cache_seqlens=lengths)[0, 0].tolist() == [[True, True, False, False, False]] * 3
 
 
 @pytest.mark.parametrize("normalizer,alpha", CASES, ids=CASE_IDS)

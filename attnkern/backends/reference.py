@@ -374,7 +374,8 @@ def band_mask(L: int, S: int, *, is_causal: bool = False, window=None, cache_seq
             allowed = allowed & (j >= diag - left)
         if right >= 0:
             allowed = allowed & (j <= diag + right)
-    return allowed
+    # (Without a term in i the mask has not grown to the query rows yet.)
+    return allowed.expand((L, S) if cache_seqlens is None else (sb.shape[0], 1, L, S))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,

@@ -5,9 +5,11 @@ kernels can run here, and the launchers import them on first use. On CPU
 tensors the kernels run only under the Triton interpreter (TRITON_INTERPRET=1),
 which is how the tests exercise them without a GPU.
 
-    attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha) -> (out, shift)
+    attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p,
+                  dropout_seed, window_left, window_right, key_lengths) -> (out, shift)
     attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha,
-                  out, shift, alpha_grad) -> (dq, dk, dv, dalpha)
+                  out, shift, alpha_grad, dropout_p, dropout_seed, window_left,
+                  window_right, key_lengths) -> (dq, dk, dv, dalpha)
 
 Shapes and conventions are those of the C++ ops attnkern::attention_fwd/_bwd;
 see `attention.attention_fwd` and `attention.attention_bwd`.
@@ -48,32 +50,20 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _refuse_band(window_left, window_right, key_lengths) -> None:
-    """The Triton kernels take no key band yet: a window or per-batch key
-    lengths get an error naming them, not a dense fallback."""
-    if window_left != -1 or window_right != -1:
-        raise NotImplementedError("attnkern.attention: window is not implemented by the Triton backend yet; "
-                                  "the CPU and reference backends take it")
-    if key_lengths is not None:
-        raise NotImplementedError("attnkern.attention: cache_seqlens is not implemented by the Triton backend yet; "
-                                  "the CPU and reference backends take it")
-
-
 def attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p=0.0, dropout_seed=None,
                   window_left=-1, window_right=-1, key_lengths=None):
     from attnkern.backends.triton import attention
 
-    _refuse_band(window_left, window_right, key_lengths)
-    return attention.attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed)
+    return attention.attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed,
+                                   window_left, window_right, key_lengths)
 
 
 def attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad,
                   dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None):
     from attnkern.backends.triton import attention
 
-    _refuse_band(window_left, window_right, key_lengths)
     return attention.attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift,
-                                   alpha_grad, dropout_p, dropout_seed)
+                                   alpha_grad, dropout_p, dropout_seed, window_left, window_right, key_lengths)
 
 
 attention_fwd.__doc__ = "See attnkern.backends.triton.attention.attention_fwd."

@@ -239,14 +239,75 @@ def _full_width(head, rest, ACC: tl.constexpr):
     return tl.full((), head, ACC) + tl.full((), rest, ACC)
 
 
+# The key band (csrc/cpu/attention_problem.h, Problem::key_lo / key_hi): query i
+# of batch b sees key j iff j < S_b (its valid keys: the cache length, or S) and
+# i + band_lo <= j <= i + band_hi. BAND: some row sees less than [0, S_b) (a
+# causal mask or a window); without it the offsets are never read.
+_FAR = tl.constexpr(1 << 30)  # "unbounded" on a band side: beyond any index difference (L, S < 2^30)
+
+
 @triton.jit
-def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-            HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
-    """s = scale·q·kᵀ + mask for one (query block, key block) tile, -inf where not allowed."""
+def _keys_valid(KeyLen, bi, S, HAS_KEYLEN: tl.constexpr):
+    """S_b: batch bi's valid keys [0, S_b), from KeyLen (int64 (B,)) or all S.
+    Clamped to [0, S]: the launchers do not read the lengths back to check them."""
+    if HAS_KEYLEN:
+        return tl.minimum(tl.maximum(tl.load(KeyLen + bi), 0), S).to(tl.int32)
+    else:
+        return S
+
+
+@triton.jit
+def _band_offsets(L, S_b, causal, win_left, win_right):
+    """(band_lo, band_hi): causal, j <= i (SDPA's top-left alignment); a window of
+    win_left / win_right keys (-1: unbounded) around i + S_b - L (bottom-right, as
+    FlashAttention's window_size)."""
+    # (As tensors: the compiler makes an int argument that equals 1 a constant.)
+    zero = tl.zeros((), tl.int32)
+    d = zero + S_b - L
+    band_lo = tl.where(zero + win_left >= 0, d - win_left, -_FAR)
+    band_hi = tl.where(zero + win_right >= 0, d + win_right, _FAR)
+    band_hi = tl.where(zero + causal != 0, tl.minimum(band_hi, 0), band_hi)
+    return band_lo, band_hi
+
+
+@triton.jit
+def _key_range(m0, L, S_b, band_lo, band_hi, BAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys [n_start, n_end) that some query row of [m0, m0 + BLOCK_M) may see,
+    n_start a multiple of BLOCK_N (key blocks keep their places: the live bits
+    and the dropout counters index them); empty when no row sees a key."""
+    n_start = tl.zeros((), tl.int32)
+    n_end = tl.zeros((), tl.int32) + S_b
+    if BAND:
+        last = tl.minimum(m0 + BLOCK_M, L) - 1
+        n_start = (tl.maximum(m0 + band_lo, 0) // BLOCK_N) * BLOCK_N
+        n_end = tl.minimum(n_end, last + band_hi + 1)
+    return n_start, n_end
+
+
+@triton.jit
+def _query_range(n0, L, S_b, band_lo, band_hi, BAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query rows [m_start, m_end) that may see some key of [n0, n0 + BLOCK_N),
+    m_start a multiple of BLOCK_M; empty when the block holds no valid key."""
+    last = tl.minimum(n0 + BLOCK_N, S_b) - 1
+    m_start = tl.zeros((), tl.int32)
+    m_end = tl.zeros((), tl.int32) + L
+    if BAND:
+        m_start = (tl.maximum(n0 - band_hi, 0) // BLOCK_M) * BLOCK_M
+        m_end = tl.minimum(m_end, last - band_lo + 1)
+    m_end = tl.where(last >= n0, m_end, 0)
+    return m_start, m_end
+
+
+@triton.jit
+def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale, band_lo, band_hi,
+            HAS_MASK: tl.constexpr, BAND: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+    """s = scale·q·kᵀ + mask for one (query block, key block) tile, -inf where not
+    allowed (S: the batch's valid keys S_b)."""
     s = tl.dot(q, kt, input_precision=DOT, out_dtype=ACC) * scale
     ok = (offs_m[:, None] < L) & (offs_n[None, :] < S)
-    if IS_CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None])
+    if BAND:
+        rel = offs_n[None, :] - offs_m[:, None]
+        ok = ok & (rel >= band_lo) & (rel <= band_hi)
     if HAS_MASK:
         mv = tl.load(Mask + _mask_offsets(offs_m, offs_n, stride_mm, stride_mn), mask=ok, other=0.0)
         s = s + mv.to(ACC)
@@ -342,8 +403,8 @@ def _edge_load_b(Alpha, h):
 
 
 @triton.jit
-def _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
-                t, lo, hi, b, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S_b, E, n_start, n_end, scale,
+                band_lo, band_hi, t, lo, hi, b, HAS_MASK: tl.constexpr, BAND: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_N: tl.constexpr, ACC: tl.constexpr,
                 DOT: tl.constexpr):
     """At t per row: S(t) = Σ_(s > t) (b(s - t))^(1/b) (a score s is in the support
@@ -353,11 +414,11 @@ def _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
     below = tl.zeros_like(t)
     above = tl.zeros_like(t)
     least = tl.zeros_like(t) + float("inf")
-    for start_n in range(0, n_end, BLOCK_N):
+    for start_n in range(n_start, n_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                    HAS_MASK, IS_CAUSAL, ACC, DOT).to(tl.float64)
+        kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                    HAS_MASK, BAND, ACC, DOT).to(tl.float64)
         d = s - t[:, None]
         up = d > 0.0
         s_t += tl.sum(tl.where(up, tl.exp(tl.log(tl.where(up, b * d, 1.0)) * inv_b), 0.0), 1)
@@ -368,21 +429,20 @@ def _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
 
 
 @triton.jit
-def _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
-                 pivot, qv, b, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, ACC: tl.constexpr,
-                DOT: tl.constexpr):
+def _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S_b, E, n_start, n_end,
+                 scale, band_lo, band_hi, pivot, qv, b, HAS_MASK: tl.constexpr, BAND: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
     """F(q) + 1 and F'(q) per row, F(q) = m_r q + Σ_(s > z_r) (q^b + b(s - z_r))^(1/b) - 1."""
     inv_b = 1.0 / b
     qb = tl.exp(b * tl.log(qv))
     qb1 = qb / qv
     f = tl.zeros_like(qv)
     df = tl.zeros_like(qv)
-    for start_n in range(0, n_end, BLOCK_N):
+    for start_n in range(n_start, n_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                    HAS_MASK, IS_CAUSAL, ACC, DOT).to(tl.float64)
+        kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                    HAS_MASK, BAND, ACC, DOT).to(tl.float64)
         tie = s == pivot[:, None]
         up = s > pivot[:, None]
         u = tl.where(up, qb[:, None] + b * (s - pivot[:, None]), 1.0)
@@ -393,8 +453,8 @@ def _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
 
 
 @triton.jit
-def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end, scale,
-                zmax, hint, tol, b, rows, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S_b, E, n_start, n_end, scale,
+                band_lo, band_hi, zmax, hint, tol, b, rows, HAS_MASK: tl.constexpr, BAND: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
                 DOT: tl.constexpr):
     """(pivot, q, q^b) per row (float64) for the rows in `rows`, whose max score is
@@ -428,8 +488,8 @@ def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
         down = tl.where(active & unknown, down * 64.0, down)
         probed_up = tl.where(active & ~unknown & up_ok, 1.0, probed_up)
         s_t, below, above, least = _edge_probe(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
-                                               L, S, E, n_end, scale, t, lo, hi, b,
-                                               HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC, DOT)
+                                               L, S_b, E, n_start, n_end, scale, band_lo, band_hi, t, lo, hi,
+                                               b, HAS_MASK, BAND, HEAD_DIM, BLOCK_N, ACC, DOT)
         inside = s_t < 1.0
         hi = tl.where(active & inside, t, hi)
         pivot = tl.where(active & inside, least, pivot)
@@ -442,8 +502,9 @@ def _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, 
     active = rows
     it = 0
     while (it < 200) & (tl.max(active.to(tl.int32), 0) > 0):
-        f, df = _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S, E, n_end,
-                             scale, pivot, qv, b, HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC, DOT)
+        f, df = _edge_newton(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m, L, S_b, E, n_start,
+                             n_end, scale, band_lo, band_hi, pivot, qv, b, HAS_MASK, BAND, HEAD_DIM, BLOCK_N, ACC,
+                             DOT)
         f = f - 1.0
         nxt = qv - f / tl.where(df > 0.0, df, 1.0)
         active = active & (f > 0.0) & (nxt < qv)
@@ -480,14 +541,15 @@ def _edge_ds(p, dp, qv, dp_r, scaled, b):
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Alpha, Out, Shift, Counts,
+    Q, K, V, Mask, Alpha, Out, Shift, Counts, KeyLen,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     H, GROUP, L, S, E, EV, scale, scale_lo, eps, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
-    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    causal, win_left, win_right,
+    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, BAND: tl.constexpr, HAS_KEYLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_ITER: tl.constexpr, ACC: tl.constexpr, DROPOUT: tl.constexpr,
     N_WORDS: tl.constexpr, NSETS: tl.constexpr, COUNT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
@@ -510,10 +572,9 @@ def _attn_fwd_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < L
     q = _load_rows(Q, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
-    if IS_CAUSAL:
-        n_end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
-    else:
-        n_end = S
+    S_b = _keys_valid(KeyLen, bi, S, HAS_KEYLEN)
+    band_lo, band_hi = _band_offsets(L, S_b, causal, win_left, win_right)
+    n_start, n_end = _key_range(pid_m * BLOCK_M, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
     b = _load_b(Alpha, h, FAMILY, ACC)
     neg_inf = -float("inf")
 
@@ -524,11 +585,11 @@ def _attn_fwd_kernel(
         # Online softmax: one pass, rescaling the running sums when the max grows.
         lsum = tl.zeros((BLOCK_M,), ACC)
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
-        for start_n in range(0, n_end, BLOCK_N):
+        for start_n in range(n_start, n_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC, DOT)
+            kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                        HAS_MASK, BAND, ACC, DOT)
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new > neg_inf, m_new, 0.0)
             rescale = tl.exp(m - m_safe)
@@ -536,7 +597,7 @@ def _attn_fwd_kernel(
             lsum = lsum * rescale + tl.sum(p, 1)
             if DROPOUT:
                 p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m, offs_n, G)
-            v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+            v = _load_rows(V, stride_vn, stride_vd, offs_n, S_b, EV, HEAD_DIM_V)
             acc = acc * rescale[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT, out_dtype=ACC)
             m = m_new
@@ -545,7 +606,7 @@ def _attn_fwd_kernel(
         shift = tl.where(lsum != lsum, lsum, shift)  # a NaN row keeps NaN
         out = acc / tl.where(has, lsum, 1.0)[:, None]
         n_pass = 1
-        n_visit = tl.cdiv(n_end, BLOCK_N)
+        n_visit = tl.cdiv(tl.maximum(n_end - n_start, 0), BLOCK_N)
     else:
         inv_b = 1.0 / tl.where(b == 0.0, 1.0, b)
         soft_head = b == 0.0
@@ -576,11 +637,11 @@ def _attn_fwd_kernel(
         # First pass: the row max, and the sums relative to the running max
         # (shifted when it grows; a set's cut moves with it, which only adds
         # entries below the final cut: every bound stays valid).
-        for start_n in range(0, n_end, BLOCK_N):
+        for start_n in range(n_start, n_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC, DOT)
+            kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                        HAS_MASK, BAND, ACC, DOT)
             nan_row = nan_row | (tl.max(tl.where(s != s, 1, 0), 1) > 0)
             m_new = tl.maximum(m, tl.max(s, 1))
             d = tl.where(m_new > neg_inf, m_new, 0.0) - tl.where(m > neg_inf, m, 0.0)
@@ -598,7 +659,7 @@ def _attn_fwd_kernel(
             live = _live_set(live, start_n // BLOCK_N, widx, _any_support(tl.max(y, 1), b, row_ok))
             m = m_new
         n_pass = 1
-        n_visit = tl.cdiv(n_end, BLOCK_N)
+        n_visit = tl.cdiv(tl.maximum(n_end - n_start, 0), BLOCK_N)
         # A NaN score makes its row NaN (out and shift) and no other.
         has = (m > neg_inf) & ~nan_row
         m_safe = tl.where(has, m, 0.0)
@@ -636,13 +697,13 @@ def _attn_fwd_kernel(
             sy2 = tl.zeros((BLOCK_M, NSETS), ACC)
             smin = tl.zeros((BLOCK_M, NSETS), ACC) + float("inf")
             next_live = tl.zeros((N_WORDS,), tl.int64)
-            for start_n in range(0, n_end, BLOCK_N):
+            for start_n in range(n_start, n_end, BLOCK_N):
                 j = start_n // BLOCK_N
                 if _live_get(live, j, widx):
                     offs_n = start_n + tl.arange(0, BLOCK_N)
-                    kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-                    s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                                HAS_MASK, IS_CAUSAL, ACC, DOT)
+                    kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+                    s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                                HAS_MASK, BAND, ACC, DOT)
                     y = s - m_safe[:, None]
                     p, g = _phi_g(y - c[:, None], b, FAMILY)
                     sum_p += tl.sum(p, 1)
@@ -692,12 +753,12 @@ def _attn_fwd_kernel(
                 cnt = tl.zeros((BLOCK_M,), tl.float64)
                 ysum = tl.zeros((BLOCK_M,), tl.float64)
                 least = tl.zeros((BLOCK_M,), tl.float64) + float("inf")
-                for start_n in range(0, n_end, BLOCK_N):
+                for start_n in range(n_start, n_end, BLOCK_N):
                     if _live_get(live, start_n // BLOCK_N, widx):
                         offs_n = start_n + tl.arange(0, BLOCK_N)
-                        kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-                        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                                    HAS_MASK, IS_CAUSAL, ACC, DOT)
+                        kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+                        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                                    HAS_MASK, BAND, ACC, DOT)
                         y = s.to(tl.float64) - m_safe.to(tl.float64)[:, None]
                         on = y > th[:, None]
                         cnt += tl.sum(on.to(tl.float64), 1)
@@ -727,18 +788,18 @@ def _attn_fwd_kernel(
                 cd = c.to(tl.float64)
                 tol = 8.0 * eps * (1.0 + tl.abs(md) + tl.abs(cd) + 1.0 / b_edge)
                 pivot, qv, qb = _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
-                                            L, S, E, n_end, scale, md, md + cd - 1.0 / b_edge, tol, b_edge,
-                                            has & row_ok, HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC, DOT)
+                                        L, S_b, E, n_start, n_end, scale, band_lo, band_hi, md, md + cd - 1.0 / b_edge,
+                                        tol, b_edge, has & row_ok, HAS_MASK, BAND, HEAD_DIM, BLOCK_N, ACC, DOT)
         acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
-        for start_n in range(0, n_end, BLOCK_N):
+        for start_n in range(n_start, n_end, BLOCK_N):
             visit = _live_get(live, start_n // BLOCK_N, widx)  # skip key blocks outside every row's support
             if EDGE:
                 visit = visit | edge_head
             if visit:
                 offs_n = start_n + tl.arange(0, BLOCK_N)
-                kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                            HAS_MASK, IS_CAUSAL, ACC, DOT)
+                kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                            HAS_MASK, BAND, ACC, DOT)
                 n_visit += 1
                 p, g = _probs(s, shift[:, None], b, FAMILY)
                 if EDGE:
@@ -748,7 +809,7 @@ def _attn_fwd_kernel(
                     if DROPOUT:
                         p = p * _dropout_scale(seed, threshold, drop_scale, pid_bh.to(tl.int64) * L, offs_m,
                                                offs_n, G)
-                    v = _load_rows(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+                    v = _load_rows(V, stride_vn, stride_vd, offs_n, S_b, EV, HEAD_DIM_V)
                     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT, out_dtype=ACC)
         n_pass += 1
         out = tl.where(nan_row[:, None], float("nan"), acc)
@@ -765,7 +826,7 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, Mask, Alpha, DO, Shift, Delta, DAlphaRow, EdgeRows, DQ,
+    Q, K, V, Mask, Alpha, DO, Shift, Delta, DAlphaRow, EdgeRows, DQ, KeyLen,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -773,7 +834,8 @@ def _attn_bwd_dq_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, GROUP, L, S, E, EV, scale, scale_lo, eps, alpha_band, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
-    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    causal, win_left, win_right,
+    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, BAND: tl.constexpr, HAS_KEYLEN: tl.constexpr,
     STATS: tl.constexpr, ALPHA_GRAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
@@ -804,10 +866,9 @@ def _attn_bwd_dq_kernel(
     q = _load_rows(Q, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
     do = _load_rows(DO, stride_om, stride_od, offs_m, L, EV, HEAD_DIM_V)
     c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
-    if IS_CAUSAL:
-        n_end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
-    else:
-        n_end = S
+    S_b = _keys_valid(KeyLen, bi, S, HAS_KEYLEN)
+    band_lo, band_hi = _band_offsets(L, S_b, causal, win_left, win_right)
+    n_start, n_end = _key_range(pid_m * BLOCK_M, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
     b = _load_b(Alpha, h, FAMILY, ACC)
     if EDGE:
         b_edge = _edge_load_b(Alpha, h)
@@ -820,29 +881,29 @@ def _attn_bwd_dq_kernel(
         edge_g = pivot
         if edge_head:
             m = tl.full((BLOCK_M,), -float("inf"), ACC)
-            for start_n in range(0, n_end, BLOCK_N):
+            for start_n in range(n_start, n_end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
-                kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                            HAS_MASK, IS_CAUSAL, ACC, DOT)
+                kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                            HAS_MASK, BAND, ACC, DOT)
                 m = tl.maximum(m, tl.max(s, 1))
             has = (m > -float("inf")) & row_ok & (c == c)
             md = tl.where(has, m, 0.0).to(tl.float64)
             cd = tl.where(has, c, 0.0).to(tl.float64)
             tol = 8.0 * eps * (1.0 + tl.abs(md) + tl.abs(cd - md) + 1.0 / b_edge)
             pivot, qv, qb = _edge_solve(q, K, Mask, stride_kn, stride_kd, stride_mm, stride_mn, offs_m,
-                                        L, S, E, n_end, scale, md, cd - 1.0 / b_edge, tol, b_edge, has,
-                                        HAS_MASK, IS_CAUSAL, HEAD_DIM, BLOCK_N, ACC, DOT)
+                                        L, S_b, E, n_start, n_end, scale, band_lo, band_hi, md, cd - 1.0 / b_edge,
+                                        tol, b_edge, has, HAS_MASK, BAND, HEAD_DIM, BLOCK_N, ACC, DOT)
             # The pivot's dp (the largest among scores tied with it: any gives the same ds).
             dp_r = tl.zeros((BLOCK_M,), tl.float64) - float("inf")
-            for start_n in range(0, n_end, BLOCK_N):
+            for start_n in range(n_start, n_end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
-                kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                            HAS_MASK, IS_CAUSAL, ACC, DOT).to(tl.float64)
+                kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+                s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                            HAS_MASK, BAND, ACC, DOT).to(tl.float64)
                 at_pivot = s == pivot[:, None]
                 if tl.max(tl.max(at_pivot.to(tl.int32), 1), 0) > 0:
-                    vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+                    vt = _load_t(V, stride_vn, stride_vd, offs_n, S_b, EV, HEAD_DIM_V)
                     dp = tl.dot(do, vt, input_precision=DOT, out_dtype=ACC)
                     if DROPOUT:
                         dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
@@ -868,11 +929,11 @@ def _attn_bwd_dq_kernel(
         bd = b.to(tl.float64)
         near_one = (bd > -alpha_band) & (bd < alpha_band)
         b_near = tl.where(near_one, bd, 0.0)
-        for start_n in range(0, n_end, BLOCK_N):
+        for start_n in range(n_start, n_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC, DOT)
+            kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+            s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                        HAS_MASK, BAND, ACC, DOT)
             p, g = _probs(s, c[:, None], b, FAMILY)
             if EDGE:
                 p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
@@ -880,7 +941,7 @@ def _attn_bwd_dq_kernel(
                     p_edge = _edge_p(s.to(tl.float64), c, pivot, qv, qb, b_edge)
                     p = p_edge.to(ACC)
             if _any_nonzero(p):
-                vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+                vt = _load_t(V, stride_vn, stride_vd, offs_n, S_b, EV, HEAD_DIM_V)
                 dp = tl.dot(do, vt, input_precision=DOT, out_dtype=ACC)
                 if DROPOUT:
                     dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
@@ -951,11 +1012,11 @@ def _attn_bwd_dq_kernel(
         delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0).to(ACC)
 
     dq = tl.zeros((BLOCK_M, HEAD_DIM), ACC)
-    for start_n in range(0, n_end, BLOCK_N):
+    for start_n in range(n_start, n_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                    HAS_MASK, IS_CAUSAL, ACC, DOT)
+        kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+        s = _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                    HAS_MASK, BAND, ACC, DOT)
         p, g = _probs(s, c[:, None], b, FAMILY)
         if EDGE:
             p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
@@ -963,7 +1024,7 @@ def _attn_bwd_dq_kernel(
                 p_edge = _edge_p(s.to(tl.float64), c, pivot, qv, qb, b_edge)
                 p = p_edge.to(ACC)
         if _any_nonzero(p):  # every term vanishes outside the support
-            vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+            vt = _load_t(V, stride_vn, stride_vd, offs_n, S_b, EV, HEAD_DIM_V)
             dp = tl.dot(do, vt, input_precision=DOT, out_dtype=ACC)
             if DROPOUT:
                 dp = dp * _dropout_scale(seed, threshold, drop_scale, row_base, offs_m, offs_n, G)
@@ -976,14 +1037,14 @@ def _attn_bwd_dq_kernel(
             else:
                 # K again, as rows: with the transposed kt as the right operand,
                 # float32 dQ came out zero on an H100 (triton 3.6).
-                k_rows = _load_rows(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
+                k_rows = _load_rows(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
                 dq = tl.dot(ds.to(k_rows.dtype), k_rows, dq, input_precision=DOT, out_dtype=ACC)
     _store_rows(DQ, dq, stride_dqm, stride_dqd, offs_m, L, E, HEAD_DIM)
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, Alpha, DO, Shift, Delta, EdgeRows, DK, DV,
+    Q, K, V, Mask, Alpha, DO, Shift, Delta, EdgeRows, DK, DV, KeyLen,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -992,7 +1053,8 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, GROUP, L, S, E, EV, scale, scale_lo, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
-    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    causal, win_left, win_right,
+    FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, BAND: tl.constexpr, HAS_KEYLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -1010,16 +1072,16 @@ def _attn_bwd_dkdv_kernel(
     DK += bi * stride_dkb + hk.to(tl.int64) * stride_dkh
     DV += bi * stride_dvb + hk.to(tl.int64) * stride_dvh
 
+    S_b = _keys_valid(KeyLen, bi, S, HAS_KEYLEN)
+    band_lo, band_hi = _band_offsets(L, S_b, causal, win_left, win_right)
     start_n = pid_n * BLOCK_N
+    # Earlier and later query rows see none of these keys.
+    m_start, m_end = _query_range(start_n, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    kt = _load_t(K, stride_kn, stride_kd, offs_n, S, E, HEAD_DIM)
-    vt = _load_t(V, stride_vn, stride_vd, offs_n, S, EV, HEAD_DIM_V)
+    kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
+    vt = _load_t(V, stride_vn, stride_vd, offs_n, S_b, EV, HEAD_DIM_V)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), ACC)
     dv = tl.zeros((BLOCK_N, HEAD_DIM_V), ACC)
-    if IS_CAUSAL:
-        m_start = (start_n // BLOCK_M) * BLOCK_M  # earlier query rows see none of these keys
-    else:
-        m_start = 0
     for j in range(0, GROUP):
         h = hk * GROUP + j
         b = _load_b(Alpha, h, FAMILY, ACC)
@@ -1030,13 +1092,13 @@ def _attn_bwd_dkdv_kernel(
         DOh = DO + bi * stride_ob + h.to(tl.int64) * stride_oh
         Mh = Mask + bi * stride_mb + h.to(tl.int64) * stride_mh
         row_base = (bi * H + h).to(tl.int64) * L
-        for start_m in range(m_start, L, BLOCK_M):
+        for start_m in range(m_start, m_end, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < L
             q = _load_rows(Qh, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
             c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
-            s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S, scale,
-                        HAS_MASK, IS_CAUSAL, ACC, DOT)
+            s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+                        HAS_MASK, BAND, ACC, DOT)
             p, g = _probs(s, c[:, None], b, FAMILY)
             if EDGE:
                 p_edge = tl.zeros((BLOCK_M, BLOCK_N), tl.float64)
@@ -1105,7 +1167,8 @@ _KEY_CANDIDATES = {
     "small": [(32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)],
     "one": [(32, 64, 4, 2)],
 }
-_TUNE_KEY = ["L_TUNE", "S_TUNE", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "IS_CAUSAL", "EDGE", "DOT"]
+_TUNE_KEY = ["L_TUNE", "S_TUNE", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "BAND", "HAS_KEYLEN", "EDGE",
+             "DOT"]
 
 
 def autotune_mode() -> str:
@@ -1171,7 +1234,8 @@ def _prune(configs, nargs, kw, streamed_is_keys):
 # tensors have fixed dtypes, Delta the accumulation dtype.
 _FLOAT_ARGS = frozenset({"scale", "scale_lo", "eps", "alpha_band", "drop_scale", "drop_lo"})
 _INT64_ARGS = frozenset({"seed", "threshold"})
-_BUFFER_DTYPES = {"Alpha": "fp32", "Shift": "fp32", "Counts": "i32", "DAlphaRow": "fp64", "EdgeRows": "fp64"}
+_BUFFER_DTYPES = {"Alpha": "fp32", "Shift": "fp32", "Counts": "i32", "DAlphaRow": "fp64", "EdgeRows": "fp64",
+                  "KeyLen": "i64"}
 _DATA_POINTERS = frozenset({"Q", "K", "V", "Mask", "Out", "DO", "DQ", "DK", "DV"})
 
 
