@@ -498,8 +498,46 @@ def run_correctness(ctx: Ctx) -> None:
                 **{k_: v_ for k_, v_ in errs.items()}, bound_out=bound_out, bound_grad=bound_grad, ok=ok)
     failures += _check_dropout_mask(ctx, dev)
     failures += _check_softmax_vs_sdpa(ctx, dev)
+    failures += _check_band(ctx, dev)
     if failures:
         raise SystemExit(1)
+
+
+def _check_band(ctx: Ctx, dev: str) -> int:
+    """A sliding window with per-batch cache lengths (the kernels' key band)
+    against the float64 reference given the band as a mask, float32."""
+    import torch
+
+    from attnkern.backends import reference
+    from attnkern.backends import triton as tb
+
+    B, H, N, E, window = (2, 2, 70, 16, (9, 2)) if ctx.dry else (2, 4, 1025, 64, (128, 0))
+    lengths = torch.tensor([N, N // 2 + 3])
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(B, H, N, E, generator=g).to(dev) for _ in range(4))
+    band = reference.band_mask(N, N, window=window, cache_seqlens=lengths)
+    failures = 0
+    for normalizer in ("softmax", "entmax15"):
+        if ctx.left() < 10:
+            ctx.note("stopped at the phase's time limit")
+            break
+        scale = 1 / math.sqrt(E)
+        out, shift = tb.attention_fwd(q, k, v, None, False, scale, normalizer, None, 0.0, None, *window,
+                                      lengths.to(dev))
+        dq, dk, dv, _ = tb.attention_bwd(do, q, k, v, None, False, scale, normalizer, None, out, shift, False,
+                                         0.0, None, *window, lengths.to(dev))
+        q64, k64, v64 = (t.cpu().double().requires_grad_() for t in (q, k, v))
+        ref = reference.attention(q64, k64, v64, band, False, scale, normalizer=normalizer)
+        rq, rk, rv = torch.autograd.grad(ref, (q64, k64, v64), do.cpu().double())
+        errs = {"out": _rel_err(out.cpu(), ref), "dq": _rel_err(dq.cpu(), rq), "dk": _rel_err(dk.cpu(), rk),
+                "dv": _rel_err(dv.cpu(), rv)}
+        bound_out, bound_grad = ERR_BOUNDS["float32"]
+        ok = errs["out"] <= bound_out and max(errs["dq"], errs["dk"], errs["dv"]) <= bound_grad
+        failures += not ok
+        ctx.add(f"Triton key band vs float64 reference: B={B} H={H} L=S={N} E={E}, window {window}, cache "
+                f"lengths {lengths.tolist()}, float32; relative max error", normalizer=normalizer,
+                **errs, bound_out=bound_out, bound_grad=bound_grad, ok=ok)
+    return failures
 
 
 def _check_dropout_mask(ctx: Ctx, dev: str) -> int:
