@@ -68,7 +68,7 @@ gpu-check:
 # make bench: the pytest-benchmark suites, the interleaved ratios against
 # PyTorch and the key bands' ratios (about 45 minutes on 2 cores), written as
 # result files into results/bench/<this CPU>/ (suites.json, ratios.json,
-# bands.json, with their .md and .png),
+# bands.json, structured.json, with their .md and .png),
 # then the generated tables (make docs). bench-quick: the ratios at N = 2048 only.
 BENCH_DIR = results/bench/$$($(VPY) benchmarks/machine.py slug)
 bench: $(BUILT)
@@ -77,6 +77,7 @@ bench: $(BUILT)
 	$(VPY) benchmarks/report.py .benchmarks/latest.json --out $(BENCH_DIR)/suites
 	$(VPY) benchmarks/ratios.py --out $(BENCH_DIR)/ratios
 	$(VPY) benchmarks/bands.py --out $(BENCH_DIR)/bands
+	$(VPY) benchmarks/structured.py --out $(BENCH_DIR)/structured
 	$(VPY) benchmarks/docs.py
 
 bench-quick: $(BUILT)

@@ -40,6 +40,18 @@ def _register() -> None:
             return _like(p), _alpha_rows_like(p, dim)
         return _like(p), p.new_empty((0,))
 
+    for name in ("fusedmax", "oscarmax"):
+
+        @torch.library.register_fake(f"attnkern::{name}_fwd")
+        def _structured_fwd(x, lam, dim):
+            return _like(x)
+
+        @torch.library.register_fake(f"attnkern::{name}_bwd")
+        def _structured_bwd(x, grad, lam, dim, lam_grad):
+            if lam_grad:
+                return _like(x), _alpha_rows_like(x, dim).to(torch.float64)
+            return _like(x), x.new_empty((0,), dtype=torch.float64)
+
     _register_compat()
 
 

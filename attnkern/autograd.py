@@ -358,6 +358,52 @@ class EntmaxFunction(torch.autograd.Function):
         return dx, sum_to_size_fixed_order(dalpha, alpha.shape).to(alpha.dtype), None
 
 
+def _structured_backward(ctx, grad: torch.Tensor, name: str):
+    """The backward of fusedmax / oscarmax (csrc/cpu/structured.cpp recomputes
+    the prox from x); first derivatives only."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(f"attnkern.{name}: double backward is not implemented (its first "
+                                  "derivative is piecewise constant)")
+    x, lam = ctx.saved_tensors
+    want_lam = ctx.needs_input_grad[1]
+    dx, dlam = getattr(_ops, f"{name}_bwd")(x, grad, lam, ctx.dim, want_lam)
+    if not want_lam:
+        return dx, None, None
+    return dx, sum_to_size_fixed_order(dlam, lam.shape).to(lam.dtype), None
+
+
+def _structured_function(name: str) -> type[torch.autograd.Function]:
+    """The autograd.Function of the structured normalizer `name` (fusedmax,
+    oscarmax) along `dim` with λ a tensor (one value per row after
+    broadcasting), through attnkern::<name>_fwd / _bwd. First derivatives only:
+    a backward that builds a graph (create_graph=True) or a forward-mode
+    product is refused with an error naming the op."""
+    fwd = getattr(_ops, f"{name}_fwd")
+
+    def forward(x: torch.Tensor, lam: torch.Tensor, dim: int) -> torch.Tensor:
+        return fwd(x, lam, dim)
+
+    def setup_context(ctx, inputs, output):
+        x, lam, ctx.dim = inputs
+        ctx.save_for_backward(x, lam)
+
+    def jvp(ctx, x_t, lam_t, dim_t):
+        raise NotImplementedError(f"attnkern.{name}: forward-mode derivatives are not implemented")
+
+    def backward(ctx, grad: torch.Tensor):
+        return _structured_backward(ctx, grad, name)
+
+    methods = {"forward": forward, "setup_context": setup_context, "jvp": jvp, "backward": backward}
+    return type(f"{name.capitalize()}Function", (torch.autograd.Function,),
+                {k: staticmethod(f) for k, f in methods.items()})
+
+
+FusedmaxFunction = _structured_function("fusedmax")
+OscarmaxFunction = _structured_function("oscarmax")
+fusedmax_apply = traceable_apply(FusedmaxFunction)
+oscarmax_apply = traceable_apply(OscarmaxFunction)
+
+
 def sum_to_size_fixed_order(t: torch.Tensor, shape) -> torch.Tensor:
     """t.sum_to_size(shape), summed in an order that does not depend on the
     thread count. torch splits a reduction to a single value across threads

@@ -25,7 +25,8 @@ from attnkern.validation import (
 
 BACKENDS = registry.BACKENDS
 
-__all__ = ["softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "BACKENDS", "DimensionError"]
+__all__ = ["softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "fusedmax", "oscarmax", "BACKENDS",
+           "DimensionError"]
 
 
 def _compiling() -> bool:
@@ -162,3 +163,58 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50, e
         check_n_iter(n_iter)
         check_flag(ensure_sum_one, "ensure_sum_one")
     return entmax(X, alpha, dim, backend=backend)
+
+
+def _structured(name: str, X: torch.Tensor, dim: int, lam, backend: str) -> torch.Tensor:
+    """The structured normalizer `name` (fusedmax, oscarmax) through its CPU
+    kernel or the reference; other devices only by the reference, when asked."""
+    dim = _prologue(X, dim)
+    if not _compiling():
+        lam = check_row_param(lam, X, dim, name="lam", lower=0.0, strict=False)
+    oracle = getattr(reference, name)
+    if backend == "reference":
+        return oracle(X, lam, dim)
+    if X.device.type != "cpu" or backend not in ("auto", "cpu"):
+        raise NotImplementedError(
+            f"attnkern.{name} has kernels for CPU tensors only (got backend={backend!r} on {X.device}); "
+            "backend='reference' runs the float64 reference on any device")
+    if registry.choose(backend, X) == "reference":  # auto without the compiled extension (warned)
+        return oracle(X, lam, dim)
+    from attnkern import autograd
+
+    if not isinstance(lam, torch.Tensor):
+        lam = torch.tensor(lam, dtype=acc_dtype(X.dtype))
+    return getattr(autograd, f"{name}_apply")(X, lam, dim)
+
+
+def fusedmax(X: torch.Tensor, dim: int = -1, lam=1.0, *, backend: str = "auto") -> torch.Tensor:
+    """fusedmax along `dim` (Niculae & Blondel, 2017):
+    argmin_{p in Δ} ½||p - X||² + lam Σ_i |p_{i+1} - p_i|, a sparse distribution
+    that also gives neighbouring entries equal weights (fused segments).
+
+    It equals sparsemax of the 1-D total-variation denoising of the row,
+    computed exactly. lam >= 0 applies to X as given (in attention: to the
+    scaled scores); a float, or a tensor broadcastable to X with size 1 along
+    `dim` (one λ per row), which may require grad. lam = 0 is sparsemax.
+    Entries at -inf are removed first: the finite entries on either side of
+    them become neighbours, and they get 0 (a row of only -inf gives zeros).
+    First derivatives only (in X and lam). Kernels: CPU; on other devices pass
+    backend="reference" (float64, slow: an oracle).
+    """
+    return _structured("fusedmax", X, dim, lam, backend)
+
+
+def oscarmax(X: torch.Tensor, dim: int = -1, lam=1.0, *, backend: str = "auto") -> torch.Tensor:
+    """oscarmax along `dim` (Niculae & Blondel, 2017): sparsemax(prox_Ω(X)) with
+    the OSCAR penalty Ω(y) = lam Σ_{i<j} max(|y_i|, |y_j|), which groups entries
+    of equal magnitude into clusters of equal weight wherever they sit in the row.
+
+    This is the composition as the authors compute it, not the minimiser of
+    ½||p - X||² + Ω(p) over the simplex (the two differ). The penalty weighs
+    the k-th largest |y| by lam·(m - k), m the number of finite entries, so it
+    is not shift-invariant: adding a constant to X changes the result. Entries
+    at -inf are removed first and get 0 (mask with -inf, not with a large
+    finite value, which would count in m and in the ranks). lam, backend,
+    derivatives: as fusedmax.
+    """
+    return _structured("oscarmax", X, dim, lam, backend)

@@ -29,9 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from conftest import steady_heap
-from machine import describe, machine_meta
-from ratios import NORMALIZER_KW, interleaved, result_row, table_row, write
+from ratios import NORMALIZER_KW, interleaved, record_float32_cases
 
 import attnkern
 
@@ -151,19 +149,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True, help="prefix of the .md and .json written")
     args = ap.parse_args()
-    heap = "steady (glibc mallopt)" if steady_heap() else "the C library's default"
-    meta = dict(machine_meta("benchmarks/bands.py"), heap=heap,
-                ratio_note="Ratio = attnkern's banded, packed or cached call / the baseline the case names "
-                           "(< 1: the banded call is faster; the \"baseline ms\" column holds the baseline's time)")
-    print(describe(meta), meta["ratio_note"], flush=True)
-    results = []
-    for threads in args.threads:
-        torch.set_num_threads(threads)
+    note = ("Ratio = attnkern's banded, packed or cached call / the baseline the case names (< 1: the banded call "
+            "is faster; the \"baseline ms\" column holds the baseline's time)")
+
+    def run_cases():
         for case in args.cases:
-            for label, name, mode, target, t in CASES[case](args.rounds):
-                results.append(result_row("float32", threads, label, name, mode, target, t))
-                print(f"{threads} thr", table_row(results[-1], 1), flush=True)
-    write(dict(machine=meta, processes=1, results=results), Path(args.out))
+            yield from CASES[case](args.rounds)
+
+    record_float32_cases("benchmarks/bands.py", note, args.threads, run_cases, Path(args.out))
 
 
 if __name__ == "__main__":

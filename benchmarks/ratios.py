@@ -348,6 +348,22 @@ def result_row(dtype_name: str, threads: int, case: str, name: str, mode: str, t
                 torch_faults=t.theirs_faults)
 
 
+def record_float32_cases(script: str, ratio_note: str, threads: list[int], run_cases, out: Path) -> None:
+    """The main loop of the scripts that time float32 cases against a baseline
+    each (bands.py, structured.py): at each thread count, the rows run_cases()
+    yields as (case, name, mode, target, Timing), printed and stored by write()."""
+    heap = "steady (glibc mallopt)" if steady_heap() else "the C library's default"
+    meta = dict(machine_meta(script), heap=heap, ratio_note=ratio_note)
+    print(describe(meta), ratio_note, flush=True)
+    results = []
+    for n in threads:
+        torch.set_num_threads(n)
+        for case, name, mode, target, t in run_cases():
+            results.append(result_row("float32", n, case, name, mode, target, t))
+            print(f"{n} thr", table_row(results[-1], 1), flush=True)
+    write(dict(machine=meta, processes=1, results=results), out)
+
+
 def table_row(r: dict, procs: int) -> str:
     """One result's markdown row (with the range over the processes when procs > 1)."""
     ok = "" if r["target"] is None or r["ratio"] <= r["target"] else " ✗"

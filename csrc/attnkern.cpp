@@ -63,6 +63,18 @@ TORCH_LIBRARY(attnkern, m) {
   m.def("entmax_loss_fwd(Tensor x, Tensor target, Tensor alpha) -> (Tensor loss, Tensor grad)");
   // --- end entmax-package compatibility ---
 
+  // Structured normalizers (CPU only for now).
+  // fusedmax_fwd(x, lam, dim) -> p = sparsemax(prox of lam·TV along dim),
+  //     -inf entries removed (lam: one value per row, broadcastable as
+  //     entmax_fwd's alpha, >= 0)
+  // fusedmax_bwd(x, grad_p, lam, dim, lam_grad) -> (grad_x, grad_lam per row
+  //     (float64, size 1 along dim) or empty); recomputes the prox from x
+  // oscarmax_fwd / _bwd: the same with the OSCAR penalty's prox.
+  m.def("fusedmax_fwd(Tensor x, Tensor lam, int dim) -> Tensor");
+  m.def("fusedmax_bwd(Tensor x, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
+  m.def("oscarmax_fwd(Tensor x, Tensor lam, int dim) -> Tensor");
+  m.def("oscarmax_bwd(Tensor x, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
+
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, str normalizer, "
         "Tensor? alpha, float dropout_p=0., Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "
         "Tensor? key_lengths=None) -> (Tensor out, Tensor shift)");

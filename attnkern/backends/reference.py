@@ -511,3 +511,137 @@ def budget_sparsemax(X: torch.Tensor, budget, dim: int = -1) -> torch.Tensor:
     p = torch.where(nan_rows, torch.full_like(p, math.nan), p)
     p = p.to(X.dtype)
     return p.movedim(-1, dim) if X.dim() else p.reshape(())
+
+
+# --- structured normalizers ---------------------------------------------------------------------
+
+
+def _tv_segments(x: list[float], lam: float) -> list[tuple[int, int, float]]:
+    """The segments (first, last, value) of prox_{lam·TV}(x), the 1-D total
+    variation denoising, by the taut string: the running sum of the solution
+    is the shortest path from (0, 0) to (n, Σx) that stays within lam of the
+    running sums of x at the interior points, and y is its slope. (The kernels
+    run Condat's algorithm instead.) O(n²) at worst: an oracle, not a kernel."""
+    n = len(x)
+    cum = [0.0]
+    for v in x:
+        cum.append(cum[-1] + v)
+    segments = []
+    start, height = 0, 0.0
+    while start < n:
+        # The steepest slope the upper tube allows so far and the flattest the
+        # lower one demands, with the points that set them.
+        up, up_at, down, down_at = math.inf, start, -math.inf, start
+        knot = None
+        for k in range(start + 1, n + 1):
+            top, bottom = (cum[n], cum[n]) if k == n else (cum[k] + lam, cum[k] - lam)
+            s_top, s_bottom = (top - height) / (k - start), (bottom - height) / (k - start)
+            if s_bottom > up:  # must rise past the upper tube's tightest point: bend there
+                knot = (up_at, up, cum[up_at] + lam)
+                break
+            if s_top < down:  # must fall past the lower tube's tightest point
+                knot = (down_at, down, cum[down_at] - lam)
+                break
+            if s_top < up:
+                up, up_at = s_top, k
+            if s_bottom > down:
+                down, down_at = s_bottom, k
+        if knot is None:
+            knot = (n, (cum[n] - height) / (n - start), cum[n])
+        end, slope, height = knot
+        segments.append((start, end - 1, slope))
+        start = end
+    return segments
+
+
+def _oscar_clusters(x: list[float], lam: float) -> list[tuple[list[int], float, float]]:
+    """The clusters of prox_{lam·OSCAR}(x): (indices, magnitude before the clip
+    at 0, mean OWL weight / lam) in decreasing |x|, by a stack of pooled blocks
+    over |x|_(k) - lam·(m-1-k) merged while they increase (pool adjacent
+    violators, from scratch: the kernels keep running sums instead)."""
+    m = len(x)
+    order = sorted(range(m), key=lambda i: -abs(x[i]))
+    blocks: list[list[int]] = []  # positions k in the sorted order
+    for k in range(m):
+        blocks.append([k])
+        while len(blocks) >= 2:
+            prev, cur = blocks[-2], blocks[-1]
+
+            def level(block):
+                return sum(abs(x[order[j]]) - lam * (m - 1 - j) for j in block) / len(block)
+
+            if level(prev) >= level(cur):
+                break
+            blocks[-2:] = [prev + cur]
+    out = []
+    for block in blocks:
+        level = sum(abs(x[order[j]]) - lam * (m - 1 - j) for j in block) / len(block)
+        out.append(([order[j] for j in block], level, sum(m - 1 - j for j in block) / len(block)))
+    return out
+
+
+def _structured_rows(x: torch.Tensor, lam, dim: int, row_prox) -> torch.Tensor:
+    """sparsemax(row_prox(finite entries, lam of the row)) along dim, -inf entries
+    removed; NaN and +inf rows give NaN (as sparsemax gives them)."""
+    if not x.numel():
+        return _no_entries(x, dim)
+    z = _rows_last(x, dim)
+    n = z.shape[-1]
+    rows = z.reshape(-1, n)
+    row_shape = list(x.shape)
+    if row_shape:
+        row_shape[dim] = 1
+    lam_t = lam if isinstance(lam, torch.Tensor) else torch.tensor(float(lam), dtype=torch.float64, device=z.device)
+    lam_rows = lam_t.to(torch.float64).expand(row_shape)
+    lam_rows = (lam_rows.movedim(dim, -1) if lam_rows.dim() else lam_rows.reshape(1)).reshape(-1)
+    ys = []
+    for r in range(rows.shape[0]):
+        row = rows[r]
+        finite = row > -math.inf
+        if bool(torch.isnan(row).any()) or bool((row == math.inf).any()) or not bool(finite.any()):
+            ys.append(row)  # sparsemax gives the NaN row, or the zeros of a row of -inf
+            continue
+        pos = finite.nonzero().squeeze(-1)
+        ys.append(torch.full_like(row, -math.inf).index_put((pos,), row_prox(row[pos], lam_rows[r])))
+    p = sparsemax(torch.stack(ys).reshape(z.shape), -1)
+    return (p.movedim(-1, dim) if x.dim() else p.reshape(())).to(x.dtype)
+
+
+def _tv_prox_row(xs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    segments = _tv_segments(xs.detach().tolist(), float(lam.detach()))
+    pieces = []
+    for j, (a, b, value) in enumerate(segments):
+        left = 0.0 if j == 0 else math.copysign(1.0, value - segments[j - 1][2]) * (value != segments[j - 1][2])
+        right = 0.0 if j == len(segments) - 1 else \
+            math.copysign(1.0, segments[j + 1][2] - value) * (value != segments[j + 1][2])
+        size = b - a + 1
+        pieces.append((xs[a:b + 1].mean() + lam * (right - left) / size).expand(size))
+    return torch.cat(pieces)
+
+
+def _oscar_prox_row(xs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros_like(xs)
+    for idx, level, weight in _oscar_clusters(xs.detach().tolist(), float(lam.detach())):
+        if level > 0:
+            at = torch.tensor(idx, device=xs.device)
+            y = y.index_put((at,), torch.sign(xs[at]) * (xs[at].abs().mean() - lam * weight))
+    return y
+
+
+def fusedmax(x: torch.Tensor, lam, dim: int = -1) -> torch.Tensor:
+    """fusedmax along `dim`: argmin_{p in Δ} ½||p - x||² + lam Σ|p_{i+1} - p_i|
+    (Niculae & Blondel, 2017), computed as sparsemax(prox_{lam·TV}(x)) with -inf
+    entries removed (the finite ones are neighbours). lam: a float or a tensor
+    broadcastable to x with size 1 along dim, >= 0. Differentiable by autograd
+    in x and lam: the prox's segments are found without a graph, then each
+    segment's value is written as its mean plus lam·(σ_right - σ_left)/|G|
+    (σ: the sign of y's jump at each end), which holds on the whole piece."""
+    return _structured_rows(x, lam, dim, _tv_prox_row)
+
+
+def oscarmax(x: torch.Tensor, lam, dim: int = -1) -> torch.Tensor:
+    """oscarmax along `dim`: sparsemax(prox of lam Σ_{i<j} max(|y_i|, |y_j|)) over
+    the finite entries (Niculae & Blondel, 2017). Differentiable by autograd in x
+    and lam: the clusters are found without a graph, then each nonzero one's
+    magnitude is written as its mean |x| minus lam times its mean rank weight."""
+    return _structured_rows(x, lam, dim, _oscar_prox_row)

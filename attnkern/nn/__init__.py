@@ -3,10 +3,11 @@
 from attnkern.nn.attention import MultiheadAttention
 from attnkern.nn.bisect import BudgetBisect, NormmaxBisect, SparsemaxBisect
 from attnkern.nn.losses import Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss
-from attnkern.nn.normalizers import Entmax15, EntmaxAlpha, EntmaxBisect, Softmax, Sparsemax
+from attnkern.nn.normalizers import Entmax15, EntmaxAlpha, EntmaxBisect, Fusedmax, Oscarmax, Softmax, Sparsemax
 from attnkern.nn.rnn_attention import AdditiveAttention, LuongAttention, RNNAttention, ScaledDotAttention
 
-__all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "MultiheadAttention",
+__all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "Fusedmax", "Oscarmax",
+           "MultiheadAttention",
            # attention for recurrent models
            "LuongAttention", "AdditiveAttention", "ScaledDotAttention", "RNNAttention",
            # entmax-package compatibility

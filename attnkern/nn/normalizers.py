@@ -105,3 +105,31 @@ class EntmaxAlpha(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, dim={self.dim}, head_dim={self.head_dim}, alpha_init={self.alpha_init}"
+
+
+class _Structured(nn.Module):
+    """A structured normalizer along `dim` with λ: a float, or a tensor with one
+    λ per row (broadcastable); pass an nn.Parameter to learn it (it must stay
+    >= 0)."""
+
+    def __init__(self, dim: int = -1, lam=1.0):
+        super().__init__()
+        self.dim, self.lam = dim, lam
+
+    def extra_repr(self) -> str:
+        lam = self.lam if not isinstance(self.lam, torch.Tensor) else f"tensor of shape {tuple(self.lam.shape)}"
+        return f"dim={self.dim}, lam={lam}"
+
+
+class Fusedmax(_Structured):
+    """fusedmax along `dim` (attnkern.fusedmax)."""
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return ops.fusedmax(X, dim=self.dim, lam=self.lam)
+
+
+class Oscarmax(_Structured):
+    """oscarmax along `dim` (attnkern.oscarmax)."""
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return ops.oscarmax(X, dim=self.dim, lam=self.lam)

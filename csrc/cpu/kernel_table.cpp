@@ -14,6 +14,7 @@ const KernelTable& kernel_table() {
     add_budget_kernels(t);
     add_normmax_kernels(t);
     add_loss_kernels(t);
+    add_structured_kernels(t);
     add_attention_kernels(t);
     return t;
   }();

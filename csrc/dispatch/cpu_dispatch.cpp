@@ -155,6 +155,10 @@ TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
   m.impl("budget_bwd", &Forward<&KernelTable::budget_bwd>::call);
   m.impl("normmax_bwd", &Forward<&KernelTable::normmax_bwd>::call);
   m.impl("entmax_loss_fwd", &Forward<&KernelTable::entmax_loss_fwd>::call);
+  m.impl("fusedmax_fwd", &Forward<&KernelTable::fusedmax_fwd>::call);
+  m.impl("fusedmax_bwd", &Forward<&KernelTable::fusedmax_bwd>::call);
+  m.impl("oscarmax_fwd", &Forward<&KernelTable::oscarmax_fwd>::call);
+  m.impl("oscarmax_bwd", &Forward<&KernelTable::oscarmax_bwd>::call);
   m.impl("attention_fwd", &Forward<&KernelTable::attention_fwd>::call);
   m.impl("attention_bwd", &Forward<&KernelTable::attention_bwd>::call);
   m.impl("attention_dropout_mask", &Forward<&KernelTable::attention_dropout_mask>::call);

@@ -7,3 +7,4 @@
 #include "../losses.cpp"
 #include "../normalizers.cpp"
 #include "../normmax.cpp"
+#include "../structured.cpp"

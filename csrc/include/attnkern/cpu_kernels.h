@@ -40,6 +40,13 @@ struct KernelTable {
   std::tuple<Tensor, Tensor> (*budget_bwd)(const Tensor& p, const Tensor& grad, int64_t dim, bool budget_grad);
   Tensor (*normmax_bwd)(const Tensor& p, const Tensor& grad, const Tensor& alpha, int64_t dim);
   std::tuple<Tensor, Tensor> (*entmax_loss_fwd)(const Tensor& x, const Tensor& target, const Tensor& alpha);
+  // Structured normalizers (csrc/cpu/structured.cpp).
+  Tensor (*fusedmax_fwd)(const Tensor& x, const Tensor& lam, int64_t dim);
+  std::tuple<Tensor, Tensor> (*fusedmax_bwd)(const Tensor& x, const Tensor& grad, const Tensor& lam, int64_t dim,
+                                             bool lam_grad);
+  Tensor (*oscarmax_fwd)(const Tensor& x, const Tensor& lam, int64_t dim);
+  std::tuple<Tensor, Tensor> (*oscarmax_bwd)(const Tensor& x, const Tensor& grad, const Tensor& lam, int64_t dim,
+                                             bool lam_grad);
   // Fused attention (csrc/cpu/attention.cpp).
   std::tuple<Tensor, Tensor> (*attention_fwd)(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& mask,
                                               bool is_causal, double scale, c10::string_view normalizer,
@@ -73,6 +80,7 @@ void add_normalizer_kernels(KernelTable& t);
 void add_budget_kernels(KernelTable& t);
 void add_normmax_kernels(KernelTable& t);
 void add_loss_kernels(KernelTable& t);
+void add_structured_kernels(KernelTable& t);
 void add_attention_kernels(KernelTable& t);
 }  // namespace CPU_CAPABILITY
 #endif

@@ -1,0 +1,67 @@
+"""The structured normalizers against attnkern's own sparsemax, row-wise.
+
+fusedmax and oscarmax are sparsemax after an exact prox (a sequential sweep
+per row; oscarmax also sorts the row), so their cost is measured against
+sparsemax's, which does the same threshold work: forward and
+forward+backward at [4096, 1024] float32, interleaved rounds, 1 and 2
+threads. Writes <out>.json and <out>.md in the format of benchmarks/ratios.py
+(docs.py renders them into docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from ratios import interleaved, record_float32_cases
+
+import attnkern
+
+SHAPE = (4096, 1024)
+# Targets (issue: structured attention): fwd+bwd at most these multiples of sparsemax's.
+TARGET_VS_SPARSEMAX = {"fusedmax": 3.0, "oscarmax": 6.0}
+LAMS = (0.1, 1.0)
+
+
+def cases(rounds):
+    x = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(2))
+
+    def fwd(fn):
+        def call():
+            with torch.no_grad():
+                fn(x)
+        return call
+
+    def fwdbwd(fn):
+        def call():
+            t = x.detach().requires_grad_(True)
+            fn(t).backward(g)
+        return call
+
+    label = f"row-wise {list(SHAPE)}, vs attnkern.sparsemax"
+    for name, target in TARGET_VS_SPARSEMAX.items():
+        for lam in LAMS:
+            def op(t, name=name, lam=lam):
+                return getattr(attnkern, name)(t, lam=lam)
+
+            yield label, f"{name} λ={lam}", "fwd", None, interleaved(fwd(op), fwd(attnkern.sparsemax), rounds)
+            yield (label, f"{name} λ={lam}", "fwd+bwd", target,
+                   interleaved(fwdbwd(op), fwdbwd(attnkern.sparsemax), rounds))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", required=True, help="prefix of the .md and .json written")
+    args = ap.parse_args()
+    note = ("Ratio = the structured normalizer's time / attnkern.sparsemax's on the same rows (the \"baseline "
+            "ms\" column holds sparsemax's time)")
+    record_float32_cases("benchmarks/structured.py", note, args.threads, lambda: cases(args.rounds), Path(args.out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,420 @@
+// The structured normalizers on the CPU (Niculae & Blondel, 2017): sparsemax
+// after the proximal operator of a penalty, y = prox(x), computed exactly in
+// double; docs/algorithms.md, section 10.
+//
+// fusedmax: p = argmin over the simplex
+// of ½‖p - x‖² + λ Σ|p_{i+1} - p_i|, which is sparsemax of y = prox_{λ·TV}(x),
+// the 1-D total-variation denoising of the row (docs/algorithms.md, section 10).
+// y is computed exactly, in double, by Condat's direct algorithm (2013): one
+// sweep that keeps the current segment's lowest and highest feasible value
+// and the dual variable at each, closing a segment when the dual leaves
+// [-λ, λ]; linear in practice. Entries at -inf take no part: the finite ones
+// are neighbours in their order, the removed ones get 0.
+//
+// oscarmax: sparsemax of the prox of the OSCAR penalty λ Σ_{i<j} max(|y_i|, |y_j|),
+// an ordered weighted ℓ1 norm (weight λ(m - k) on the k-th largest |y_i| of the
+// m finite entries): sort |x|, subtract the weights, pool adjacent violators
+// into a non-increasing fit, clip at 0, restore order and signs. Clusters of
+// equal |y| form regardless of position. (Not the simplex-constrained minimiser
+// of ½‖p - x‖² + the penalty: the composition, as Niculae & Blondel compute it.)
+//
+// The backwards recompute y from x (the saved p, rounded to the input's dtype,
+// cannot tell two neighbouring segments apart), then with v = Jᵀ_sparsemax g
+// (g minus its mean on the support S, 0 off it). fusedmax: dx averages v over
+// each segment of y inside S, and dλ = Σ_segments (σ_right - σ_left) / |G| ·
+// Σ_G v, σ the sign of y's jump at the segment's right and left ends (0 at a
+// row end). oscarmax: within a cluster of nonzero |y|, dx_i = sign(x_i) times
+// the cluster's mean of sign(x_j) v_j, and dλ = -Σ_clusters (mean weight / λ) ·
+// Σ_G sign(x_j) v_j.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+
+#include "attnkern/cpu_kernels.h"
+#include "attnkern/row_layout.h"
+
+namespace attnkern {
+namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
+namespace {
+
+using at::Tensor;
+
+// y = prox of lam·TV at x (n >= 1 entries, lam >= 0).
+void tv_prox(const double* x, int64_t n, double lam, double* y) {
+  if (n == 1 || lam == 0.0) {
+    std::copy(x, x + n, y);
+    return;
+  }
+  // The segment starts at `first`; its value lies in [lo, hi]. lo_dual /
+  // hi_dual: the dual variable at k if the segment took lo / hi; lo_end /
+  // hi_end: the last k where lo / hi was raised / lowered (where the segment
+  // ends if the next jump goes down / up).
+  int64_t k = 0, first = 0, lo_end = 0, hi_end = 0;
+  double lo = x[0] - lam, hi = x[0] + lam, lo_dual = lam, hi_dual = -lam;
+  auto close = [&](int64_t last, double value) {
+    for (; first <= last; ++first) y[first] = value;
+  };
+  for (;;) {
+    while (k == n - 1) {  // the row's end: the dual must come back to 0 there
+      if (lo_dual < 0.0) {  // even the lowest value is too high: down-jump after lo_end
+        close(lo_end, lo);
+        k = lo_end = first;
+        lo = x[first];
+        lo_dual = lam;
+        hi_dual = lo + lam - hi;
+      } else if (hi_dual > 0.0) {  // even the highest value is too low: up-jump after hi_end
+        close(hi_end, hi);
+        k = hi_end = first;
+        hi = x[first];
+        hi_dual = -lam;
+        lo_dual = hi - lam - lo;
+      } else {
+        close(k, lo + lo_dual / double(k - first + 1));
+        return;
+      }
+    }
+    lo_dual += x[k + 1] - lo;
+    if (lo_dual < -lam) {  // the segment ends at lo_end at its lowest value; the next is below
+      close(lo_end, lo);
+      k = lo_end = hi_end = first;
+      lo = x[first];
+      hi = lo + 2.0 * lam;
+      lo_dual = lam;
+      hi_dual = -lam;
+      continue;
+    }
+    hi_dual += x[k + 1] - hi;
+    if (hi_dual > lam) {  // ends at hi_end at its highest value; the next is above
+      close(hi_end, hi);
+      k = lo_end = hi_end = first;
+      hi = x[first];
+      lo = hi - 2.0 * lam;
+      lo_dual = lam;
+      hi_dual = -lam;
+      continue;
+    }
+    ++k;
+    if (lo_dual >= lam) {
+      lo_end = k;
+      lo += (lo_dual - lam) / double(k - first + 1);
+      lo_dual = lam;
+    }
+    if (hi_dual <= -lam) {
+      hi_end = k;
+      hi += (hi_dual + lam) / double(k - first + 1);
+      hi_dual = -lam;
+    }
+  }
+}
+
+// sparsemax's threshold τ of y (n >= 1 finite entries): Σ max(y - τ, 0) = 1, by
+// Michelot's steps τ <- (Σ_{y > τ} y - 1) / |{y > τ}| from τ = (Σ y - 1) / n,
+// which is left of the root; each step only raises τ and drops entries, and
+// the first step that keeps the set gives τ exactly. O(n) a step, no sort.
+double sparsemax_threshold(const double* y, int64_t n) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += y[i];
+  double tau = (sum - 1.0) / double(n);
+  int64_t count = n;
+  for (;;) {
+    double s = 0.0;
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (y[i] > tau) {
+        s += y[i];
+        ++c;
+      }
+    }
+    if (c == count || c == 0) return tau;
+    count = c;
+    tau = (s - 1.0) / double(c);
+  }
+}
+
+// The row's finite entries (compacted into xs, their positions into pos);
+// false if the row holds a NaN or +inf (its output is NaN).
+bool finite_entries(const double* x, int64_t n, double* xs, int64_t* pos, int64_t& m) {
+  m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(x[j]) || x[j] == std::numeric_limits<double>::infinity()) return false;
+    if (x[j] > -std::numeric_limits<double>::infinity()) {
+      xs[m] = x[j];
+      pos[m++] = j;
+    }
+  }
+  return true;
+}
+
+// Per-row λ in double, checked.
+Tensor checked_lam(const Tensor& lam, const Tensor& x, int64_t dim, const char* op) {
+  check_cpu_float(lam, "lam");
+  Tensor rows = per_row(lam, x, dim, at::kDouble);
+  const double* lp = rows.const_data_ptr<double>();
+  for (int64_t r = 0; r < rows.numel(); ++r) {
+    TORCH_CHECK_VALUE(lp[r] >= 0.0 && std::isfinite(lp[r]), "attnkern: ", op, " lam must be finite and >= 0, got ",
+                      lp[r]);
+  }
+  return rows;
+}
+
+// Scratch of one row, n entries each: the row, its finite entries, y, the
+// gradient (as loaded and compacted), dx (compacted and placed) and the finite
+// entries' positions. Not zeroed: every entry is written before it
+// is read (a std::vector's zero fill is an inline template that each
+// instruction-set copy would compile, and one copy's would be shared).
+// oscarmax's prox also keeps the sort order of |x| and its pooled blocks (their
+// ends in sorted positions and their sums).
+struct RowScratch {
+  std::unique_ptr<double[]> buf;
+  std::unique_ptr<int64_t[]> ibuf;
+  double *row, *xs, *y, *g, *gs, *dxs, *out, *block_sum;
+  int64_t *pos, *order, *block_end;
+  int64_t blocks = 0;
+  explicit RowScratch(int64_t n) : buf(new double[8 * n]), ibuf(new int64_t[3 * n]) {
+    double* b = buf.get();
+    for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum}) {
+      *a = b;
+      b += n;
+    }
+    pos = ibuf.get();
+    order = pos + n;
+    block_end = order + n;
+  }
+};
+
+// sparsemax's vector-Jacobian product on y's m entries: v = g - mean_S g on the
+// support S = {y > tau}, 0 off it (into v; g may be v).
+void sparsemax_vjp(const double* y, double tau, const double* g, int64_t m, double* v) {
+  double gsum = 0.0;
+  int64_t support = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (y[i] > tau) {
+      gsum += g[i];
+      ++support;
+    }
+  }
+  const double gmean = support > 0 ? gsum / double(support) : 0.0;
+  for (int64_t i = 0; i < m; ++i) v[i] = y[i] > tau ? g[i] - gmean : 0.0;
+}
+
+struct Fusedmax {
+  static constexpr const char* kName = "fusedmax";
+  static void prox(RowScratch& s, int64_t m, double lam) { tv_prox(s.xs, m, lam, s.y); }
+  // The backward of one row (see the top of the file) on its m finite entries,
+  // given y (prox) and v (sparsemax_vjp, in s.gs): dx into s.dxs, returns dλ.
+  static double backward(RowScratch& s, int64_t m, double tau);
+};
+
+double Fusedmax::backward(RowScratch& s, int64_t m, double tau) {
+  const double* y = s.y;
+  const double* v = s.gs;
+  double* dxs = s.dxs;
+  double dlam = 0.0;
+  int64_t a = 0;
+  while (a < m) {
+    int64_t b = a;
+    while (b + 1 < m && y[b + 1] == y[a]) ++b;  // the segment [a, b] of y
+    if (y[a] > tau) {
+      double vsum = 0.0;
+      for (int64_t i = a; i <= b; ++i) vsum += v[i];
+      const double size = double(b - a + 1);
+      for (int64_t i = a; i <= b; ++i) dxs[i] = vsum / size;
+      const double left = a == 0 ? 0.0 : (y[a] > y[a - 1] ? 1.0 : -1.0);
+      const double right = b == m - 1 ? 0.0 : (y[b + 1] > y[b] ? 1.0 : -1.0);
+      dlam += (right - left) / size * vsum;
+    } else {
+      for (int64_t i = a; i <= b; ++i) dxs[i] = 0.0;
+    }
+    a = b + 1;
+  }
+  return dlam;
+}
+
+// y = prox of lam·OSCAR at the m finite entries (see the top of the file),
+// keeping the sort order and the pooled blocks (s.blocks of them).
+void oscar_prox(RowScratch& s, int64_t m, double lam) {
+  const double* x = s.xs;
+  int64_t* order = s.order;
+  for (int64_t i = 0; i < m; ++i) order[i] = i;
+  std::stable_sort(order, order + m, [x](int64_t a, int64_t b) { return std::abs(x[a]) > std::abs(x[b]); });
+  // Pool adjacent violators: blocks of a non-increasing fit to |x|_(k) - lam·(m-1-k).
+  int64_t blocks = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    s.block_sum[blocks] = std::abs(x[order[k]]) - lam * double(m - 1 - k);
+    s.block_end[blocks++] = k + 1;
+    while (blocks >= 2) {
+      const int64_t b = blocks - 1, first = blocks >= 3 ? s.block_end[b - 2] : 0;
+      const double prev = s.block_sum[b - 1] / double(s.block_end[b - 1] - first);
+      const double cur = s.block_sum[b] / double(s.block_end[b] - s.block_end[b - 1]);
+      if (prev >= cur) break;
+      s.block_sum[b - 1] += s.block_sum[b];
+      s.block_end[b - 1] = s.block_end[b];
+      --blocks;
+    }
+  }
+  int64_t start = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const double mag = std::max(s.block_sum[b] / double(s.block_end[b] - start), 0.0);
+    for (int64_t k = start; k < s.block_end[b]; ++k) {
+      const int64_t i = order[k];
+      s.y[i] = x[i] > 0.0 ? mag : (x[i] < 0.0 ? -mag : 0.0);
+    }
+    start = s.block_end[b];
+  }
+  s.blocks = blocks;
+}
+
+struct Oscarmax {
+  static constexpr const char* kName = "oscarmax";
+  static void prox(RowScratch& s, int64_t m, double lam) { oscar_prox(s, m, lam); }
+  static double backward(RowScratch& s, int64_t m, double tau);
+};
+
+double Oscarmax::backward(RowScratch& s, int64_t m, double /*tau: v is 0 off the support*/) {
+  double dlam = 0.0;
+  int64_t start = 0;
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    const int64_t end = s.block_end[b];
+    const double size = double(end - start);
+    const bool nonzero = s.block_sum[b] / size > 0.0;
+    double ssum = 0.0;
+    for (int64_t k = start; k < end; ++k) {
+      const int64_t i = s.order[k];
+      const double sign = s.xs[i] > 0.0 ? 1.0 : (s.xs[i] < 0.0 ? -1.0 : 0.0);
+      ssum += sign * s.gs[i];
+    }
+    for (int64_t k = start; k < end; ++k) {
+      const int64_t i = s.order[k];
+      const double sign = s.xs[i] > 0.0 ? 1.0 : (s.xs[i] < 0.0 ? -1.0 : 0.0);
+      s.dxs[i] = nonzero ? sign * ssum / size : 0.0;
+    }
+    // The cluster's magnitude is its mean of |x|_(k) - lam·(m-1-k).
+    if (nonzero) dlam -= ssum * (double(m - 1) - 0.5 * double(start + end - 1));
+    start = end;
+  }
+  return dlam;
+}
+
+template <typename Op, typename scalar_t>
+void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, int64_t dim) {
+  const RowLayout lay = RowLayout::of(x, dim);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  scalar_t* op = out.mutable_data_ptr<scalar_t>();
+  const double* lp = lam.const_data_ptr<double>();
+  const int64_t n = lay.n;
+  at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    RowScratch s(n);
+    double* p = s.out;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = lay.base(r);
+      lay.load(xp + base, s.row);
+      int64_t m = 0;
+      if (!finite_entries(s.row, n, s.xs, s.pos, m)) {
+        std::fill(p, p + n, std::numeric_limits<double>::quiet_NaN());
+      } else {
+        std::fill(p, p + n, 0.0);
+        if (m > 0) {
+          Op::prox(s, m, lp[r]);
+          const double tau = sparsemax_threshold(s.y, m);
+          for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
+        }
+      }
+      lay.store(p, op + base);
+    }
+  });
+}
+
+template <typename Op>
+Tensor structured_fwd(const Tensor& x_in, const Tensor& lam_in, int64_t dim) {
+  check_cpu_float(x_in, "x");
+  dim = x_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, x_in.dim());
+  check_row_length(x_in, dim);
+  const Tensor x = x_in.contiguous();
+  const Tensor lam = checked_lam(lam_in, x, dim, Op::kName);
+  Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_structured_fwd",
+                                    [&] { structured_fwd_impl<Op, scalar_t>(x, lam, out, dim); });
+  }
+  return out;
+}
+
+template <typename Op, typename scalar_t>
+void structured_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& lam, Tensor& dx, Tensor& dlam,
+                         int64_t dim) {
+  const RowLayout lay = RowLayout::of(x, dim);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+  scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+  const double* lp = lam.const_data_ptr<double>();
+  double* dlp = dlam.defined() ? dlam.mutable_data_ptr<double>() : nullptr;
+  const int64_t n = lay.n;
+  at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    RowScratch s(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = lay.base(r);
+      lay.load(xp + base, s.row);
+      lay.load(gp + base, s.g);
+      int64_t m = 0;
+      double dl = 0.0;
+      if (!finite_entries(s.row, n, s.xs, s.pos, m)) {
+        std::fill(s.out, s.out + n, std::numeric_limits<double>::quiet_NaN());
+        dl = std::numeric_limits<double>::quiet_NaN();
+      } else {
+        std::fill(s.out, s.out + n, 0.0);
+        if (m > 0) {
+          for (int64_t i = 0; i < m; ++i) s.gs[i] = s.g[s.pos[i]];
+          Op::prox(s, m, lp[r]);
+          const double tau = sparsemax_threshold(s.y, m);
+          sparsemax_vjp(s.y, tau, s.gs, m, s.gs);
+          dl = Op::backward(s, m, tau);
+          for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = s.dxs[i];
+        }
+      }
+      lay.store(s.out, dp + base);
+      if (dlp) dlp[r] = dl;
+    }
+  });
+}
+
+template <typename Op>
+std::tuple<Tensor, Tensor> structured_bwd(const Tensor& x_in, const Tensor& grad_in, const Tensor& lam_in,
+                                          int64_t dim, bool lam_grad) {
+  check_cpu_float(x_in, "x");
+  check_cpu_float(grad_in, "grad");
+  TORCH_CHECK_VALUE(grad_in.sizes() == x_in.sizes(), "attnkern: ", Op::kName, "_bwd: grad of shape ",
+                    grad_in.sizes(), " does not match x of shape ", x_in.sizes());
+  dim = x_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, x_in.dim());
+  check_row_length(x_in, dim);
+  const Tensor x = x_in.contiguous();
+  const Tensor grad = grad_in.to(x.scalar_type()).contiguous();
+  const Tensor lam = checked_lam(lam_in, x, dim, Op::kName);
+  Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  Tensor dl = lam_grad ? at::empty_like(lam) : Tensor();
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_structured_bwd",
+                                    [&] { structured_bwd_impl<Op, scalar_t>(x, grad, lam, dx, dl, dim); });
+  } else if (dl.defined()) {
+    dl.zero_();
+  }
+  if (!dl.defined()) dl = at::empty({0}, x.options().dtype(at::kDouble));
+  return {dx, dl};
+}
+
+}  // namespace
+
+void add_structured_kernels(KernelTable& t) {
+  t.fusedmax_fwd = &structured_fwd<Fusedmax>;
+  t.fusedmax_bwd = &structured_bwd<Fusedmax>;
+  t.oscarmax_fwd = &structured_fwd<Oscarmax>;
+  t.oscarmax_bwd = &structured_bwd<Oscarmax>;
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace attnkern

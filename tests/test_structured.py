@@ -1,0 +1,328 @@
+"""The structured normalizers, fusedmax and oscarmax (attnkern.fusedmax,
+attnkern.oscarmax): the CPU kernels and the reference against independent
+oracles (fusedmax: the prox of λ·TV as a bounded least-squares problem on its
+dual, solved by scipy's BVLS, and the simplex QP itself; oscarmax: the OSCAR
+prox as a generic QP), then sparsemax by sorting; gradients by gradcheck and
+against the reference's autograd; dtypes, dims, masks, errors, opcheck and
+torch.compile, for both."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnkern
+from attnkern import _extension
+from attnkern.backends import reference
+
+scipy_optimize = pytest.importorskip("scipy.optimize")
+pytestmark = pytest.mark.skipif(not _extension.LOADED, reason="attnkern._C did not load")
+
+NAMES = ["fusedmax", "oscarmax"]
+
+
+def sparsemax_np(y: np.ndarray) -> np.ndarray:
+    s = np.sort(y)[::-1]
+    cs = np.cumsum(s)
+    k = np.arange(1, y.shape[0] + 1)
+    kk = k[1 + k * s > cs][-1]
+    return np.maximum(y - (cs[kk - 1] - 1) / kk, 0.0)
+
+
+def oracle(x: np.ndarray, lam: float) -> np.ndarray:
+    """fusedmax of one finite row: y = x - Dᵀz with z = argmin ½||x - Dᵀz||²
+    over |z| <= lam (the dual of the TV prox), then sparsemax by sorting."""
+    n = x.shape[0]
+    if n > 1 and lam > 0:
+        dt = np.zeros((n, n - 1))
+        dt[np.arange(n - 1), np.arange(n - 1)] = -1.0  # (Dᵀz)_i = z_{i-1} - z_i
+        dt[np.arange(1, n), np.arange(n - 1)] = 1.0
+        z = scipy_optimize.lsq_linear(dt, x, bounds=(-lam, lam), method="bvls", tol=1e-15).x
+        y = x - dt @ z
+    else:
+        y = x.copy()
+    return sparsemax_np(y)
+
+
+def random_rows(n, rows=4, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed + n)
+    return scale * torch.randn(rows, n, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 97])
+@pytest.mark.parametrize("lam", [0.0, 0.05, 0.3, 2.0])
+def test_kernel_matches_the_dual_oracle(n, lam):
+    x = random_rows(n)
+    p = attnkern.fusedmax(x, lam=lam)
+    want = torch.tensor(np.stack([oracle(r, lam) for r in x.numpy()]))
+    torch.testing.assert_close(p, want, rtol=0, atol=1e-9)
+    torch.testing.assert_close(p.sum(-1), torch.ones(x.shape[0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("lam", [0.05, 0.3, 2.0])
+def test_long_rows_match_the_taut_string(lam):
+    # (BVLS takes minutes at n = 1025: the reference's taut string, checked
+    # against it on the shorter rows, is the oracle here.)
+    x = random_rows(1025, rows=2)
+    torch.testing.assert_close(attnkern.fusedmax(x, lam=lam), attnkern.fusedmax(x, lam=lam, backend="reference"),
+                               rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("n", [1, 7, 97])
+@pytest.mark.parametrize("lam", [0.0, 0.1, 1.5])
+def test_reference_matches_the_dual_oracle(n, lam):
+    x = random_rows(n, rows=2, seed=1)
+    want = torch.tensor(np.stack([oracle(r, lam) for r in x.numpy()]))
+    torch.testing.assert_close(attnkern.fusedmax(x, lam=lam, backend="reference"), want, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e4])
+def test_magnitudes(scale):
+    x = random_rows(60, scale=scale, seed=2)
+    for lam in (0.1 * scale, 3.0 * scale):
+        want = torch.tensor(np.stack([oracle(r, lam) for r in x.numpy()]))
+        torch.testing.assert_close(attnkern.fusedmax(x, lam=lam), want, rtol=0, atol=1e-9)
+
+
+def test_is_the_simplex_qp_on_small_rows():
+    """The composition sparsemax ∘ prox_TV solves the simplex-constrained problem
+    itself (Niculae & Blondel): a generic interior-point solver on the smooth form
+    min ½||p - x||² + λ Σ t, t >= ±(p_{i+1} - p_i), p in the simplex, lands within
+    its own accuracy of our p, and our p's objective is never above its."""
+    n = 6
+    x = random_rows(n, rows=3, seed=3).numpy()
+    diff = np.diff(np.eye(n), axis=0)  # (n - 1, n): p_{i+1} - p_i
+    tube = np.vstack([np.hstack([-diff, np.eye(n - 1)]), np.hstack([diff, np.eye(n - 1)])])
+    constraints = [scipy_optimize.LinearConstraint(np.r_[np.ones(n), np.zeros(n - 1)][None], 1, 1),
+                   scipy_optimize.LinearConstraint(tube, 0, np.inf)]
+    bounds = scipy_optimize.Bounds(np.zeros(2 * n - 1), np.r_[np.ones(n), np.full(n - 1, np.inf)])
+    hessian = np.diag(np.r_[np.ones(n), np.zeros(n - 1)])
+    for row in x:
+        for lam in (0.05, 0.2, 1.0):
+            def objective(v, row=row, lam=lam):
+                return 0.5 * np.sum((v[:n] - row) ** 2) + lam * np.sum(v[n:])
+
+            def gradient(v, row=row, lam=lam):
+                return np.concatenate([v[:n] - row, np.full(n - 1, lam)])
+
+            res = scipy_optimize.minimize(objective, np.r_[np.full(n, 1 / n), np.zeros(n - 1)], jac=gradient,
+                                          hess=lambda v: hessian, method="trust-constr", bounds=bounds,
+                                          constraints=constraints,
+                                          options={"gtol": 1e-12, "xtol": 1e-14, "maxiter": 5000})
+            ours = attnkern.fusedmax(torch.tensor(row), lam=lam).numpy()
+            assert objective(np.r_[ours, np.abs(np.diff(ours))]) <= res.fun + 1e-12
+            np.testing.assert_allclose(ours, res.x[:n], atol=2e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lam_zero_is_sparsemax_and_large_lam_is_uniform(name):
+    op = getattr(attnkern, name)
+    x = random_rows(33, seed=4).float()
+    torch.testing.assert_close(op(x, lam=0.0), attnkern.sparsemax(x), rtol=0, atol=1e-7)
+    torch.testing.assert_close(op(x, lam=1e3), torch.full_like(x, 1 / 33), rtol=0, atol=1e-7)
+
+
+def test_plateaus_ties_and_fused_segments():
+    x = torch.tensor([[0.5, 0.5, 0.5, 0.1, 0.9, 0.9, 0.2, 0.2],
+                      [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+                      [0.3, 0.8, 0.31, 0.79, 0.3, 0.8, 0.3, 0.8]], dtype=torch.float64)
+    for lam in (0.0, 0.02, 0.1, 0.5):
+        want = torch.tensor(np.stack([oracle(r, lam) for r in x.numpy()]))
+        torch.testing.assert_close(attnkern.fusedmax(x, lam=lam), want, rtol=0, atol=1e-12)
+    # At λ = 0.2 the alternating row's neighbours fuse into equal weights.
+    p = attnkern.fusedmax(x[2], lam=0.2)
+    assert torch.unique(p[p > 0]).numel() < (p > 0).sum()
+
+
+def oscar_oracle(x: np.ndarray, lam: float) -> np.ndarray:
+    """oscarmax of one finite row: the prox of lam Σ_{i<j} max(|y_i|, |y_j|) as a
+    smooth QP (t_ij >= ±y_i, ±y_j) solved by a generic interior-point method,
+    then sparsemax by sorting."""
+    n = x.shape[0]
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    rows = []
+    for c, (i, j) in enumerate(pairs):
+        for k, sign in ((i, 1.0), (i, -1.0), (j, 1.0), (j, -1.0)):
+            r = np.zeros(n + len(pairs))
+            r[n + c], r[k] = 1.0, -sign  # t_ij - sign·y_k >= 0
+            rows.append(r)
+    hessian = np.diag(np.r_[np.ones(n), np.zeros(len(pairs))])
+
+    def objective(v):
+        return 0.5 * np.sum((v[:n] - x) ** 2) + lam * np.sum(v[n:])
+
+    def gradient(v):
+        return np.concatenate([v[:n] - x, np.full(len(pairs), lam)])
+
+    start = np.r_[x, np.abs(x).max() * np.ones(len(pairs))]
+    res = scipy_optimize.minimize(objective, start, jac=gradient, hess=lambda v: hessian, method="trust-constr",
+                                  constraints=[scipy_optimize.LinearConstraint(np.array(rows), 0, np.inf)],
+                                  options={"gtol": 1e-12, "xtol": 1e-14, "maxiter": 5000})
+    return sparsemax_np(res.x[:n])
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.03, 0.2, 1.0])
+def test_oscarmax_matches_the_qp_oracle(lam):
+    x = random_rows(5, rows=3, seed=14)
+    x[0, 3] = -x[0, 1]  # equal magnitudes of opposite signs
+    want = torch.tensor(np.stack([oscar_oracle(r, lam) for r in x.numpy()]))
+    # (The interior-point solver lands within about 2e-5 of the prox; ours is
+    # exact: kernel and reference agree to 1e-12 below.)
+    torch.testing.assert_close(attnkern.oscarmax(x, lam=lam), want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(attnkern.oscarmax(x, lam=lam, backend="reference"), want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 97, 1025])
+@pytest.mark.parametrize("lam", [0.001, 0.02, 0.5])
+def test_oscarmax_kernel_matches_the_reference(n, lam):
+    x = random_rows(n, rows=2, seed=15)
+    torch.testing.assert_close(attnkern.oscarmax(x, lam=lam), attnkern.oscarmax(x, lam=lam, backend="reference"),
+                               rtol=0, atol=1e-12)
+
+
+def test_only_fusedmax_is_shift_invariant():
+    x = random_rows(20, rows=3, seed=16)
+    torch.testing.assert_close(attnkern.fusedmax(x + 3.0, lam=0.2), attnkern.fusedmax(x, lam=0.2))
+    assert not torch.allclose(attnkern.oscarmax(x + 3.0, lam=0.05), attnkern.oscarmax(x, lam=0.05))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_minus_inf_entries_are_removed_and_bad_rows_stay_in_their_row(name):
+    op = getattr(attnkern, name)
+    x = random_rows(12, rows=5, seed=5)
+    x[0, [2, 3, 7]] = -math.inf
+    x[1] = -math.inf
+    x[2, 4] = math.nan
+    x[3, 0] = math.inf
+    p = op(x, lam=0.2)
+    keep = x[0] > -math.inf
+    torch.testing.assert_close(p[0, keep], op(x[0, keep], lam=0.2))
+    assert (p[0, ~keep] == 0).all() and (p[1] == 0).all()
+    assert p[2].isnan().all() and p[3].isnan().all() and not p[[0, 1, 4]].isnan().any()
+    torch.testing.assert_close(op(x, lam=0.2, backend="reference"), p, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradcheck_in_x_and_lam(name):
+    op = getattr(attnkern, name)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 4, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    lam = torch.tensor([[[0.05]], [[0.2]], [[0.6]]], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: op(a, dim=-1, lam=b), (x, lam), eps=1e-7)
+    assert torch.autograd.gradcheck(lambda a, b: op(a, dim=1, lam=b.view(3, 1, 1)), (x, lam),
+                                    eps=1e-7)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradients_match_the_reference_autograd(masked, name):
+    op = getattr(attnkern, name)
+    x = random_rows(40, rows=6, seed=7)
+    if masked:
+        x[:, [3, 4, 20]] = -math.inf
+        x[5] = -math.inf
+    lam = torch.tensor([0.0, 0.05, 0.1, 0.3, 1.0, 0.2], dtype=torch.float64).view(6, 1)
+    go = random_rows(40, rows=6, seed=8)
+    grads = []
+    for backend in ("cpu", "reference"):
+        xs, ls = x.clone().requires_grad_(), lam.clone().requires_grad_()
+        p = op(xs, lam=ls, backend=backend)
+        grads.append(torch.autograd.grad(p, (xs, ls), go))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_dtypes(dtype, tol, name):
+    op = getattr(attnkern, name)
+    x = random_rows(97, rows=3, seed=9)
+    want = op(x.to(dtype).double(), lam=0.15)
+    xs = x.to(dtype).requires_grad_()
+    p = op(xs, lam=0.15)
+    assert p.dtype == dtype
+    torch.testing.assert_close(p.double(), want, rtol=0, atol=tol)
+    go = random_rows(97, rows=3, seed=10)
+    (dx,) = torch.autograd.grad(p, xs, go.to(dtype))
+    x64 = x.to(dtype).double().requires_grad_()
+    (want_dx,) = torch.autograd.grad(op(x64, lam=0.15), x64, go.to(dtype).double())
+    assert dx.dtype == dtype
+    torch.testing.assert_close(dx.double(), want_dx, rtol=0, atol=tol * max(1.0, float(want_dx.abs().max())))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_any_dim_strides_empty_and_threads(name):
+    op = getattr(attnkern, name)
+    x = random_rows(5 * 7 * 11, rows=1, seed=11).view(5, 7, 11).transpose(0, 2)  # (11, 7, 5), not contiguous
+    for dim in (0, 1, 2, -1):
+        want = op(x.movedim(dim, -1).contiguous(), lam=0.1).movedim(-1, dim)
+        assert torch.equal(op(x, dim=dim, lam=0.1), want)
+    assert op(torch.zeros(0, 5), lam=0.1).shape == (0, 5)
+    assert op(torch.zeros(3, 0), lam=0.1).shape == (3, 0)
+    assert op(torch.tensor(2.0), lam=0.1) == 1.0
+    big = random_rows(300, rows=64, seed=12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(big, lam=0.1)
+        torch.set_num_threads(2)
+        assert torch.equal(op(big, lam=0.1), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_errors_name_the_argument(name):
+    op = getattr(attnkern, name)
+    x = torch.randn(2, 5)
+    with pytest.raises(ValueError, match="lam"):
+        op(x, lam=-0.1)
+    with pytest.raises(ValueError, match="lam"):
+        op(x, lam=torch.tensor([[0.1], [math.nan]]))
+    with pytest.raises(ValueError, match="lam"):
+        op(x, lam=torch.ones(3, 1))
+    with pytest.raises(NotImplementedError, match="CPU tensors only"):
+        op(x.to("meta"), lam=0.1)
+    with pytest.raises(NotImplementedError, match="CPU tensors only"):
+        op(x, lam=0.1, backend="cuda")
+    xs = x.double().requires_grad_()
+    with pytest.raises(NotImplementedError, match=f"{name}: double backward"):  # asked for at create_graph
+        torch.autograd.grad(op(xs, lam=0.1).pow(2).sum(), xs, create_graph=True)
+    with pytest.raises(NotImplementedError, match=f"{name}: forward-mode"):
+        with torch.autograd.forward_ad.dual_level():
+            op(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)), lam=0.1)
+    with pytest.raises(ValueError, match="lam must be finite"):  # the op checks it too
+        getattr(torch.ops.attnkern, f"{name}_fwd")(x, torch.tensor(-1.0), -1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_opcheck_and_compile(name):
+    op = getattr(attnkern, name)
+    x = random_rows(23, rows=3, seed=13).float()
+    lam = torch.tensor([[0.1], [0.0], [0.4]])
+    torch.library.opcheck(getattr(torch.ops.attnkern, f"{name}_fwd"), (x, lam, -1))
+    torch.library.opcheck(getattr(torch.ops.attnkern, f"{name}_bwd"), (x, torch.randn_like(x), lam, -1, True))
+
+    def f(a, b):
+        return op(a, lam=b)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    xs, ls = x.clone().requires_grad_(), lam.clone().requires_grad_()
+    out = compiled(xs, ls)
+    out.pow(2).sum().backward()
+    xe, le = x.clone().requires_grad_(), lam.clone().requires_grad_()
+    f(xe, le).pow(2).sum().backward()
+    assert torch.equal(out, f(x, lam)) and torch.equal(xs.grad, xe.grad) and torch.equal(ls.grad, le.grad)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_module(name):
+    lam = torch.nn.Parameter(torch.tensor(0.2))
+    m = getattr(attnkern.nn, name.capitalize())(dim=-1, lam=lam)
+    x = torch.randn(4, 10)
+    m(x).pow(2).sum().backward()
+    assert lam.grad is not None and "lam=tensor" in repr(m)
+    torch.testing.assert_close(m(x), getattr(reference, name)(x.double(), 0.2).float(), rtol=0, atol=1e-6)
