@@ -378,10 +378,10 @@ def _structured_function(name: str) -> type[torch.autograd.Function]:
     broadcasting), through attnkern::<name>_fwd / _bwd. First derivatives only:
     a backward that builds a graph (create_graph=True) or a forward-mode
     product is refused with an error naming the op."""
-    fwd = getattr(_ops, f"{name}_fwd")
-
     def forward(x: torch.Tensor, lam: torch.Tensor, dim: int) -> torch.Tensor:
-        return fwd(x, lam, dim)
+        # (Looked up per call: without the compiled extension the op does not
+        # exist, and importing attnkern must still work.)
+        return getattr(_ops, f"{name}_fwd")(x, lam, dim)
 
     def setup_context(ctx, inputs, output):
         x, lam, ctx.dim = inputs

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <utility>
 
 #include "attnkern/cpu_kernels.h"
 #include "attnkern/row_layout.h"
@@ -172,10 +173,12 @@ Tensor checked_lam(const Tensor& lam, const Tensor& x, int64_t dim, const char* 
 struct RowScratch {
   std::unique_ptr<double[]> buf;
   std::unique_ptr<int64_t[]> ibuf;
+  std::unique_ptr<std::pair<double, int64_t>[]> keyed;  // oscarmax's (|x|, index), sorted
   double *row, *xs, *y, *g, *gs, *dxs, *out, *block_sum;
   int64_t *pos, *order, *block_end;
   int64_t blocks = 0;
-  explicit RowScratch(int64_t n) : buf(new double[8 * n]), ibuf(new int64_t[3 * n]) {
+  explicit RowScratch(int64_t n)
+      : buf(new double[8 * n]), ibuf(new int64_t[3 * n]), keyed(new std::pair<double, int64_t>[n]) {
     double* b = buf.get();
     for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum}) {
       *a = b;
@@ -240,8 +243,14 @@ double Fusedmax::backward(RowScratch& s, int64_t m, double tau) {
 void oscar_prox(RowScratch& s, int64_t m, double lam) {
   const double* x = s.xs;
   int64_t* order = s.order;
-  for (int64_t i = 0; i < m; ++i) order[i] = i;
-  std::stable_sort(order, order + m, [x](int64_t a, int64_t b) { return std::abs(x[a]) > std::abs(x[b]); });
+  // Decreasing |x|, ties in index order (the result does not depend on it: tied
+  // magnitudes always pool when lam > 0, and are equal anyway when lam = 0).
+  auto* keyed = s.keyed.get();
+  for (int64_t i = 0; i < m; ++i) keyed[i] = {std::abs(x[i]), i};
+  std::sort(keyed, keyed + m, [](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (int64_t i = 0; i < m; ++i) order[i] = keyed[i].second;
   // Pool adjacent violators: blocks of a non-increasing fit to |x|_(k) - lam·(m-1-k).
   int64_t blocks = 0;
   for (int64_t k = 0; k < m; ++k) {
