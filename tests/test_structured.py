@@ -326,3 +326,26 @@ def test_module(name):
     m(x).pow(2).sum().backward()
     assert lam.grad is not None and "lam=tensor" in repr(m)
     torch.testing.assert_close(m(x), getattr(reference, name)(x.double(), 0.2).float(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rnn_attention_modules_take_them(name):
+    # attention = the normalizer over the scores, masked positions removed (so the
+    # real positions on either side of a masked run are neighbours for fusedmax).
+    g = torch.Generator().manual_seed(17)
+    att = attnkern.nn.LuongAttention(6, 6, normalizer=name, lam=0.2)
+    query, keys = torch.randn(3, 6, generator=g), torch.randn(3, 9, 6, generator=g, requires_grad=True)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, 3:5] = False
+    context, weights = att(query, keys, mask=mask)
+    scores = att.scores(query, keys).masked_fill(~mask, -math.inf)
+    torch.testing.assert_close(weights, getattr(attnkern, name)(scores, lam=0.2))
+    assert (weights[1, 3:5] == 0).all() and att.alpha is None and "lam=0.2" in repr(att)
+    context.sum().backward()
+    assert keys.grad is not None and torch.isfinite(keys.grad).all()
+    with pytest.raises(ValueError, match="lam must be"):
+        attnkern.nn.LuongAttention(6, 6, normalizer=name, lam=-1.0)
+    with pytest.raises(ValueError, match="takes lam"):
+        attnkern.nn.LuongAttention(6, 6, normalizer=name, alpha=1.5)
+    with pytest.raises(ValueError, match="lam is only used"):
+        attnkern.nn.LuongAttention(6, 6, normalizer="softmax", lam=0.2)

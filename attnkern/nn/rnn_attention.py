@@ -28,8 +28,10 @@ from attnkern import ops
 from attnkern.family import NORMALIZERS, acc_dtype
 from attnkern.validation import check_module_alpha, learnable_alpha_theta
 
-RNN_NORMALIZERS = NORMALIZERS
 MODES = ("learned", "uniform", "fixed")
+# The structured normalizers (row-wise, with a λ >= 0 instead of an α).
+STRUCTURED = ("fusedmax", "oscarmax")
+RNN_NORMALIZERS = NORMALIZERS + STRUCTURED
 
 
 def _positive_int(value, name: str) -> int:
@@ -51,9 +53,12 @@ def uniform_weights(mask: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tens
 class RNNAttention(nn.Module, abc.ABC):
     """Base class: normalization, masks and modes. Subclasses define `scores`.
 
-    normalizer: "softmax", "sparsemax", "entmax15" or "entmax" (with alpha).
+    normalizer: "softmax", "sparsemax", "entmax15", "entmax" (with alpha), or
+      the structured "fusedmax" and "oscarmax" (with lam, attnkern.fusedmax).
     alpha: for "entmax", a float > 0 (fixed) or "learnable": one α kept in
       (1, 2) as α = 1 + sigmoid(θ), starting at alpha_init.
+    lam: for "fusedmax" and "oscarmax", a float >= 0 (default 1.0) applied to
+      the scores as the attention kind computes them.
     mode: "learned", "uniform" or "fixed" (see the module docstring).
     backend: attnkern backend of the normalizer ("auto" runs the compiled
       kernel on CPU tensors; "reference" the float64 oracle).
@@ -63,9 +68,22 @@ class RNNAttention(nn.Module, abc.ABC):
     """
 
     def __init__(self, *, normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, mode: str = "learned",
-                 backend: str = "auto", device=None, dtype=None):
+                 backend: str = "auto", lam=None, device=None, dtype=None):
         super().__init__()
-        check_module_alpha(normalizer, alpha)
+        if normalizer in STRUCTURED:
+            if alpha is not None:
+                raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} with "
+                                 f"normalizer={normalizer!r} (it takes lam)")
+            lam = 1.0 if lam is None else lam
+            if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (math.isfinite(lam) and lam >= 0):
+                raise ValueError(f"lam must be a finite float >= 0, got {lam!r}")
+            self.lam = float(lam)
+        else:
+            check_module_alpha(normalizer, alpha)
+            if lam is not None:
+                raise ValueError(f"lam is only used with normalizer in {STRUCTURED}, got lam={lam!r} with "
+                                 f"normalizer={normalizer!r}")
+            self.lam = None
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if backend not in ops.BACKENDS:
@@ -81,7 +99,9 @@ class RNNAttention(nn.Module, abc.ABC):
     @property
     def alpha(self):
         """The α of the normalizer: 1 (softmax), 2 (sparsemax), 1.5, the fixed α,
-        or the learnable α as a 0-dim tensor."""
+        or the learnable α as a 0-dim tensor; None for the structured ones."""
+        if self.normalizer in STRUCTURED:
+            return None
         if self.alpha_theta is not None:
             return 1.0 + torch.sigmoid(self.alpha_theta)
         if self.fixed_alpha is not None:
@@ -107,6 +127,8 @@ class RNNAttention(nn.Module, abc.ABC):
             return ops.sparsemax(scores, dim=-1, backend=self.backend)
         if self.normalizer == "entmax15":
             return ops.entmax15(scores, dim=-1, backend=self.backend)
+        if self.normalizer in STRUCTURED:
+            return getattr(ops, self.normalizer)(scores, dim=-1, lam=self.lam, backend=self.backend)
         alpha = self.alpha
         if isinstance(alpha, torch.Tensor):
             alpha = alpha.to(acc_dtype(scores.dtype))
@@ -155,6 +177,8 @@ class RNNAttention(nn.Module, abc.ABC):
     def extra_repr(self) -> str:
         a = ", alpha=learnable" if self.alpha_theta is not None else (
             f", alpha={self.fixed_alpha}" if self.fixed_alpha is not None else "")
+        if self.lam is not None:
+            a = f", lam={self.lam}"
         return f"normalizer={self.normalizer}{a}, mode={self.mode}, backend={self.backend}"
 
 
