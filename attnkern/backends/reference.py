@@ -561,23 +561,17 @@ def _oscar_clusters(x: list[float], lam: float) -> list[tuple[list[int], float, 
     violators, from scratch: the kernels keep running sums instead)."""
     m = len(x)
     order = sorted(range(m), key=lambda i: -abs(x[i]))
+
+    def level(block):
+        return sum(abs(x[order[j]]) - lam * (m - 1 - j) for j in block) / len(block)
+
     blocks: list[list[int]] = []  # positions k in the sorted order
     for k in range(m):
         blocks.append([k])
-        while len(blocks) >= 2:
-            prev, cur = blocks[-2], blocks[-1]
-
-            def level(block):
-                return sum(abs(x[order[j]]) - lam * (m - 1 - j) for j in block) / len(block)
-
-            if level(prev) >= level(cur):
-                break
-            blocks[-2:] = [prev + cur]
-    out = []
-    for block in blocks:
-        level = sum(abs(x[order[j]]) - lam * (m - 1 - j) for j in block) / len(block)
-        out.append(([order[j] for j in block], level, sum(m - 1 - j for j in block) / len(block)))
-    return out
+        while len(blocks) >= 2 and level(blocks[-2]) < level(blocks[-1]):
+            blocks[-2:] = [blocks[-2] + blocks[-1]]
+    return [([order[j] for j in block], level(block), sum(m - 1 - j for j in block) / len(block))
+            for block in blocks]
 
 
 def _structured_rows(x: torch.Tensor, lam, dim: int, row_prox) -> torch.Tensor:
@@ -610,10 +604,12 @@ def _structured_rows(x: torch.Tensor, lam, dim: int, row_prox) -> torch.Tensor:
 def _tv_prox_row(xs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     segments = _tv_segments(xs.detach().tolist(), float(lam.detach()))
     pieces = []
+    def jump(lower, upper):  # sign(upper - lower), 0 when equal
+        return float((upper > lower) - (upper < lower))
+
     for j, (a, b, value) in enumerate(segments):
-        left = 0.0 if j == 0 else math.copysign(1.0, value - segments[j - 1][2]) * (value != segments[j - 1][2])
-        right = 0.0 if j == len(segments) - 1 else \
-            math.copysign(1.0, segments[j + 1][2] - value) * (value != segments[j + 1][2])
+        left = 0.0 if j == 0 else jump(segments[j - 1][2], value)
+        right = 0.0 if j == len(segments) - 1 else jump(value, segments[j + 1][2])
         size = b - a + 1
         pieces.append((xs[a:b + 1].mean() + lam * (right - left) / size).expand(size))
     return torch.cat(pieces)
