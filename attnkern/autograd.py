@@ -358,50 +358,61 @@ class EntmaxFunction(torch.autograd.Function):
         return dx, sum_to_size_fixed_order(dalpha, alpha.shape).to(alpha.dtype), None
 
 
+# Why each structured op stops at first derivatives (in its double-backward error).
+_NO_SECOND_ORDER = {
+    "fusedmax": "its first derivative is piecewise constant",
+    "oscarmax": "its first derivative is piecewise constant",
+    "crf_marginals": "it would need the chain's third cumulants",
+}
+
+
 def _structured_backward(ctx, grad: torch.Tensor, name: str):
-    """The backward of fusedmax / oscarmax (csrc/cpu/structured.cpp recomputes
-    the prox from x); first derivatives only."""
+    """The backward of a structured op (fusedmax, oscarmax: the kernel
+    recomputes the prox from x; crf_marginals: the messages from the unary
+    scores); first derivatives only."""
     if torch.is_grad_enabled():
-        raise NotImplementedError(f"attnkern.{name}: double backward is not implemented (its first "
-                                  "derivative is piecewise constant)")
-    x, lam = ctx.saved_tensors
-    want_lam = ctx.needs_input_grad[1]
-    dx, dlam = getattr(_ops, f"{name}_bwd")(x, grad, lam, ctx.dim, want_lam)
-    if not want_lam:
+        raise NotImplementedError(f"attnkern.{name}: double backward is not implemented ({_NO_SECOND_ORDER[name]})")
+    x, param = ctx.saved_tensors
+    want_param = ctx.needs_input_grad[1]
+    dx, dparam = getattr(_ops, f"{name}_bwd")(x, grad, param, ctx.dim, want_param)
+    if not want_param:
         return dx, None, None
-    return dx, sum_to_size_fixed_order(dlam, lam.shape).to(lam.dtype), None
+    return dx, sum_to_size_fixed_order(dparam, param.shape).to(param.dtype), None
 
 
 def _structured_function(name: str) -> type[torch.autograd.Function]:
-    """The autograd.Function of the structured normalizer `name` (fusedmax,
-    oscarmax) along `dim` with λ a tensor (one value per row after
-    broadcasting), through attnkern::<name>_fwd / _bwd. First derivatives only:
-    a backward that builds a graph (create_graph=True) or a forward-mode
-    product is refused with an error naming the op."""
-    def forward(x: torch.Tensor, lam: torch.Tensor, dim: int) -> torch.Tensor:
+    """The autograd.Function of the structured op `name` along `dim`, through
+    attnkern::<name>_fwd / _bwd, with a tensor parameter (fusedmax, oscarmax: λ,
+    one value per row after broadcasting; crf_marginals: the 2×2 pairwise
+    scores, shared or per row) whose per-row gradients the op returns. First
+    derivatives only: a backward that builds a graph (create_graph=True) or a
+    forward-mode product is refused with an error naming the op."""
+    def forward(x: torch.Tensor, param: torch.Tensor, dim: int) -> torch.Tensor:
         # (Looked up per call: without the compiled extension the op does not
         # exist, and importing attnkern must still work.)
-        return getattr(_ops, f"{name}_fwd")(x, lam, dim)
+        return getattr(_ops, f"{name}_fwd")(x, param, dim)
 
     def setup_context(ctx, inputs, output):
-        x, lam, ctx.dim = inputs
-        ctx.save_for_backward(x, lam)
+        x, param, ctx.dim = inputs
+        ctx.save_for_backward(x, param)
 
-    def jvp(ctx, x_t, lam_t, dim_t):
+    def jvp(ctx, x_t, param_t, dim_t):
         raise NotImplementedError(f"attnkern.{name}: forward-mode derivatives are not implemented")
 
     def backward(ctx, grad: torch.Tensor):
         return _structured_backward(ctx, grad, name)
 
     methods = {"forward": forward, "setup_context": setup_context, "jvp": jvp, "backward": backward}
-    return type(f"{name.capitalize()}Function", (torch.autograd.Function,),
-                {k: staticmethod(f) for k, f in methods.items()})
+    class_name = "".join(part.capitalize() for part in name.split("_")) + "Function"
+    return type(class_name, (torch.autograd.Function,), {k: staticmethod(f) for k, f in methods.items()})
 
 
 FusedmaxFunction = _structured_function("fusedmax")
 OscarmaxFunction = _structured_function("oscarmax")
+CrfMarginalsFunction = _structured_function("crf_marginals")
 fusedmax_apply = traceable_apply(FusedmaxFunction)
 oscarmax_apply = traceable_apply(OscarmaxFunction)
+crf_marginals_apply = traceable_apply(CrfMarginalsFunction)
 
 
 def sum_to_size_fixed_order(t: torch.Tensor, shape) -> torch.Tensor:

@@ -19,13 +19,15 @@ from attnkern.validation import (
     check_flag,
     check_k,
     check_n_iter,
+    check_pairwise,
     check_row_param,
     check_tensor,
 )
 
 BACKENDS = registry.BACKENDS
 
-__all__ = ["softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "fusedmax", "oscarmax", "BACKENDS",
+__all__ = ["softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "fusedmax", "oscarmax", "crf_marginals",
+           "BACKENDS",
            "DimensionError"]
 
 
@@ -218,3 +220,37 @@ def oscarmax(X: torch.Tensor, dim: int = -1, lam=1.0, *, backend: str = "auto") 
     derivatives: as fusedmax.
     """
     return _structured("oscarmax", X, dim, lam, backend)
+
+
+def crf_marginals(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str = "auto") -> torch.Tensor:
+    """The marginals P(z_i = 1) of a binary linear-chain CRF along `dim` (Kim,
+    Denton, Hoang & Rush, "Structured Attention Networks", 2017): over the
+    labelings z in {0, 1}^n of each row, p(z) ∝ exp(Σ_i unary_i z_i +
+    Σ_i pairwise[z_i, z_{i+1}]).
+
+    The result is in [0, 1] entry by entry and does not sum to one: it is a
+    vector of marginals, not a distribution over positions. pairwise: the 2×2
+    transition scores (rows: z_i, columns: z_{i+1}), shared (shape (2, 2)) or
+    one per row (unary's shape without `dim`, then (2, 2), or anything that
+    broadcasts to it); it may require grad, and -inf forbids a transition.
+    Entries of `unary` at -inf are removed first: the finite entries on either
+    side become neighbours, and they get 0 (a row of only -inf gives zeros). A
+    row with NaN or +inf gives NaN, as does a row that no labeling can score.
+    Exact forward-backward in log space (float64 inside). First derivatives
+    only (in unary and pairwise). Kernels: CPU; on other devices pass
+    backend="reference" (float64, slow: an oracle).
+    """
+    dim = _prologue(unary, dim)
+    if not _compiling():
+        pairwise = check_pairwise(pairwise, unary, dim)
+    if backend == "reference":
+        return reference.crf_marginals(unary, pairwise, dim)
+    if unary.device.type != "cpu" or backend not in ("auto", "cpu"):
+        raise NotImplementedError(
+            f"attnkern.crf_marginals has kernels for CPU tensors only (got backend={backend!r} on {unary.device}); "
+            "backend='reference' runs the float64 reference on any device")
+    if registry.choose(backend, unary) == "reference":  # auto without the compiled extension (warned)
+        return reference.crf_marginals(unary, pairwise, dim)
+    from attnkern.autograd import crf_marginals_apply
+
+    return crf_marginals_apply(unary, pairwise, dim)

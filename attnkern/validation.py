@@ -9,6 +9,7 @@ assert (torch._assert_async), which fails the next synchronising call.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 
@@ -120,6 +121,23 @@ def check_values(t: torch.Tensor, name: str, lower: float | None = 0.0, strict: 
                              + (" and NaN" if bool(torch.isnan(t).any()) else ""))
 
 
+def _real_tensor(value, x: torch.Tensor, name: str, accepted: str) -> torch.Tensor:
+    """A tensor argument (a torch.Tensor or numpy array) as a floating-point
+    tensor on x's device: integer tensors become floating point (no gradient to
+    keep); bool, complex, other types and other devices are refused."""
+    if isinstance(value, np.ndarray):
+        value = torch.as_tensor(value, device=x.device)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name} must be a real tensor, got {value.dtype}")
+    if not value.is_floating_point():
+        value = value.to(acc_dtype(x.dtype))
+    if value.device != x.device:
+        raise ValueError(f"{name} is on {value.device} but the input is on {x.device}")
+    return value
+
+
 def check_row_param(value, x: torch.Tensor, dim: int, name: str = "alpha", lower: float | None = 0.0,
                     strict: bool = True) -> torch.Tensor | float:
     """A per-row parameter of a row-wise op (α, the budget): a real number
@@ -131,16 +149,7 @@ def check_row_param(value, x: torch.Tensor, dim: int, name: str = "alpha", lower
         raise TypeError(f"{name} must be a float or a tensor, got bool")
     if isinstance(value, numbers.Real):
         return check_real(value, name, lower, strict)
-    if isinstance(value, np.ndarray):
-        value = torch.as_tensor(value, device=x.device)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a float or a torch.Tensor, got {type(value).__name__}")
-    if value.dtype == torch.bool or value.is_complex():
-        raise TypeError(f"{name} must be a real tensor, got {value.dtype}")
-    if not value.is_floating_point():  # an integer tensor, e.g. torch.tensor(2): no gradient to keep
-        value = value.to(acc_dtype(x.dtype))
-    if value.device != x.device:
-        raise ValueError(f"{name} is on {value.device} but the input is on {x.device}")
+    value = _real_tensor(value, x, name, "a float or a torch.Tensor")
     row_shape = list(x.shape)
     if row_shape:
         row_shape[dim] = 1
@@ -148,6 +157,23 @@ def check_row_param(value, x: torch.Tensor, dim: int, name: str = "alpha", lower
         raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to the row shape "
                          f"{tuple(row_shape)} (the input's shape with size 1 along dim={dim})")
     check_values(value, name, lower, strict)
+    return value
+
+
+def check_pairwise(value, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """crf_marginals' transition scores: a floating-point tensor (or numpy
+    array) on x's device of shape (2, 2), or broadcastable to x's shape without
+    dim followed by (2, 2) (one 2×2 per row); no NaN or +inf (-inf forbids a
+    transition). Integer tensors become floating point."""
+    value = _real_tensor(value, x, "pairwise", "a torch.Tensor")
+    target = [s for d, s in enumerate(x.shape) if d != dim] + [2, 2]
+    if value.dim() < 2 or tuple(value.shape[-2:]) != (2, 2) or not broadcasts_to(value.shape, target):
+        raise ValueError(f"pairwise of shape {tuple(value.shape)} must be (2, 2) or broadcast to {tuple(target)} "
+                         f"(the unary scores' shape without dim={dim}, then 2×2)")
+    if value.numel() and value.device.type == "cpu":
+        with torch.no_grad():
+            if any_true(value.isnan() | (value == math.inf)):
+                raise ValueError("pairwise must not hold NaN or +inf (-inf forbids a transition)")
     return value
 
 

@@ -2,7 +2,8 @@
 
 fusedmax and oscarmax are sparsemax after an exact prox (a sequential sweep
 per row; oscarmax also sorts the row), so their cost is measured against
-sparsemax's, which does the same threshold work: forward and
+sparsemax's, which does the same threshold work; crf_marginals (a
+forward-backward per row) against torch.softmax's. Forward and
 forward+backward at [4096, 1024] float32, interleaved rounds, 1 and 2
 threads. Writes <out>.json and <out>.md in the format of benchmarks/ratios.py
 (docs.py renders them into docs/benchmarks.md).
@@ -23,6 +24,8 @@ SHAPE = (4096, 1024)
 # Targets (issue: structured attention): fwd+bwd at most these multiples of sparsemax's.
 TARGET_VS_SPARSEMAX = {"fusedmax": 3.0, "oscarmax": 6.0}
 LAMS = (0.1, 1.0)
+# crf_marginals: fwd+bwd at most this multiple of torch.softmax's.
+CRF_TARGET_VS_SOFTMAX = 4.0
 
 
 def cases(rounds):
@@ -50,6 +53,17 @@ def cases(rounds):
             yield label, f"{name} λ={lam}", "fwd", None, interleaved(fwd(op), fwd(attnkern.sparsemax), rounds)
             yield (label, f"{name} λ={lam}", "fwd+bwd", target,
                    interleaved(fwdbwd(op), fwdbwd(attnkern.sparsemax), rounds))
+    pairwise = torch.tensor([[0.5, -1.0], [-0.5, 1.0]])
+
+    def crf(t):
+        return attnkern.crf_marginals(t, pairwise)
+
+    def softmax(t):
+        return torch.softmax(t, -1)
+
+    label = f"row-wise {list(SHAPE)}, vs torch.softmax"
+    yield label, "crf_marginals", "fwd", None, interleaved(fwd(crf), fwd(softmax), rounds)
+    yield label, "crf_marginals", "fwd+bwd", CRF_TARGET_VS_SOFTMAX, interleaved(fwdbwd(crf), fwdbwd(softmax), rounds)
 
 
 def main() -> None:
@@ -58,8 +72,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", required=True, help="prefix of the .md and .json written")
     args = ap.parse_args()
-    note = ("Ratio = the structured normalizer's time / attnkern.sparsemax's on the same rows (the \"baseline "
-            "ms\" column holds sparsemax's time)")
+    note = ("Ratio = the structured normalizer's time / attnkern.sparsemax's on the same rows (crf_marginals: / "
+            "torch.softmax's; the \"baseline ms\" column holds the baseline's time)")
     record_float32_cases("benchmarks/structured.py", note, args.threads, lambda: cases(args.rounds), Path(args.out))
 
 

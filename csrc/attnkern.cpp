@@ -74,6 +74,14 @@ TORCH_LIBRARY(attnkern, m) {
   m.def("fusedmax_bwd(Tensor x, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
   m.def("oscarmax_fwd(Tensor x, Tensor lam, int dim) -> Tensor");
   m.def("oscarmax_bwd(Tensor x, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
+  // crf_marginals_fwd(unary, pairwise, dim) -> P(z_i = 1) of the binary
+  //     linear-chain CRF along dim (pairwise: (2, 2), or one 2×2 per row:
+  //     unary's shape without dim, then (2, 2)); -inf entries removed
+  // crf_marginals_bwd(unary, grad, pairwise, dim, pairwise_grad) -> (grad_unary,
+  //     grad_pairwise per row (float64, rows then 2×2) or empty)
+  m.def("crf_marginals_fwd(Tensor unary, Tensor pairwise, int dim) -> Tensor");
+  m.def("crf_marginals_bwd(Tensor unary, Tensor grad, Tensor pairwise, int dim, bool pairwise_grad) -> "
+        "(Tensor, Tensor)");
 
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, str normalizer, "
         "Tensor? alpha, float dropout_p=0., Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "

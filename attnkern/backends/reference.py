@@ -641,3 +641,62 @@ def oscarmax(x: torch.Tensor, lam, dim: int = -1) -> torch.Tensor:
     and lam: the clusters are found without a graph, then each nonzero one's
     magnitude is written as its mean |x| minus lam times its mean rank weight."""
     return _structured_rows(x, lam, dim, _oscar_prox_row)
+
+
+# --- linear-chain CRF marginals ---------------------------------------------------------------
+
+
+def _chain_log_partition(u: torch.Tensor, w: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """log Z of each row's binary chain over its finite entries: u (rows, n),
+    any value where `finite` is False; w (rows, 2, 2). A removed entry leaves
+    the messages as they were, so its finite neighbours are linked directly."""
+    rows, n = u.shape
+    messages = u.new_zeros(rows, 2)  # log-sums over the labelings so far, by the last label
+    started = torch.zeros(rows, dtype=torch.bool, device=u.device)
+    for i in range(n):
+        emit = torch.stack([torch.zeros_like(u[:, i]), u[:, i]], -1)
+        carried = _log_sum_exp(messages.unsqueeze(-1) + w, 1)  # over the previous label
+        step = emit + torch.where(started.unsqueeze(-1), carried, torch.zeros_like(carried))
+        messages = torch.where(finite[:, i:i + 1], step, messages)
+        started = started | finite[:, i]
+    return torch.where(started, _log_sum_exp(messages, -1), torch.zeros_like(messages[:, 0]))
+
+
+def _log_sum_exp(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """logsumexp whose value is -inf, with zero gradients (also second ones),
+    where every term is -inf (torch.logsumexp's gradient is NaN there)."""
+    top = t.detach().amax(dim, keepdim=True)
+    top = torch.where(top > -math.inf, top, torch.zeros_like(top))
+    total = torch.exp(t - top).sum(dim, keepdim=True)
+    some = total > 0
+    out = torch.where(some, top + torch.log(torch.where(some, total, torch.ones_like(total))),
+                      torch.full_like(total, -math.inf))
+    return out.squeeze(dim)
+
+
+def crf_marginals(unary: torch.Tensor, pairwise: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """P(z_i = 1) of the binary linear-chain CRF along dim (unary scores for
+    z_i = 1, pairwise 2×2 transition scores broadcast per row), -inf entries
+    removed. Computed as the gradient of log Z in the unary scores (the forward
+    algorithm in log space, differentiated by autograd; the kernels run
+    forward-backward instead), with a graph when derivatives are wanted, so
+    autograd differentiates it once more for the backward."""
+    if not unary.numel():
+        return torch.zeros_like(unary)
+    z = _rows_last(unary, dim)
+    n = z.shape[-1]
+    rows = z.reshape(-1, n).to(torch.float64)
+    w = pairwise.to(torch.float64).expand(*z.shape[:-1], 2, 2).reshape(-1, 2, 2)
+    finite = rows > -math.inf
+    bad = rows.isnan().any(-1) | (rows == math.inf).any(-1)
+    u = torch.where(finite & ~bad.unsqueeze(-1), rows, torch.zeros_like(rows))
+    graph = torch.is_grad_enabled() and (u.requires_grad or w.requires_grad)
+    with torch.enable_grad():
+        scores = u if u.requires_grad else u.detach().requires_grad_()
+        log_z = _chain_log_partition(scores, w, finite)
+        (mu,) = torch.autograd.grad(log_z.sum(), scores, create_graph=graph)
+    if not graph:
+        mu = mu.detach()
+    mu = torch.where((bad | (log_z.detach() == -math.inf)).unsqueeze(-1), torch.full_like(mu, math.nan), mu)
+    p = mu.reshape(z.shape)
+    return (p.movedim(-1, dim) if unary.dim() else p.reshape(())).to(unary.dtype)

@@ -3,10 +3,19 @@
 from attnkern.nn.attention import MultiheadAttention
 from attnkern.nn.bisect import BudgetBisect, NormmaxBisect, SparsemaxBisect
 from attnkern.nn.losses import Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss
-from attnkern.nn.normalizers import Entmax15, EntmaxAlpha, EntmaxBisect, Fusedmax, Oscarmax, Softmax, Sparsemax
+from attnkern.nn.normalizers import (
+    CrfMarginals,
+    Entmax15,
+    EntmaxAlpha,
+    EntmaxBisect,
+    Fusedmax,
+    Oscarmax,
+    Softmax,
+    Sparsemax,
+)
 from attnkern.nn.rnn_attention import AdditiveAttention, LuongAttention, RNNAttention, ScaledDotAttention
 
-__all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "Fusedmax", "Oscarmax",
+__all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "Fusedmax", "Oscarmax", "CrfMarginals",
            "MultiheadAttention",
            # attention for recurrent models
            "LuongAttention", "AdditiveAttention", "ScaledDotAttention", "RNNAttention",

@@ -159,6 +159,8 @@ TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
   m.impl("fusedmax_bwd", &Forward<&KernelTable::fusedmax_bwd>::call);
   m.impl("oscarmax_fwd", &Forward<&KernelTable::oscarmax_fwd>::call);
   m.impl("oscarmax_bwd", &Forward<&KernelTable::oscarmax_bwd>::call);
+  m.impl("crf_marginals_fwd", &Forward<&KernelTable::crf_marginals_fwd>::call);
+  m.impl("crf_marginals_bwd", &Forward<&KernelTable::crf_marginals_bwd>::call);
   m.impl("attention_fwd", &Forward<&KernelTable::attention_fwd>::call);
   m.impl("attention_bwd", &Forward<&KernelTable::attention_bwd>::call);
   m.impl("attention_dropout_mask", &Forward<&KernelTable::attention_dropout_mask>::call);

@@ -1,0 +1,272 @@
+"""attnkern.crf_marginals, the marginals of a binary linear-chain CRF: the CPU
+kernel (forward-backward in log space, the backward by tangents through a
+second pass) and the reference (autograd of log Z) against enumeration of all
+2^n labelings; gradients by gradcheck, against the reference's autograd and
+against the covariance of z computed by enumeration; masks, dtypes, dims,
+errors, opcheck and torch.compile."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnkern
+from attnkern import _extension
+
+pytestmark = pytest.mark.skipif(not _extension.LOADED, reason="attnkern._C did not load")
+
+
+def labelings(u: np.ndarray, w: np.ndarray):
+    """Every labeling of the row's finite entries with its probability: (z
+    (count, m) over the finite entries, p (count,), positions of the finite
+    entries)."""
+    pos = np.flatnonzero(u > -np.inf)
+    m = pos.size
+    z = np.array(list(itertools.product((0, 1), repeat=m)), dtype=np.int64).reshape(-1, m)
+    with np.errstate(invalid="ignore"):
+        score = z @ u[pos] + (w[z[:, :-1], z[:, 1:]].sum(1) if m > 1 else 0.0)
+    top = score.max()
+    weight = np.exp(score - top)
+    return z, weight / weight.sum(), pos
+
+
+def enumerated(u: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """P(z_i = 1) by enumeration (n <= 12), 0 at -inf entries."""
+    out = np.zeros_like(u)
+    if (u > -np.inf).any():
+        z, p, pos = labelings(u, w)
+        out[pos] = p @ z
+    return out
+
+
+def random_case(n, rows=4, scale=1.0, seed=0, per_row=False):
+    g = torch.Generator().manual_seed(seed + 31 * n)
+    u = scale * torch.randn(rows, n, generator=g, dtype=torch.float64)
+    w = scale * torch.randn(rows, 2, 2, generator=g, dtype=torch.float64) if per_row else \
+        scale * torch.randn(2, 2, generator=g, dtype=torch.float64)
+    return u, w
+
+
+def oracle(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    ws = w.expand(u.shape[0], 2, 2).numpy()
+    return torch.tensor(np.stack([enumerated(r, ws[i]) for i, r in enumerate(u.numpy())]))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("n", [1, 2, 5, 11])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_matches_enumeration(n, per_row, backend):
+    u, w = random_case(n, per_row=per_row)
+    mu = attnkern.crf_marginals(u, w, backend=backend)
+    torch.testing.assert_close(mu, oracle(u, w), rtol=0, atol=1e-12)
+
+
+def test_independent_labels_without_pairwise_scores():
+    # With W = 0 the labels are independent: μ = sigmoid(u), whatever the chain.
+    u, _ = random_case(40, seed=1)
+    torch.testing.assert_close(attnkern.crf_marginals(u, torch.zeros(2, 2, dtype=torch.float64)), torch.sigmoid(u),
+                               rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_forbidden_transitions(backend):
+    # W[1][1] = -inf: no two neighbouring ones (among the finite entries).
+    u, w = random_case(9, rows=3, seed=2)
+    w[1, 1] = -math.inf
+    u[1, 4] = -math.inf
+    mu = attnkern.crf_marginals(u, w, backend=backend)
+    torch.testing.assert_close(mu, oracle(u, w), rtol=0, atol=1e-12)
+    # Every transition forbidden: only a single entry has a labeling.
+    none = torch.full((2, 2), -math.inf, dtype=torch.float64)
+    out = attnkern.crf_marginals(torch.tensor([[0.3, 0.1], [0.3, -math.inf]], dtype=torch.float64), none,
+                                 backend=backend)
+    assert out[0].isnan().all()
+    torch.testing.assert_close(out[1], torch.tensor([torch.sigmoid(torch.tensor(0.3)).item(), 0.0],
+                                                    dtype=torch.float64))
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e4])
+def test_magnitudes(scale):
+    u, w = random_case(10, scale=scale, seed=3, per_row=True)
+    torch.testing.assert_close(attnkern.crf_marginals(u, w), oracle(u, w), rtol=0, atol=1e-12)
+
+
+def test_long_rows_match_the_reference():
+    u, w = random_case(1025, rows=2, seed=4, per_row=True)
+    u[0, 100:140] = -math.inf
+    torch.testing.assert_close(attnkern.crf_marginals(u, w), attnkern.crf_marginals(u, w, backend="reference"),
+                               rtol=0, atol=1e-11)
+
+
+def test_minus_inf_entries_are_removed_and_bad_rows_stay_in_their_row():
+    u, w = random_case(12, rows=5, seed=5)
+    u[0, [2, 3, 7]] = -math.inf
+    u[1] = -math.inf
+    u[2, 4] = math.nan
+    u[3, 0] = math.inf
+    mu = attnkern.crf_marginals(u, w)
+    keep = u[0] > -math.inf
+    torch.testing.assert_close(mu[0, keep], attnkern.crf_marginals(u[0, keep], w))
+    assert (mu[0, ~keep] == 0).all() and (mu[1] == 0).all()
+    assert mu[2].isnan().all() and mu[3].isnan().all() and not mu[[0, 1, 4]].isnan().any()
+    torch.testing.assert_close(attnkern.crf_marginals(u, w, backend="reference"), mu, equal_nan=True)
+    ug = u.clone().requires_grad_()
+    attnkern.crf_marginals(ug, w).sum().backward()
+    assert ug.grad[[2, 3]].isnan().all() and not ug.grad[[0, 1, 4]].isnan().any()
+    assert (ug.grad[0, ~keep] == 0).all() and (ug.grad[1] == 0).all()
+
+
+def test_gradient_is_the_covariance_of_the_labels():
+    """dμ/du is Cov(z) (the Hessian of log Z), and d(g·μ)/dW[a][b] is
+    Cov(g·z, #transitions a→b): both by enumeration, independent of either
+    implementation."""
+    u, w = random_case(8, rows=3, seed=6, per_row=True)
+    u[1, 2] = -math.inf
+    g = torch.randn(3, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    us, ws = u.clone().requires_grad_(), w.clone().requires_grad_()
+    du, dw = torch.autograd.grad(attnkern.crf_marginals(us, ws), (us, ws), g)
+    for r in range(3):
+        z, p, pos = labelings(u[r].numpy(), w[r].numpy())
+        gz = z @ g[r].numpy()[pos]
+        cov = (p[:, None] * z * gz[:, None]).sum(0) - (p @ z) * (p @ gz)
+        want = np.zeros(8)
+        want[pos] = cov
+        np.testing.assert_allclose(du[r].numpy(), want, rtol=0, atol=1e-12)
+        for a, b in itertools.product((0, 1), repeat=2):
+            count = ((z[:, :-1] == a) & (z[:, 1:] == b)).sum(1)
+            np.testing.assert_allclose(dw[r, a, b].item(), p @ (count * gz) - (p @ count) * (p @ gz), atol=1e-12)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_gradcheck(per_row):
+    g = torch.Generator().manual_seed(8)
+    u = torch.randn(3, 4, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    w_shape = (3, 7, 2, 2) if per_row else (2, 2)
+    w = torch.randn(*w_shape, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: attnkern.crf_marginals(a, b, dim=1), (u, w))
+    w_last = torch.randn(*((3, 4, 2, 2) if per_row else (2, 2)), generator=g, dtype=torch.float64,
+                         requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: attnkern.crf_marginals(a, b, dim=-1), (u, w_last))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradients_match_the_reference_autograd(masked):
+    u, w = random_case(40, rows=6, seed=9, per_row=True)
+    if masked:
+        u[:, [3, 4, 20]] = -math.inf
+        u[5] = -math.inf
+        w[2, 0, 1] = -math.inf
+    go = torch.randn(6, 40, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    grads = []
+    for backend in ("cpu", "reference"):
+        us, ws = u.clone().requires_grad_(), w.clone().requires_grad_()
+        grads.append(torch.autograd.grad(attnkern.crf_marginals(us, ws, backend=backend), (us, ws), go))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_dtypes(dtype, tol):
+    u, w = random_case(97, rows=3, seed=11)
+    want = attnkern.crf_marginals(u.to(dtype).double(), w)
+    us = u.to(dtype).requires_grad_()
+    ws = w.to(dtype).requires_grad_()
+    mu = attnkern.crf_marginals(us, ws)
+    assert mu.dtype == dtype
+    torch.testing.assert_close(mu.double(), want, rtol=0, atol=tol)
+    go = torch.randn(3, 97, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    du, dw = torch.autograd.grad(mu, (us, ws), go.to(dtype))
+    u64, w64 = u.to(dtype).double().requires_grad_(), w.to(dtype).double().requires_grad_()
+    want_du, want_dw = torch.autograd.grad(attnkern.crf_marginals(u64, w64), (u64, w64), go.to(dtype).double())
+    assert du.dtype == dtype and dw.dtype == dtype
+    torch.testing.assert_close(du.double(), want_du, rtol=0, atol=tol * max(1.0, float(want_du.abs().max())))
+    torch.testing.assert_close(dw.double(), want_dw, rtol=tol, atol=tol * max(1.0, float(want_dw.abs().max())))
+
+
+def test_any_dim_strides_empty_and_threads():
+    u = torch.randn(5 * 7 * 11, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    u = u.view(5, 7, 11).transpose(0, 2)  # (11, 7, 5), not contiguous
+    w = torch.tensor([[0.2, -0.5], [0.1, 0.7]], dtype=torch.float64)
+    for dim in (0, 1, 2, -1):
+        want = attnkern.crf_marginals(u.movedim(dim, -1).contiguous(), w).movedim(-1, dim)
+        assert torch.equal(attnkern.crf_marginals(u, w, dim=dim), want)
+    # One 2×2 per row, rows along dim 1: (11, 5) rows.
+    per_row = torch.randn(11, 5, 2, 2, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    got = attnkern.crf_marginals(u, per_row, dim=1)
+    assert torch.equal(got[3, :, 2], attnkern.crf_marginals(u[3, :, 2], per_row[3, 2]))
+    assert attnkern.crf_marginals(torch.zeros(0, 5), w).shape == (0, 5)
+    assert attnkern.crf_marginals(torch.zeros(3, 0), w).shape == (3, 0)
+    torch.testing.assert_close(attnkern.crf_marginals(torch.tensor(2.0), w), torch.sigmoid(torch.tensor(2.0)))
+    big, wb = random_case(300, rows=64, seed=15, per_row=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attnkern.crf_marginals(big, wb)
+        torch.set_num_threads(2)
+        assert torch.equal(attnkern.crf_marginals(big, wb), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_errors_name_the_argument():
+    u = torch.randn(2, 5)
+    w = torch.zeros(2, 2)
+    for bad in (torch.zeros(2), torch.zeros(3, 2), torch.zeros(3, 2, 2), torch.zeros(5, 2, 2)):
+        with pytest.raises(ValueError, match="pairwise of shape"):
+            attnkern.crf_marginals(u, bad)
+    with pytest.raises(ValueError, match="pairwise must not hold NaN"):
+        attnkern.crf_marginals(u, torch.tensor([[0.0, math.nan], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match="pairwise must not hold NaN"):
+        attnkern.crf_marginals(u, torch.tensor([[0.0, math.inf], [0.0, 0.0]]))
+    with pytest.raises(TypeError, match="pairwise"):
+        attnkern.crf_marginals(u, [[0.0, 0.0], [0.0, 0.0]])
+    with pytest.raises(NotImplementedError, match="CPU tensors only"):
+        attnkern.crf_marginals(u.to("meta"), w.to("meta"))
+    with pytest.raises(NotImplementedError, match="CPU tensors only"):
+        attnkern.crf_marginals(u, w, backend="cuda")
+    us = u.double().requires_grad_()
+    with pytest.raises(NotImplementedError, match="crf_marginals: double backward"):
+        torch.autograd.grad(attnkern.crf_marginals(us, w).pow(2).sum(), us, create_graph=True)
+    with pytest.raises(NotImplementedError, match="crf_marginals: forward-mode"):
+        with torch.autograd.forward_ad.dual_level():
+            attnkern.crf_marginals(torch.autograd.forward_ad.make_dual(u, torch.ones_like(u)), w)
+    # The op checks too.
+    with pytest.raises(ValueError, match="pairwise must not hold NaN"):
+        torch.ops.attnkern.crf_marginals_fwd(u, torch.full((2, 2), math.nan), -1)
+    with pytest.raises(ValueError, match="pairwise must have shape"):
+        torch.ops.attnkern.crf_marginals_fwd(u, torch.zeros(3, 2, 2), -1)
+
+
+def test_opcheck_and_compile():
+    u, w = random_case(23, rows=3, seed=16, per_row=True)
+    u, w = u.float(), w.float()
+    torch.library.opcheck(torch.ops.attnkern.crf_marginals_fwd, (u, w, -1))
+    torch.library.opcheck(torch.ops.attnkern.crf_marginals_bwd, (u, torch.randn_like(u), w, -1, True))
+    torch.library.opcheck(torch.ops.attnkern.crf_marginals_bwd, (u, torch.randn_like(u), w[0], -1, False))
+
+    def f(a, b):
+        return attnkern.crf_marginals(a, b)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    us, ws = u.clone().requires_grad_(), w.clone().requires_grad_()
+    out = compiled(us, ws)
+    out.pow(2).sum().backward()
+    ue, we = u.clone().requires_grad_(), w.clone().requires_grad_()
+    f(ue, we).pow(2).sum().backward()
+    assert torch.equal(out, f(u, w)) and torch.equal(us.grad, ue.grad) and torch.equal(ws.grad, we.grad)
+
+
+def test_module_learns_its_transition_scores():
+    m = attnkern.nn.CrfMarginals(dim=-1)
+    assert isinstance(m.pairwise, torch.nn.Parameter) and m.pairwise.shape == (2, 2)
+    u, _ = random_case(10, rows=4, seed=17)
+    u = u.float()
+    m(u).pow(2).sum().backward()
+    assert m.pairwise.grad is not None and m.pairwise.grad.abs().sum() > 0
+    with torch.no_grad():
+        m.pairwise.copy_(torch.tensor([[0.0, -1.0], [0.5, 2.0]]))
+    torch.testing.assert_close(m(u), oracle(u.double(), m.pairwise.detach().double()).float(), rtol=0, atol=1e-6)
