@@ -95,6 +95,34 @@ def test_magnitudes(scale):
     torch.testing.assert_close(attnkern.crf_marginals(u, w), oracle(u, w), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("reach", [199.0, 201.0, 2000.0])
+def test_either_side_of_the_linear_range(reach):
+    # The kernel rescales linear messages when W's spread plus max |u| is at
+    # most 200 and works in log space beyond; both must match enumeration.
+    u, w = random_case(10, rows=3, seed=18, per_row=True)
+    spread = w.amax((-2, -1)) - w.amin((-2, -1))
+    u = u / u.abs().amax(-1, keepdim=True) * (reach - spread).unsqueeze(-1)
+    u[:, 0] = torch.where(u[:, 0].abs() < 1, u[:, 0], u[:, 0].sign() * 0.5)
+    u[:, 1] = reach - spread  # the largest |u|
+    torch.testing.assert_close(attnkern.crf_marginals(u, w), oracle(u, w), rtol=0, atol=1e-12)
+    us, ws = u.clone().requires_grad_(), w.clone().requires_grad_()
+    g = torch.randn(3, 10, generator=torch.Generator().manual_seed(19), dtype=torch.float64)
+    got = torch.autograd.grad(attnkern.crf_marginals(us, ws), (us, ws), g)
+    want = torch.autograd.grad(attnkern.crf_marginals(us, ws, backend="reference"), (us, ws), g)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("level", [0.0, -150.0, 150.0])
+def test_long_rows_keep_their_messages_in_range(level):
+    # W = 0 and a constant u: the messages' sums grow or shrink by the same
+    # factor at each of 3000 entries, far past double's range unless rescaled.
+    u = torch.full((2, 3000), level, dtype=torch.float64)
+    u[1, ::7] = level + 3.0
+    got = attnkern.crf_marginals(u, torch.zeros(2, 2, dtype=torch.float64))
+    torch.testing.assert_close(got, torch.sigmoid(u), rtol=1e-12, atol=0)
+
+
 def test_long_rows_match_the_reference():
     u, w = random_case(1025, rows=2, seed=4, per_row=True)
     u[0, 100:140] = -math.inf

@@ -1,7 +1,8 @@
 // The marginals of a binary linear-chain CRF on the CPU (Kim, Denton, Hoang &
 // Rush, 2017): z in {0,1}^m over a row's m finite entries, scored
 // Σ_i u_i z_i + Σ_i W[z_i][z_{i+1}], and μ_i = P(z_i = 1) by forward-backward
-// in log space, in double; docs/algorithms.md, section 11.
+// in double (in log space, or with rescaled linear messages when the scores'
+// range allows); docs/algorithms.md, section 11.
 //
 // Entries at -inf take no part (the finite ones are neighbours in their order,
 // a removed one gets μ = 0); a row with NaN or +inf gives NaN, and so does a
@@ -10,8 +11,8 @@
 // The backward needs Jᵀg with J = ∂μ/∂u, the covariance of z, which is the
 // Hessian of log Z and so symmetric: Jᵀg = Jg is the derivative of μ along g,
 // computed exactly by carrying tangents through a second forward-backward
-// (each log-sum-exp's tangent is the softmax-weighted mean of its terms'
-// tangents). The same tangents give ∂(g·μ)/∂W = Σ_i d/dt of the pairwise
+// (each message's tangent is the weighted mean of its terms' tangents, the
+// weights being the terms' shares of the message, kept from the forward). The same tangents give ∂(g·μ)/∂W = Σ_i d/dt of the pairwise
 // marginals ξ_i(a, b), by the Hessian's symmetry between u and W.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
@@ -51,22 +52,23 @@ inline double share_of_second(double a, double b) {
 
 // Scratch of one row of n entries: the row as loaded, the gradient, the
 // output, the finite entries u and their gradients g (compacted), their
-// positions, and the log messages (forward fa, backward fb) with their
-// tangents (ta, tb), two states per entry. Not zeroed: every entry is
-// written before it is read.
+// positions and μ; then per label t = 0, 1: the forward and backward messages
+// (fwd, back), the label factors of the linear sweep (factor), the shares
+// (fshare, bshare) and the tangents (ta, tb). Labels in separate arrays keep
+// the element-wise passes vector loops. Not zeroed: every entry is written
+// before it is read.
 struct ChainScratch {
   std::unique_ptr<double[]> buf;
   std::unique_ptr<int64_t[]> pos;
-  double *row, *grad, *out, *u, *g, *fa, *fb, *ta, *tb;
-  explicit ChainScratch(int64_t n) : buf(new double[13 * n]), pos(new int64_t[n]) {
+  double *row, *grad, *out, *u, *g, *mu;
+  double *fwd[2], *back[2], *factor[2], *fshare[2], *bshare[2], *ta[2], *tb[2];
+  explicit ChainScratch(int64_t n) : buf(new double[20 * n]), pos(new int64_t[n]) {
     double* b = buf.get();
-    for (double** a : {&row, &grad, &out, &u, &g}) {
+    for (double** a : {&row, &grad, &out, &u, &g, &mu, &fwd[0], &fwd[1], &back[0], &back[1], &factor[0],
+                       &factor[1], &fshare[0], &fshare[1], &bshare[0], &bshare[1], &ta[0], &ta[1], &tb[0],
+                       &tb[1]}) {
       *a = b;
       b += n;
-    }
-    for (double** a : {&fa, &fb, &ta, &tb}) {
-      *a = b;
-      b += 2 * n;
     }
   }
 };
@@ -86,32 +88,131 @@ bool chain_entries(ChainScratch& s, int64_t n, int64_t& m) {
   return true;
 }
 
-// The log messages of the chain on s.u[0..m) with transition scores w (2×2,
-// row-major, w[2a + b] for z_i = a, z_{i+1} = b): fa[2i + t] is the log-sum
-// over labelings of entries 0..i with z_i = t, fb[2i + s] over entries
-// i+1..m-1 given z_i = s. Returns log Z.
-double chain_messages(ChainScratch& s, int64_t m, const double* w) {
-  const double* u = s.u;
-  double *fa = s.fa, *fb = s.fb;
-  fa[0] = 0.0;
-  fa[1] = u[0];
-  for (int64_t i = 1; i < m; ++i) {
-    for (int t = 0; t < 2; ++t) {
-      fa[2 * i + t] = (t ? u[i] : 0.0) + log_add(fa[2 * i - 2] + w[t], fa[2 * i - 1] + w[2 + t]);
-    }
+// Forward-backward on s.u[0..m) (m >= 1) with transition scores w (2×2,
+// row-major: w[2a + b] for z_i = a, z_{i+1} = b). Writes μ and, when `shares`
+// (the backward needs them), fshare[t][i] (i >= 1), the share of z_{i-1} = 1
+// among the labelings of entries 0..i with z_i = t, which is
+// P(z_{i-1} = 1 | z_i = t), and bshare[a][i] (i <= m - 2), the share of
+// z_{i+1} = 1 among the labelings of entries i+1..m-1 given z_i = a. Returns
+// false when no labeling has a score.
+//
+// Two sweeps compute the same quantities. The log-space one works for any
+// scores. The linear one (one exp per entry instead of nine transcendental
+// calls, only multiply-adds on the recurrences, the divisions in vector
+// passes after them) is used when every W is finite and the spread of W plus
+// max |u| is at most kLinearRange: a message then keeps each label at no less
+// than 2^-201·e^-kLinearRange of its pair's previous sum, and pairs are
+// rescaled by exact powers of two into [2^-200, 2^200], so every product the
+// sweeps form stays a normal double.
+constexpr double kLinearRange = 200.0;
+constexpr double kPairCeiling = 0x1p200, kPairFloor = 0x1p-200;
+
+bool linear_range(const double* u, int64_t m, const double* w) {
+  double lo = w[0], hi = w[0];
+  for (int k = 1; k < 4; ++k) {
+    lo = std::min(lo, w[k]);
+    hi = std::max(hi, w[k]);
   }
-  fb[2 * m - 2] = fb[2 * m - 1] = 0.0;
-  for (int64_t i = m - 2; i >= 0; --i) {
-    for (int a = 0; a < 2; ++a) {
-      fb[2 * i + a] = log_add(w[2 * a] + fb[2 * i + 2], w[2 * a + 1] + u[i + 1] + fb[2 * i + 3]);
-    }
-  }
-  return log_add(fa[2 * m - 2], fa[2 * m - 1]);
+  if (!(lo > kNegInf)) return false;
+  double largest = 0.0;
+  for (int64_t i = 0; i < m; ++i) largest = std::max(largest, std::abs(u[i]));
+  return hi - lo + largest <= kLinearRange;
 }
 
-// μ_i from the messages: the share of z_i = 1 in the labelings' total weight.
-inline double marginal(const ChainScratch& s, int64_t i) {
-  return share_of_second(s.fa[2 * i] + s.fb[2 * i], s.fa[2 * i + 1] + s.fb[2 * i + 1]);
+// Scales a message pair back into [2^-200, 2^200] (exactly: a power of two);
+// a branch that is rarely taken, so the recurrence does not wait on it.
+inline void rescale_pair(double& a, double& b) {
+  const double sum = a + b;
+  if (sum > kPairCeiling || sum < kPairFloor) [[unlikely]] {
+    const double by = sum > kPairCeiling ? kPairFloor : kPairCeiling;
+    a *= by;
+    b *= by;
+  }
+}
+
+bool chain_sweeps_log(ChainScratch& s, int64_t m, const double* w) {
+  const double* u = s.u;
+  double *fa0 = s.fwd[0], *fa1 = s.fwd[1];  // log-sums over labelings of entries 0..i ending in z_i = t
+  fa0[0] = 0.0;
+  fa1[0] = u[0];
+  for (int64_t i = 1; i < m; ++i) {
+    for (int t = 0; t < 2; ++t) {
+      const double from0 = fa0[i - 1] + w[t], from1 = fa1[i - 1] + w[2 + t];
+      s.fshare[t][i] = share_of_second(from0, from1);
+      s.fwd[t][i] = (t ? u[i] : 0.0) + log_add(from0, from1);
+    }
+  }
+  if (!(log_add(fa0[m - 1], fa1[m - 1]) > kNegInf)) return false;
+  double back0 = 0.0, back1 = 0.0;  // log-sums over entries i+1..m-1 given z_i = 0, 1
+  s.mu[m - 1] = share_of_second(fa0[m - 1], fa1[m - 1]);
+  for (int64_t i = m - 2; i >= 0; --i) {
+    double next[2];
+    for (int a = 0; a < 2; ++a) {
+      const double to0 = w[2 * a] + back0, to1 = w[2 * a + 1] + u[i + 1] + back1;
+      s.bshare[a][i] = share_of_second(to0, to1);
+      next[a] = log_add(to0, to1);
+    }
+    back0 = next[0];
+    back1 = next[1];
+    s.mu[i] = share_of_second(fa0[i] + back0, fa1[i] + back1);
+  }
+  return true;
+}
+
+void chain_sweeps_linear(ChainScratch& s, int64_t m, const double* w, bool shares) {
+  using Vec = at::vec::Vectorized<double>;
+  const double* u = s.u;
+  const double top = std::max(std::max(w[0], w[1]), std::max(w[2], w[3]));
+  const double e00 = std::exp(w[0] - top), e01 = std::exp(w[1] - top), e10 = std::exp(w[2] - top),
+               e11 = std::exp(w[3] - top);
+  // Each entry's label factors (e^0, e^{u_i}) divided by the larger of the
+  // two: f0 = e^{-max(u_i, 0)}, f1 = e^{min(u_i, 0)}.
+  double *f0 = s.factor[0], *f1 = s.factor[1];
+  at::vec::map([](Vec v) { return at::vec::maximum(v, Vec(0.0)).neg().exp(); }, f0, u, m);
+  at::vec::map([](Vec v) { return at::vec::minimum(v, Vec(0.0)).exp(); }, f1, u, m);
+  double *fa0 = s.fwd[0], *fa1 = s.fwd[1], *bb0 = s.back[0], *bb1 = s.back[1];
+  // The forward and backward recurrences are independent: one loop runs both
+  // (entry k forward, entry m-1-k backward) so that their latencies overlap.
+  // Each carries its last pair in registers and multiplies it by coefficients
+  // formed off the dependency chain (one multiply-add deep).
+  double a0 = f0[0], a1 = f1[0], b0 = 1.0, b1 = 1.0;
+  fa0[0] = a0;
+  fa1[0] = a1;
+  bb0[m - 1] = bb1[m - 1] = 1.0;
+  for (int64_t i = 1, j = m - 2; i < m; ++i, --j) {
+    double n0 = (f0[i] * e00) * a0 + (f0[i] * e10) * a1, n1 = (f1[i] * e01) * a0 + (f1[i] * e11) * a1;
+    double p0 = (e00 * f0[j + 1]) * b0 + (e01 * f1[j + 1]) * b1, p1 = (e10 * f0[j + 1]) * b0 + (e11 * f1[j + 1]) * b1;
+    rescale_pair(n0, n1);
+    rescale_pair(p0, p1);
+    fa0[i] = a0 = n0;
+    fa1[i] = a1 = n1;
+    bb0[j] = b0 = p0;
+    bb1[j] = b1 = p1;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const double one = fa1[i] * bb1[i];
+    s.mu[i] = one / (fa0[i] * bb0[i] + one);
+  }
+  if (!shares) return;
+  double *fs0 = s.fshare[0], *fs1 = s.fshare[1], *bs0 = s.bshare[0], *bs1 = s.bshare[1];
+  for (int64_t i = 1; i < m; ++i) {
+    const double from1_to0 = fa1[i - 1] * e10, from1_to1 = fa1[i - 1] * e11;
+    fs0[i] = from1_to0 / (fa0[i - 1] * e00 + from1_to0);
+    fs1[i] = from1_to1 / (fa0[i - 1] * e01 + from1_to1);
+  }
+  for (int64_t i = 0; i + 1 < m; ++i) {
+    const double to0 = f0[i + 1] * bb0[i + 1], to1 = f1[i + 1] * bb1[i + 1];
+    bs0[i] = e01 * to1 / (e00 * to0 + e01 * to1);
+    bs1[i] = e11 * to1 / (e10 * to0 + e11 * to1);
+  }
+}
+
+bool chain_sweeps(ChainScratch& s, int64_t m, const double* w, bool shares) {
+  if (linear_range(s.u, m, w)) {
+    chain_sweeps_linear(s, m, w, shares);
+    return true;
+  }
+  return chain_sweeps_log(s, m, w);
 }
 
 // Per-row W in double, checked: -inf forbids a transition; NaN and +inf are
@@ -155,8 +256,8 @@ void crf_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) {
       } else {
         std::fill(s.out, s.out + n, 0.0);
         if (m > 0) {
-          const bool feasible = chain_messages(s, m, wp + 4 * r) > kNegInf;
-          for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = feasible ? marginal(s, i) : nan;
+          const bool feasible = chain_sweeps(s, m, wp + 4 * r, /*shares=*/false);
+          for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = feasible ? s.mu[i] : nan;
         }
       }
       lay.store(s.out, op + base);
@@ -178,42 +279,46 @@ Tensor crf_marginals_fwd(const Tensor& x_in, const Tensor& pairwise, int64_t dim
   return out;
 }
 
-// The backward of one feasible row of m >= 1 entries whose messages are in s
-// (log Z given), with the incoming gradient compacted in s.g: du into s.out's
-// places, and Σ_i dξ_i(a, b) added into dw (2×2) when it is not null.
-void chain_backward(ChainScratch& s, int64_t m, const double* w, double log_z, double* dw) {
-  const double *u = s.u, *g = s.g, *fa = s.fa, *fb = s.fb;
-  double *ta = s.ta, *tb = s.tb;
-  ta[0] = 0.0;
-  ta[1] = g[0];
-  for (int64_t i = 1; i < m; ++i) {
-    for (int t = 0; t < 2; ++t) {
-      const double share = share_of_second(fa[2 * i - 2] + w[t], fa[2 * i - 1] + w[2 + t]);
-      ta[2 * i + t] = (t ? g[i] : 0.0) + (1.0 - share) * ta[2 * i - 2] + share * ta[2 * i - 1];
-    }
-  }
-  tb[2 * m - 2] = tb[2 * m - 1] = 0.0;
-  for (int64_t i = m - 2; i >= 0; --i) {
-    for (int a = 0; a < 2; ++a) {
-      const double share = share_of_second(w[2 * a] + fb[2 * i + 2], w[2 * a + 1] + u[i + 1] + fb[2 * i + 3]);
-      tb[2 * i + a] = (1.0 - share) * tb[2 * i + 2] + share * (g[i + 1] + tb[2 * i + 3]);
-    }
+// The backward of one row after chain_sweeps with shares (feasible, m >= 1),
+// with the incoming gradient compacted in s.g: du into s.out's places, and
+// Σ_i dξ_i(a, b) added into dw (2×2) when it is not null. The tangent of each
+// message along g is the share-weighted mean of its terms' tangents; the
+// pairwise marginal is ξ_i(a, b) = P(z_{i+1} = b)·P(z_i = a | z_{i+1} = b).
+void chain_backward(ChainScratch& s, int64_t m, double* dw) {
+  const double *g = s.g, *mu = s.mu, *fs0 = s.fshare[0], *fs1 = s.fshare[1], *bs0 = s.bshare[0],
+               *bs1 = s.bshare[1];
+  double *ta0 = s.ta[0], *ta1 = s.ta[1], *tb0 = s.tb[0], *tb1 = s.tb[1];
+  // Forward tangents at entry i and backward ones at entry j = m-1-i in one
+  // loop (independent recurrences), the last of each carried in registers.
+  double t0 = 0.0, t1 = g[0], r0 = 0.0, r1 = 0.0;
+  ta0[0] = t0;
+  ta1[0] = t1;
+  tb0[m - 1] = tb1[m - 1] = 0.0;
+  for (int64_t i = 1, j = m - 2; i < m; ++i, --j) {
+    const double step = t1 - t0;
+    t1 = g[i] + t0 + fs1[i] * step;
+    t0 = t0 + fs0[i] * step;
+    ta0[i] = t0;
+    ta1[i] = t1;
+    const double back_step = g[j + 1] + r1 - r0;
+    r1 = r0 + bs1[j] * back_step;
+    r0 = r0 + bs0[j] * back_step;
+    tb0[j] = r0;
+    tb1[j] = r1;
   }
   double log_z_tangent = 0.0;  // d log Z along g = g·μ
   for (int64_t i = 0; i < m; ++i) {
-    const double mu = marginal(s, i);
-    log_z_tangent += g[i] * mu;
-    s.out[s.pos[i]] = mu * (1.0 - mu) * (ta[2 * i + 1] + tb[2 * i + 1] - ta[2 * i] - tb[2 * i]);
+    log_z_tangent += g[i] * mu[i];
+    s.out[s.pos[i]] = mu[i] * (1.0 - mu[i]) * (ta1[i] + tb1[i] - ta0[i] - tb0[i]);
   }
   if (!dw) return;
   for (int64_t i = 0; i + 1 < m; ++i) {
-    for (int a = 0; a < 2; ++a) {
-      for (int b = 0; b < 2; ++b) {
-        const double log_xi = fa[2 * i + a] + w[2 * a + b] + (b ? u[i + 1] : 0.0) + fb[2 * i + 2 + b] - log_z;
-        if (log_xi == kNegInf) continue;
-        const double tangent = ta[2 * i + a] + (b ? g[i + 1] : 0.0) + tb[2 * i + 2 + b] - log_z_tangent;
-        dw[2 * a + b] += std::exp(log_xi) * tangent;
-      }
+    for (int b = 0; b < 2; ++b) {
+      const double next = b ? mu[i + 1] : 1.0 - mu[i + 1];
+      const double from1 = s.fshare[b][i + 1];
+      const double rest = (b ? g[i + 1] : 0.0) + s.tb[b][i + 1] - log_z_tangent;
+      dw[b] += next * (1.0 - from1) * (ta0[i] + rest);
+      dw[2 + b] += next * from1 * (ta1[i] + rest);
     }
   }
 }
@@ -241,11 +346,10 @@ void crf_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor& 
       if (!nan_row) {
         std::fill(s.out, s.out + n, 0.0);
         if (m > 0) {
-          const double log_z = chain_messages(s, m, wp + 4 * r);
-          nan_row = !(log_z > kNegInf);
+          nan_row = !chain_sweeps(s, m, wp + 4 * r, /*shares=*/true);
           if (!nan_row) {
             for (int64_t i = 0; i < m; ++i) s.g[i] = s.grad[s.pos[i]];
-            chain_backward(s, m, wp + 4 * r, log_z, dw_row);
+            chain_backward(s, m, dw_row);
           }
         }
       }
