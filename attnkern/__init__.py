@@ -23,7 +23,17 @@ from attnkern.losses import (
 from attnkern.nn.bisect import BudgetBisect, NormmaxBisect, SparsemaxBisect
 from attnkern.nn.losses import Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss
 from attnkern.nn.normalizers import Entmax15, EntmaxBisect, Sparsemax
-from attnkern.ops import crf_marginals, entmax, entmax15, entmax_bisect, fusedmax, oscarmax, softmax, sparsemax
+from attnkern.ops import (
+    crf_marginals,
+    entmax,
+    entmax15,
+    entmax_bisect,
+    fusedmax,
+    oscarmax,
+    softmax,
+    sparsemap_chain,
+    sparsemax,
+)
 from attnkern.varlen import attention_varlen
 
 __version__ = "0.1.0"
@@ -39,7 +49,7 @@ ENTMAX_COMPAT = (
 
 __all__ = [
     "softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "fusedmax", "oscarmax", "crf_marginals",
-    "attention", "attention_varlen", "nn",
+    "sparsemap_chain", "attention", "attention_varlen", "nn",
     "__version__",
     # entmax-package compatibility
     "sparsemax_bisect", "normmax_bisect", "budget_bisect",

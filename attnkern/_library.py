@@ -52,18 +52,20 @@ def _register() -> None:
                 return _like(x), _alpha_rows_like(x, dim).to(torch.float64)
             return _like(x), x.new_empty((0,), dtype=torch.float64)
 
-    @torch.library.register_fake("attnkern::crf_marginals_fwd")
-    def _crf_fwd(unary, pairwise, dim):
-        return _like(unary)
+    for name in ("crf_marginals", "sparsemap_chain"):
 
-    @torch.library.register_fake("attnkern::crf_marginals_bwd")
-    def _crf_bwd(unary, grad, pairwise, dim, pairwise_grad):
-        if not pairwise_grad:
-            return _like(unary), unary.new_empty((0,), dtype=torch.float64)
-        rows = list(unary.shape)
-        if rows:
-            del rows[dim]
-        return _like(unary), unary.new_empty(rows + [2, 2], dtype=torch.float64)
+        @torch.library.register_fake(f"attnkern::{name}_fwd")
+        def _chain_fwd(unary, pairwise, dim):
+            return _like(unary)
+
+        @torch.library.register_fake(f"attnkern::{name}_bwd")
+        def _chain_bwd(unary, grad, pairwise, dim, pairwise_grad):
+            if not pairwise_grad:
+                return _like(unary), unary.new_empty((0,), dtype=torch.float64)
+            rows = list(unary.shape)
+            if rows:
+                del rows[dim]
+            return _like(unary), unary.new_empty(rows + [2, 2], dtype=torch.float64)
 
     _register_compat()
 

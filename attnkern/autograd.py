@@ -363,13 +363,14 @@ _NO_SECOND_ORDER = {
     "fusedmax": "its first derivative is piecewise constant",
     "oscarmax": "its first derivative is piecewise constant",
     "crf_marginals": "it would need the chain's third cumulants",
+    "sparsemap_chain": "its first derivative is piecewise constant",
 }
 
 
 def _structured_backward(ctx, grad: torch.Tensor, name: str):
     """The backward of a structured op (fusedmax, oscarmax: the kernel
-    recomputes the prox from x; crf_marginals: the messages from the unary
-    scores); first derivatives only."""
+    recomputes the prox from x; crf_marginals, sparsemap_chain: the messages or
+    the active set from the unary scores); first derivatives only."""
     if torch.is_grad_enabled():
         raise NotImplementedError(f"attnkern.{name}: double backward is not implemented ({_NO_SECOND_ORDER[name]})")
     x, param = ctx.saved_tensors
@@ -383,8 +384,8 @@ def _structured_backward(ctx, grad: torch.Tensor, name: str):
 def _structured_function(name: str) -> type[torch.autograd.Function]:
     """The autograd.Function of the structured op `name` along `dim`, through
     attnkern::<name>_fwd / _bwd, with a tensor parameter (fusedmax, oscarmax: λ,
-    one value per row after broadcasting; crf_marginals: the 2×2 pairwise
-    scores, shared or per row) whose per-row gradients the op returns. First
+    one value per row after broadcasting; crf_marginals, sparsemap_chain: the
+    2×2 pairwise scores, shared or per row) whose per-row gradients the op returns. First
     derivatives only: a backward that builds a graph (create_graph=True) or a
     forward-mode product is refused with an error naming the op."""
     def forward(x: torch.Tensor, param: torch.Tensor, dim: int) -> torch.Tensor:
@@ -410,9 +411,11 @@ def _structured_function(name: str) -> type[torch.autograd.Function]:
 FusedmaxFunction = _structured_function("fusedmax")
 OscarmaxFunction = _structured_function("oscarmax")
 CrfMarginalsFunction = _structured_function("crf_marginals")
+SparsemapChainFunction = _structured_function("sparsemap_chain")
 fusedmax_apply = traceable_apply(FusedmaxFunction)
 oscarmax_apply = traceable_apply(OscarmaxFunction)
 crf_marginals_apply = traceable_apply(CrfMarginalsFunction)
+sparsemap_chain_apply = traceable_apply(SparsemapChainFunction)
 
 
 def sum_to_size_fixed_order(t: torch.Tensor, shape) -> torch.Tensor:

@@ -27,7 +27,7 @@ from attnkern.validation import (
 BACKENDS = registry.BACKENDS
 
 __all__ = ["softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "fusedmax", "oscarmax", "crf_marginals",
-           "BACKENDS",
+           "sparsemap_chain", "BACKENDS",
            "DimensionError"]
 
 
@@ -240,17 +240,42 @@ def crf_marginals(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str 
     only (in unary and pairwise). Kernels: CPU; on other devices pass
     backend="reference" (float64, slow: an oracle).
     """
+    return _chain("crf_marginals", unary, pairwise, dim, backend)
+
+
+def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str = "auto") -> torch.Tensor:
+    """SparseMAP over the binary linear chain of crf_marginals (Niculae,
+    Martins, Blondel & Cardie, 2018): the unary marginals μ of
+
+        argmax over the chain's marginal polytope of
+        Σ_i unary_i μ_i + Σ_i Σ_ab pairwise[a, b] μ_i(a, b) − ½ Σ_i μ_i²,
+
+    μ_i = P(z_i = 1) and μ_i(a, b) = P(z_i = a, z_{i+1} = b). The regulariser
+    is on P(z_i = 1) alone (the binary-variable form; the one-hot form, which
+    also counts (1 − μ_i)², is this one with unary (unary + 1)/2 and pairwise
+    pairwise/2). The solution is a sparse mixture of a few
+    labelings, so μ often holds exact 0s and 1s; with pairwise = 0 it is
+    clamp(unary, 0, 1). Arguments, masks and derivatives as crf_marginals;
+    solved exactly by the active-set method with Viterbi as the oracle.
+    """
+    return _chain("sparsemap_chain", unary, pairwise, dim, backend)
+
+
+def _chain(name: str, unary: torch.Tensor, pairwise, dim: int, backend: str) -> torch.Tensor:
+    """A binary linear-chain op (crf_marginals, sparsemap_chain) through its CPU
+    kernel or the reference; other devices only by the reference, when asked."""
     dim = _prologue(unary, dim)
     if not _compiling():
         pairwise = check_pairwise(pairwise, unary, dim)
+    oracle = getattr(reference, name)
     if backend == "reference":
-        return reference.crf_marginals(unary, pairwise, dim)
+        return oracle(unary, pairwise, dim)
     if unary.device.type != "cpu" or backend not in ("auto", "cpu"):
         raise NotImplementedError(
-            f"attnkern.crf_marginals has kernels for CPU tensors only (got backend={backend!r} on {unary.device}); "
+            f"attnkern.{name} has kernels for CPU tensors only (got backend={backend!r} on {unary.device}); "
             "backend='reference' runs the float64 reference on any device")
     if registry.choose(backend, unary) == "reference":  # auto without the compiled extension (warned)
-        return reference.crf_marginals(unary, pairwise, dim)
-    from attnkern.autograd import crf_marginals_apply
+        return oracle(unary, pairwise, dim)
+    from attnkern import autograd
 
-    return crf_marginals_apply(unary, pairwise, dim)
+    return getattr(autograd, f"{name}_apply")(unary, pairwise, dim)

@@ -3,7 +3,8 @@
 fusedmax and oscarmax are sparsemax after an exact prox (a sequential sweep
 per row; oscarmax also sorts the row), so their cost is measured against
 sparsemax's, which does the same threshold work; crf_marginals (a
-forward-backward per row) against torch.softmax's. Forward and
+forward-backward per row) and sparsemap_chain (an active set per row, on
+shorter rows) against torch.softmax's. Forward and
 forward+backward at [4096, 1024] float32, interleaved rounds, 1 and 2
 threads. Writes <out>.json and <out>.md in the format of benchmarks/ratios.py
 (docs.py renders them into docs/benchmarks.md).
@@ -26,19 +27,20 @@ TARGET_VS_SPARSEMAX = {"fusedmax": 3.0, "oscarmax": 6.0}
 LAMS = (0.1, 1.0)
 # crf_marginals: fwd+bwd at most this multiple of torch.softmax's.
 CRF_TARGET_VS_SOFTMAX = 4.0
+SPARSEMAP_SHAPE = (512, 128)
 
 
 def cases(rounds):
     x = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(1))
     g = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(2))
 
-    def fwd(fn):
+    def fwd(fn, x=x):
         def call():
             with torch.no_grad():
                 fn(x)
         return call
 
-    def fwdbwd(fn):
+    def fwdbwd(fn, x=x, g=g):
         def call():
             t = x.detach().requires_grad_(True)
             fn(t).backward(g)
@@ -64,6 +66,18 @@ def cases(rounds):
     label = f"row-wise {list(SHAPE)}, vs torch.softmax"
     yield label, "crf_marginals", "fwd", None, interleaved(fwd(crf), fwd(softmax), rounds)
     yield label, "crf_marginals", "fwd+bwd", CRF_TARGET_VS_SOFTMAX, interleaved(fwdbwd(crf), fwdbwd(softmax), rounds)
+    # SparseMAP's active set costs grow with the support (a KKT solve per step),
+    # so it is timed on shorter rows, without a target.
+    xs = torch.randn(*SPARSEMAP_SHAPE, generator=torch.Generator().manual_seed(3))
+    gs = torch.randn(*SPARSEMAP_SHAPE, generator=torch.Generator().manual_seed(4))
+
+    def sparsemap(t):
+        return attnkern.sparsemap_chain(t, pairwise)
+
+    label = f"row-wise {list(SPARSEMAP_SHAPE)}, vs torch.softmax"
+    yield label, "sparsemap_chain", "fwd", None, interleaved(fwd(sparsemap, xs), fwd(softmax, xs), rounds)
+    yield (label, "sparsemap_chain", "fwd+bwd", None,
+           interleaved(fwdbwd(sparsemap, xs, gs), fwdbwd(softmax, xs, gs), rounds))
 
 
 def main() -> None:
@@ -72,8 +86,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", required=True, help="prefix of the .md and .json written")
     args = ap.parse_args()
-    note = ("Ratio = the structured normalizer's time / attnkern.sparsemax's on the same rows (crf_marginals: / "
-            "torch.softmax's; the \"baseline ms\" column holds the baseline's time)")
+    note = ("Ratio = the structured normalizer's time / attnkern.sparsemax's on the same rows (crf_marginals, "
+            "sparsemap_chain: / torch.softmax's; the \"baseline ms\" column holds the baseline's time)")
     record_float32_cases("benchmarks/structured.py", note, args.threads, lambda: cases(args.rounds), Path(args.out))
 
 

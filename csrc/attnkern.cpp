@@ -82,6 +82,11 @@ TORCH_LIBRARY(attnkern, m) {
   m.def("crf_marginals_fwd(Tensor unary, Tensor pairwise, int dim) -> Tensor");
   m.def("crf_marginals_bwd(Tensor unary, Tensor grad, Tensor pairwise, int dim, bool pairwise_grad) -> "
         "(Tensor, Tensor)");
+  // sparsemap_chain_fwd / _bwd: the same arguments; SparseMAP's unary
+  //     marginals over the same chain (a sparse combination of labelings)
+  m.def("sparsemap_chain_fwd(Tensor unary, Tensor pairwise, int dim) -> Tensor");
+  m.def("sparsemap_chain_bwd(Tensor unary, Tensor grad, Tensor pairwise, int dim, bool pairwise_grad) -> "
+        "(Tensor, Tensor)");
 
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, str normalizer, "
         "Tensor? alpha, float dropout_p=0., Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "

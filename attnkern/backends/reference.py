@@ -700,3 +700,124 @@ def crf_marginals(unary: torch.Tensor, pairwise: torch.Tensor, dim: int = -1) ->
     mu = torch.where((bad | (log_z.detach() == -math.inf)).unsqueeze(-1), torch.full_like(mu, math.nan), mu)
     p = mu.reshape(z.shape)
     return (p.movedim(-1, dim) if unary.dim() else p.reshape(())).to(unary.dtype)
+
+
+# --- SparseMAP over the binary chain ----------------------------------------------------------
+
+
+def _chain_best_labeling(c: list[float], w: list[list[float]]) -> tuple[float, tuple[int, ...]]:
+    """The labeling z of the chain maximising Σ c_i z_i + Σ w[z_i][z_{i+1}] and
+    its value, by dynamic programming (ties to the smaller label)."""
+    best = [0.0, c[0]]
+    back = []
+    for ci in c[1:]:
+        step, choice = [], []
+        for t in (0, 1):
+            from0, from1 = best[0] + w[0][t], best[1] + w[1][t]
+            choice.append(1 if from1 > from0 else 0)
+            step.append(max(from0, from1) + (ci if t else 0.0))
+        back.append(choice)
+        best = step
+    z = [1 if best[1] > best[0] else 0]
+    for choice in reversed(back):
+        z.append(choice[z[-1]])
+    return max(best), tuple(reversed(z))
+
+
+def _chain_score(z, u: list[float], w: list[list[float]]) -> float:
+    return sum(ui for ui, zi in zip(u, z, strict=True) if zi) + sum(w[a][b] for a, b in zip(z, z[1:], strict=False))
+
+
+def _sparsemap_support(u: list[float], w: list[list[float]]) -> list[tuple[int, ...]] | None:
+    """The labelings in SparseMAP's solution for one row (None if no labeling is
+    feasible): conditional gradient steps towards Viterbi's most violating
+    labeling on the active set, with the restricted QP solved by a dense
+    least-squares KKT solve and labelings with nonpositive weight dropped, until
+    no labeling improves the objective. (The kernels keep the active set
+    affinely independent and step exactly; this search only has to find the
+    support, and the exact weights are then computed with a graph.)"""
+    value, z = _chain_best_labeling(u, w)
+    if value == -math.inf:
+        return None
+    support, xi = [z], [1.0]
+    scale = max([1.0] + [abs(v) for v in u] + [abs(v) for row in w for v in row if v > -math.inf])
+    tol = 1e-12 * (len(u) + 1) * scale
+    for _ in range(100 + 20 * len(u)):
+        mu = [sum(x * s[i] for x, s in zip(xi, support, strict=True)) for i in range(len(u))]
+        tau = sum(x * (_chain_score(s, u, w) - sum(m for m, si in zip(mu, s, strict=True) if si))
+                  for x, s in zip(xi, support, strict=True))
+        value, z = _chain_best_labeling([a - b for a, b in zip(u, mu, strict=True)], w)
+        if value <= tau + tol or z in support:
+            return support
+        support.append(z)
+        xi.append(0.0)
+        while True:  # the restricted QP by primal active-set steps
+            new = _sparsemap_weights(support, u, w)
+            neg = [(x / (x - y), j) for j, (x, y) in enumerate(zip(xi, new, strict=True)) if y < 0]
+            if not neg:
+                xi = new
+                break
+            step, j = min(neg)
+            xi = [x + step * (y - x) for x, y in zip(xi, new, strict=True)]
+            del support[j], xi[j]
+    raise RuntimeError("attnkern.sparsemap_chain (reference): the active set did not converge")
+
+
+def _sparsemap_weights(support, u, w) -> list[float]:
+    """The weights of the QP restricted to `support` without their sign
+    constraints: the KKT system [G 1; 1ᵀ 0][ξ; τ] = [θ; 1] by least squares."""
+    z = torch.tensor(support, dtype=torch.float64)
+    theta = torch.tensor([_chain_score(s, u, w) for s in support], dtype=torch.float64)
+    k = len(support)
+    kkt = torch.zeros(k + 1, k + 1, dtype=torch.float64)
+    kkt[:k, :k] = z @ z.T
+    kkt[:k, k] = kkt[k, :k] = 1.0
+    rhs = torch.cat([theta, torch.ones(1, dtype=torch.float64)])
+    return torch.linalg.lstsq(kkt, rhs.unsqueeze(-1), driver="gelsd").solution[:k, 0].tolist()
+
+
+def sparsemap_chain(unary: torch.Tensor, pairwise: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """SparseMAP's unary marginals over the binary chain (see attnkern.sparsemap_chain),
+    -inf entries removed. The support is found without a graph; the weights
+    on it are then the KKT solution written with torch.linalg.solve from the
+    labelings' scores θ_s = u·z_s + Σ W[a][b]·#ab(s), so autograd
+    differentiates it in unary and pairwise."""
+    if not unary.numel():
+        return torch.zeros_like(unary)
+    z = _rows_last(unary, dim)
+    n = z.shape[-1]
+    rows = z.reshape(-1, n).to(torch.float64)
+    w = pairwise.to(torch.float64).expand(*z.shape[:-1], 2, 2).reshape(-1, 2, 2)
+    out = []
+    for r in range(rows.shape[0]):
+        row = rows[r]
+        finite = row > -math.inf
+        if bool(row.isnan().any()) or bool((row == math.inf).any()):
+            out.append(torch.full_like(row, math.nan))
+            continue
+        if not bool(finite.any()):
+            out.append(torch.zeros_like(row))
+            continue
+        pos = finite.nonzero().squeeze(-1)
+        u = row[pos]
+        support = _sparsemap_support(u.detach().tolist(), w[r].detach().tolist())
+        if support is None:
+            out.append(torch.full_like(row, math.nan))
+            continue
+        labels = torch.tensor(support, dtype=torch.float64, device=row.device)  # (k, m)
+        transitions = torch.zeros(len(support), 2, 2, dtype=torch.float64, device=row.device)
+        for j, s in enumerate(support):
+            for a, b in zip(s, s[1:], strict=False):
+                transitions[j, a, b] += 1.0
+        # Forbidden transitions (-inf) never occur in the support: count them as 0.
+        w_used = torch.where(transitions.sum(0) > 0, w[r], torch.zeros_like(w[r]))
+        theta = labels @ u + (transitions * w_used).sum((-2, -1))
+        k = len(support)
+        kkt = torch.zeros(k + 1, k + 1, dtype=torch.float64, device=row.device)
+        kkt[:k, :k] = labels @ labels.T
+        kkt[:k, k] = kkt[k, :k] = 1.0
+        rhs = torch.cat([theta, torch.ones(1, dtype=torch.float64, device=row.device)])
+        xi = torch.linalg.solve(kkt, rhs)[:k]
+        out.append(torch.zeros_like(row).index_put((pos,), labels.T @ xi))
+    p = torch.stack(out).reshape(z.shape)
+    return (p.movedim(-1, dim) if unary.dim() else p.reshape(())).to(unary.dtype)

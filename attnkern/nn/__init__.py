@@ -11,11 +11,13 @@ from attnkern.nn.normalizers import (
     Fusedmax,
     Oscarmax,
     Softmax,
+    SparsemapChain,
     Sparsemax,
 )
 from attnkern.nn.rnn_attention import AdditiveAttention, LuongAttention, RNNAttention, ScaledDotAttention
 
-__all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "Fusedmax", "Oscarmax", "CrfMarginals",
+__all__ = ["Softmax", "Sparsemax", "Entmax15", "EntmaxBisect", "EntmaxAlpha", "Fusedmax", "Oscarmax",
+           "CrfMarginals", "SparsemapChain",
            "MultiheadAttention",
            # attention for recurrent models
            "LuongAttention", "AdditiveAttention", "ScaledDotAttention", "RNNAttention",

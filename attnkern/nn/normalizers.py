@@ -135,20 +135,32 @@ class Oscarmax(_Structured):
         return ops.oscarmax(X, dim=self.dim, lam=self.lam)
 
 
-class CrfMarginals(nn.Module):
-    """The marginals P(z_i = 1) of a binary linear-chain CRF along `dim`
-    (attnkern.crf_marginals), with its 2×2 transition scores a learnable
-    parameter, `pairwise` (rows: z_i, columns: z_{i+1}; zeros at the start, so
-    the labels begin independent). The output is a vector of marginals in
-    [0, 1], not a distribution."""
+class _Chain(nn.Module):
+    """A binary linear-chain op along `dim` with its 2×2 transition scores a
+    learnable parameter, `pairwise` (rows: z_i, columns: z_{i+1}; zeros at the
+    start, so the labels begin independent). The output is a vector of
+    marginals in [0, 1], not a distribution."""
 
     def __init__(self, dim: int = -1):
         super().__init__()
         self.dim = dim
         self.pairwise = nn.Parameter(torch.zeros(2, 2))
 
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class CrfMarginals(_Chain):
+    """The marginals P(z_i = 1) of a binary linear-chain CRF along `dim`
+    (attnkern.crf_marginals) with learnable transition scores."""
+
     def forward(self, unary: torch.Tensor) -> torch.Tensor:
         return ops.crf_marginals(unary, self.pairwise, dim=self.dim)
 
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}"
+
+class SparsemapChain(_Chain):
+    """SparseMAP's marginals over the binary chain along `dim`
+    (attnkern.sparsemap_chain) with learnable transition scores."""
+
+    def forward(self, unary: torch.Tensor) -> torch.Tensor:
+        return ops.sparsemap_chain(unary, self.pairwise, dim=self.dim)

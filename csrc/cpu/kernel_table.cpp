@@ -15,7 +15,7 @@ const KernelTable& kernel_table() {
     add_normmax_kernels(t);
     add_loss_kernels(t);
     add_structured_kernels(t);
-    add_crf_kernels(t);
+    add_chain_kernels(t);
     add_attention_kernels(t);
     return t;
   }();

@@ -161,6 +161,8 @@ TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
   m.impl("oscarmax_bwd", &Forward<&KernelTable::oscarmax_bwd>::call);
   m.impl("crf_marginals_fwd", &Forward<&KernelTable::crf_marginals_fwd>::call);
   m.impl("crf_marginals_bwd", &Forward<&KernelTable::crf_marginals_bwd>::call);
+  m.impl("sparsemap_chain_fwd", &Forward<&KernelTable::sparsemap_chain_fwd>::call);
+  m.impl("sparsemap_chain_bwd", &Forward<&KernelTable::sparsemap_chain_bwd>::call);
   m.impl("attention_fwd", &Forward<&KernelTable::attention_fwd>::call);
   m.impl("attention_bwd", &Forward<&KernelTable::attention_bwd>::call);
   m.impl("attention_dropout_mask", &Forward<&KernelTable::attention_dropout_mask>::call);

@@ -3,7 +3,7 @@
 // file, which is most of the compile time. setup.py checks that every
 // csrc/cpu/*.cpp is in exactly one bundle.
 #include "../budget.cpp"
-#include "../crf.cpp"
+#include "../chain.cpp"
 #include "../kernel_table.cpp"
 #include "../losses.cpp"
 #include "../normalizers.cpp"

@@ -47,10 +47,13 @@ struct KernelTable {
   Tensor (*oscarmax_fwd)(const Tensor& x, const Tensor& lam, int64_t dim);
   std::tuple<Tensor, Tensor> (*oscarmax_bwd)(const Tensor& x, const Tensor& grad, const Tensor& lam, int64_t dim,
                                              bool lam_grad);
-  // Linear-chain CRF marginals (csrc/cpu/crf.cpp).
+  // Binary linear-chain ops (csrc/cpu/chain.cpp): CRF marginals and SparseMAP.
   Tensor (*crf_marginals_fwd)(const Tensor& unary, const Tensor& pairwise, int64_t dim);
   std::tuple<Tensor, Tensor> (*crf_marginals_bwd)(const Tensor& unary, const Tensor& grad, const Tensor& pairwise,
                                                   int64_t dim, bool pairwise_grad);
+  Tensor (*sparsemap_chain_fwd)(const Tensor& unary, const Tensor& pairwise, int64_t dim);
+  std::tuple<Tensor, Tensor> (*sparsemap_chain_bwd)(const Tensor& unary, const Tensor& grad, const Tensor& pairwise,
+                                                    int64_t dim, bool pairwise_grad);
   // Fused attention (csrc/cpu/attention.cpp).
   std::tuple<Tensor, Tensor> (*attention_fwd)(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& mask,
                                               bool is_causal, double scale, c10::string_view normalizer,
@@ -85,7 +88,7 @@ void add_budget_kernels(KernelTable& t);
 void add_normmax_kernels(KernelTable& t);
 void add_loss_kernels(KernelTable& t);
 void add_structured_kernels(KernelTable& t);
-void add_crf_kernels(KernelTable& t);
+void add_chain_kernels(KernelTable& t);
 void add_attention_kernels(KernelTable& t);
 }  // namespace CPU_CAPABILITY
 #endif

@@ -1,8 +1,10 @@
-"""attnkern.crf_marginals, the marginals of a binary linear-chain CRF: the CPU
-kernel (forward-backward in log space, the backward by tangents through a
-second pass) and the reference (autograd of log Z) against enumeration of all
-2^n labelings; gradients by gradcheck, against the reference's autograd and
-against the covariance of z computed by enumeration; masks, dtypes, dims,
+"""The binary linear-chain ops. attnkern.crf_marginals, the marginals of a
+linear-chain CRF: the CPU kernel (forward-backward, the backward by tangents
+through a second pass) and the reference (autograd of log Z) against
+enumeration of all 2^n labelings; gradients against the covariance of z
+computed by enumeration. attnkern.sparsemap_chain: kernel and reference against
+the QP over the chain's marginal polytope solved by a generic solver. For both:
+gradcheck, gradients against the reference's autograd, masks, dtypes, dims,
 errors, opcheck and torch.compile."""
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import torch
 import attnkern
 from attnkern import _extension
 
+scipy_optimize = pytest.importorskip("scipy.optimize")
 pytestmark = pytest.mark.skipif(not _extension.LOADED, reason="attnkern._C did not load")
+
+NAMES = ["crf_marginals", "sparsemap_chain"]
 
 
 def labelings(u: np.ndarray, w: np.ndarray):
@@ -130,20 +135,22 @@ def test_long_rows_match_the_reference():
                                rtol=0, atol=1e-11)
 
 
-def test_minus_inf_entries_are_removed_and_bad_rows_stay_in_their_row():
+@pytest.mark.parametrize("name", NAMES)
+def test_minus_inf_entries_are_removed_and_bad_rows_stay_in_their_row(name):
+    op = getattr(attnkern, name)
     u, w = random_case(12, rows=5, seed=5)
     u[0, [2, 3, 7]] = -math.inf
     u[1] = -math.inf
     u[2, 4] = math.nan
     u[3, 0] = math.inf
-    mu = attnkern.crf_marginals(u, w)
+    mu = op(u, w)
     keep = u[0] > -math.inf
-    torch.testing.assert_close(mu[0, keep], attnkern.crf_marginals(u[0, keep], w))
+    torch.testing.assert_close(mu[0, keep], op(u[0, keep], w))
     assert (mu[0, ~keep] == 0).all() and (mu[1] == 0).all()
     assert mu[2].isnan().all() and mu[3].isnan().all() and not mu[[0, 1, 4]].isnan().any()
-    torch.testing.assert_close(attnkern.crf_marginals(u, w, backend="reference"), mu, equal_nan=True)
+    torch.testing.assert_close(op(u, w, backend="reference"), mu, equal_nan=True)
     ug = u.clone().requires_grad_()
-    attnkern.crf_marginals(ug, w).sum().backward()
+    op(ug, w).sum().backward()
     assert ug.grad[[2, 3]].isnan().all() and not ug.grad[[0, 1, 4]].isnan().any()
     assert (ug.grad[0, ~keep] == 0).all() and (ug.grad[1] == 0).all()
 
@@ -169,20 +176,24 @@ def test_gradient_is_the_covariance_of_the_labels():
             np.testing.assert_allclose(dw[r, a, b].item(), p @ (count * gz) - (p @ count) * (p @ gz), atol=1e-12)
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("per_row", [False, True])
-def test_gradcheck(per_row):
+def test_gradcheck(per_row, name):
+    op = getattr(attnkern, name)
     g = torch.Generator().manual_seed(8)
     u = torch.randn(3, 4, 7, generator=g, dtype=torch.float64, requires_grad=True)
     w_shape = (3, 7, 2, 2) if per_row else (2, 2)
     w = torch.randn(*w_shape, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: attnkern.crf_marginals(a, b, dim=1), (u, w))
+    assert torch.autograd.gradcheck(lambda a, b: op(a, b, dim=1), (u, w))
     w_last = torch.randn(*((3, 4, 2, 2) if per_row else (2, 2)), generator=g, dtype=torch.float64,
                          requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: attnkern.crf_marginals(a, b, dim=-1), (u, w_last))
+    assert torch.autograd.gradcheck(lambda a, b: op(a, b, dim=-1), (u, w_last))
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("masked", [False, True])
-def test_gradients_match_the_reference_autograd(masked):
+def test_gradients_match_the_reference_autograd(masked, name):
+    op = getattr(attnkern, name)
     u, w = random_case(40, rows=6, seed=9, per_row=True)
     if masked:
         u[:, [3, 4, 20]] = -math.inf
@@ -192,92 +203,100 @@ def test_gradients_match_the_reference_autograd(masked):
     grads = []
     for backend in ("cpu", "reference"):
         us, ws = u.clone().requires_grad_(), w.clone().requires_grad_()
-        grads.append(torch.autograd.grad(attnkern.crf_marginals(us, ws, backend=backend), (us, ws), go))
+        grads.append(torch.autograd.grad(op(us, ws, backend=backend), (us, ws), go))
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
-def test_dtypes(dtype, tol):
+def test_dtypes(dtype, tol, name):
+    op = getattr(attnkern, name)
     u, w = random_case(97, rows=3, seed=11)
-    want = attnkern.crf_marginals(u.to(dtype).double(), w)
+    want = op(u.to(dtype).double(), w)
     us = u.to(dtype).requires_grad_()
     ws = w.to(dtype).requires_grad_()
-    mu = attnkern.crf_marginals(us, ws)
+    mu = op(us, ws)
     assert mu.dtype == dtype
     torch.testing.assert_close(mu.double(), want, rtol=0, atol=tol)
     go = torch.randn(3, 97, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     du, dw = torch.autograd.grad(mu, (us, ws), go.to(dtype))
     u64, w64 = u.to(dtype).double().requires_grad_(), w.to(dtype).double().requires_grad_()
-    want_du, want_dw = torch.autograd.grad(attnkern.crf_marginals(u64, w64), (u64, w64), go.to(dtype).double())
+    want_du, want_dw = torch.autograd.grad(op(u64, w64), (u64, w64), go.to(dtype).double())
     assert du.dtype == dtype and dw.dtype == dtype
     torch.testing.assert_close(du.double(), want_du, rtol=0, atol=tol * max(1.0, float(want_du.abs().max())))
     torch.testing.assert_close(dw.double(), want_dw, rtol=tol, atol=tol * max(1.0, float(want_dw.abs().max())))
 
 
-def test_any_dim_strides_empty_and_threads():
+@pytest.mark.parametrize("name", NAMES)
+def test_any_dim_strides_empty_and_threads(name):
+    op = getattr(attnkern, name)
     u = torch.randn(5 * 7 * 11, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
     u = u.view(5, 7, 11).transpose(0, 2)  # (11, 7, 5), not contiguous
     w = torch.tensor([[0.2, -0.5], [0.1, 0.7]], dtype=torch.float64)
     for dim in (0, 1, 2, -1):
-        want = attnkern.crf_marginals(u.movedim(dim, -1).contiguous(), w).movedim(-1, dim)
-        assert torch.equal(attnkern.crf_marginals(u, w, dim=dim), want)
+        want = op(u.movedim(dim, -1).contiguous(), w).movedim(-1, dim)
+        assert torch.equal(op(u, w, dim=dim), want)
     # One 2×2 per row, rows along dim 1: (11, 5) rows.
     per_row = torch.randn(11, 5, 2, 2, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
-    got = attnkern.crf_marginals(u, per_row, dim=1)
-    assert torch.equal(got[3, :, 2], attnkern.crf_marginals(u[3, :, 2], per_row[3, 2]))
-    assert attnkern.crf_marginals(torch.zeros(0, 5), w).shape == (0, 5)
-    assert attnkern.crf_marginals(torch.zeros(3, 0), w).shape == (3, 0)
-    torch.testing.assert_close(attnkern.crf_marginals(torch.tensor(2.0), w), torch.sigmoid(torch.tensor(2.0)))
+    got = op(u, per_row, dim=1)
+    assert torch.equal(got[3, :, 2], op(u[3, :, 2], per_row[3, 2]))
+    assert op(torch.zeros(0, 5), w).shape == (0, 5)
+    assert op(torch.zeros(3, 0), w).shape == (3, 0)
+    torch.testing.assert_close(op(torch.tensor(2.0), w), op(torch.tensor([2.0]), w)[0])
     big, wb = random_case(300, rows=64, seed=15, per_row=True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = attnkern.crf_marginals(big, wb)
+        one = op(big, wb)
         torch.set_num_threads(2)
-        assert torch.equal(attnkern.crf_marginals(big, wb), one)
+        assert torch.equal(op(big, wb), one)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_errors_name_the_argument():
+@pytest.mark.parametrize("name", NAMES)
+def test_errors_name_the_argument(name):
+    op = getattr(attnkern, name)
     u = torch.randn(2, 5)
     w = torch.zeros(2, 2)
     for bad in (torch.zeros(2), torch.zeros(3, 2), torch.zeros(3, 2, 2), torch.zeros(5, 2, 2)):
         with pytest.raises(ValueError, match="pairwise of shape"):
-            attnkern.crf_marginals(u, bad)
+            op(u, bad)
     with pytest.raises(ValueError, match="pairwise must not hold NaN"):
-        attnkern.crf_marginals(u, torch.tensor([[0.0, math.nan], [0.0, 0.0]]))
+        op(u, torch.tensor([[0.0, math.nan], [0.0, 0.0]]))
     with pytest.raises(ValueError, match="pairwise must not hold NaN"):
-        attnkern.crf_marginals(u, torch.tensor([[0.0, math.inf], [0.0, 0.0]]))
+        op(u, torch.tensor([[0.0, math.inf], [0.0, 0.0]]))
     with pytest.raises(TypeError, match="pairwise"):
-        attnkern.crf_marginals(u, [[0.0, 0.0], [0.0, 0.0]])
+        op(u, [[0.0, 0.0], [0.0, 0.0]])
     with pytest.raises(NotImplementedError, match="CPU tensors only"):
-        attnkern.crf_marginals(u.to("meta"), w.to("meta"))
+        op(u.to("meta"), w.to("meta"))
     with pytest.raises(NotImplementedError, match="CPU tensors only"):
-        attnkern.crf_marginals(u, w, backend="cuda")
+        op(u, w, backend="cuda")
     us = u.double().requires_grad_()
-    with pytest.raises(NotImplementedError, match="crf_marginals: double backward"):
-        torch.autograd.grad(attnkern.crf_marginals(us, w).pow(2).sum(), us, create_graph=True)
-    with pytest.raises(NotImplementedError, match="crf_marginals: forward-mode"):
+    with pytest.raises(NotImplementedError, match=f"{name}: double backward"):
+        torch.autograd.grad(op(us, w).pow(2).sum(), us, create_graph=True)
+    with pytest.raises(NotImplementedError, match=f"{name}: forward-mode"):
         with torch.autograd.forward_ad.dual_level():
-            attnkern.crf_marginals(torch.autograd.forward_ad.make_dual(u, torch.ones_like(u)), w)
+            op(torch.autograd.forward_ad.make_dual(u, torch.ones_like(u)), w)
     # The op checks too.
     with pytest.raises(ValueError, match="pairwise must not hold NaN"):
-        torch.ops.attnkern.crf_marginals_fwd(u, torch.full((2, 2), math.nan), -1)
+        getattr(torch.ops.attnkern, f"{name}_fwd")(u, torch.full((2, 2), math.nan), -1)
     with pytest.raises(ValueError, match="pairwise must have shape"):
-        torch.ops.attnkern.crf_marginals_fwd(u, torch.zeros(3, 2, 2), -1)
+        getattr(torch.ops.attnkern, f"{name}_fwd")(u, torch.zeros(3, 2, 2), -1)
 
 
-def test_opcheck_and_compile():
+@pytest.mark.parametrize("name", NAMES)
+def test_opcheck_and_compile(name):
+    op = getattr(attnkern, name)
     u, w = random_case(23, rows=3, seed=16, per_row=True)
     u, w = u.float(), w.float()
-    torch.library.opcheck(torch.ops.attnkern.crf_marginals_fwd, (u, w, -1))
-    torch.library.opcheck(torch.ops.attnkern.crf_marginals_bwd, (u, torch.randn_like(u), w, -1, True))
-    torch.library.opcheck(torch.ops.attnkern.crf_marginals_bwd, (u, torch.randn_like(u), w[0], -1, False))
+    torch.library.opcheck(getattr(torch.ops.attnkern, f"{name}_fwd"), (u, w, -1))
+    torch.library.opcheck(getattr(torch.ops.attnkern, f"{name}_bwd"), (u, torch.randn_like(u), w, -1, True))
+    torch.library.opcheck(getattr(torch.ops.attnkern, f"{name}_bwd"), (u, torch.randn_like(u), w[0], -1, False))
 
     def f(a, b):
-        return attnkern.crf_marginals(a, b)
+        return op(a, b)
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     us, ws = u.clone().requires_grad_(), w.clone().requires_grad_()
@@ -288,8 +307,9 @@ def test_opcheck_and_compile():
     assert torch.equal(out, f(u, w)) and torch.equal(us.grad, ue.grad) and torch.equal(ws.grad, we.grad)
 
 
-def test_module_learns_its_transition_scores():
-    m = attnkern.nn.CrfMarginals(dim=-1)
+@pytest.mark.parametrize("name, module", [("crf_marginals", "CrfMarginals"), ("sparsemap_chain", "SparsemapChain")])
+def test_module_learns_its_transition_scores(name, module):
+    m = getattr(attnkern.nn, module)(dim=-1)
     assert isinstance(m.pairwise, torch.nn.Parameter) and m.pairwise.shape == (2, 2)
     u, _ = random_case(10, rows=4, seed=17)
     u = u.float()
@@ -297,4 +317,135 @@ def test_module_learns_its_transition_scores():
     assert m.pairwise.grad is not None and m.pairwise.grad.abs().sum() > 0
     with torch.no_grad():
         m.pairwise.copy_(torch.tensor([[0.0, -1.0], [0.5, 2.0]]))
-    torch.testing.assert_close(m(u), oracle(u.double(), m.pairwise.detach().double()).float(), rtol=0, atol=1e-6)
+    want = getattr(attnkern, name)(u.double(), m.pairwise.detach().double(), backend="reference")
+    torch.testing.assert_close(m(u), want.float(), rtol=0, atol=1e-6)
+
+
+# --- SparseMAP ------------------------------------------------------------------------------------
+
+
+def sparsemap_qp(u: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
+    """SparseMAP of one row of finite entries by a generic solver: the QP over
+    the chain's local polytope (exact for a chain), variables μ_i and the
+    pairwise marginals ξ_i(a, b), forbidden transitions bounded to 0. Returns
+    μ and its objective (by sparsemap_objective, so that a slightly infeasible
+    solver's point is not credited with more than its μ earns)."""
+    m = u.size
+    size = m + 4 * (m - 1)
+
+    def xi(i, a, b):
+        return m + 4 * i + 2 * a + b
+
+    rows, rhs = [], []  # per edge: ξ sums to 1, its margins are μ_i and μ_{i+1}
+    for i in range(m - 1):
+        r = np.zeros(size)
+        r[[xi(i, a, b) for a, b in itertools.product((0, 1), repeat=2)]] = 1.0
+        rows.append(r)
+        rhs.append(1.0)
+        for first in (True, False):
+            r = np.zeros(size)
+            r[[xi(i, 1, b) if first else xi(i, b, 1) for b in (0, 1)]] = 1.0
+            r[i if first else i + 1] = -1.0
+            rows.append(r)
+            rhs.append(0.0)
+    finite_w = np.where(np.isfinite(w), w, 0.0)
+    linear = np.concatenate([u] + [finite_w.reshape(-1)] * (m - 1))
+    upper = np.ones(size)
+    for i in range(m - 1):
+        for a, b in itertools.product((0, 1), repeat=2):
+            if not np.isfinite(w[a, b]):
+                upper[xi(i, a, b)] = 0.0
+
+    def objective(v):
+        return -(linear @ v - 0.5 * np.sum(v[:m] ** 2))
+
+    def gradient(v):
+        g = -linear.copy()
+        g[:m] += v[:m]
+        return g
+
+    constraints = [{"type": "eq", "fun": lambda v: np.array(rows) @ v - np.array(rhs),
+                    "jac": lambda v: np.array(rows)}] if rows else []
+    # A feasible start: the best labeling by enumeration, as a vertex.
+    z, p, _ = labelings(u, w)
+    best = z[np.argmax(p)]
+    start = np.zeros(size)
+    start[:m] = best
+    for i in range(m - 1):
+        start[xi(i, best[i], best[i + 1])] = 1.0
+    res = scipy_optimize.minimize(objective, start, jac=gradient, method="SLSQP",
+                                  bounds=list(zip(np.zeros(size), upper, strict=True)), constraints=constraints,
+                                  options={"ftol": 1e-15, "maxiter": 2000})
+    assert res.status in (0, 8), res.message  # 8: it cannot improve further in line search
+    mu = np.clip(res.x[:m], 0.0, 1.0)
+    return mu, sparsemap_objective(mu, u, w)
+
+
+def sparsemap_objective(mu: np.ndarray, u: np.ndarray, w: np.ndarray) -> float:
+    """The best objective for the given unary marginals: the pairwise part is
+    linear, so it is maximised over the pairwise marginals consistent with μ
+    (a 2×2 table per edge with margins μ_i, μ_{i+1}: one free parameter)."""
+    total = u @ mu - 0.5 * np.sum(mu ** 2)
+    for i in range(mu.size - 1):
+        lo, hi = max(0.0, mu[i] + mu[i + 1] - 1.0), min(mu[i], mu[i + 1])
+        best = -np.inf
+        for both in (lo, hi):  # ξ(1, 1); the objective is linear in it
+            table = np.array([[1 - mu[i] - mu[i + 1] + both, mu[i + 1] - both], [mu[i] - both, both]])
+            with np.errstate(invalid="ignore"):
+                best = max(best, np.sum(np.where(table > 1e-15, w * table, 0.0)))
+        total += best
+    return total
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_sparsemap_matches_the_qp(n, per_row, backend):
+    u, w = random_case(n, rows=3, seed=20, per_row=per_row)
+    mu = attnkern.sparsemap_chain(u, w, backend=backend)
+    ws = w.expand(3, 2, 2).numpy()
+    for r in range(3):
+        want, best = sparsemap_qp(u[r].numpy(), ws[r])
+        # (SLSQP lands within about 1e-7 of the optimum; ours is exact, and
+        # its objective is never below the solver's.)
+        np.testing.assert_allclose(mu[r].numpy(), want, atol=2e-6)
+        assert sparsemap_objective(mu[r].numpy(), u[r].numpy(), ws[r]) >= best - 1e-9
+
+
+def test_sparsemap_without_pairwise_scores_clamps():
+    u, _ = random_case(40, seed=21)
+    torch.testing.assert_close(attnkern.sparsemap_chain(u, torch.zeros(2, 2, dtype=torch.float64)), u.clamp(0, 1),
+                               rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_sparsemap_plateaus_ties_and_forbidden_transitions(backend):
+    # Equal scores make many labelings tie and their 0/1 vectors affinely
+    # dependent: the active set must still reach the optimum.
+    u = torch.tensor([[0.5] * 8, [0.3, 0.3, 0.7, 0.7, 0.3, 0.3, 0.7, 0.7], [1.0, -1.0] * 4,
+                      [0.2, 0.9, 0.2, 0.9, 0.2, 0.9, 0.2, 0.9]], dtype=torch.float64)
+    for w in (torch.tensor([[0.0, 0.0], [0.0, 0.4]]), torch.tensor([[0.3, -0.3], [-0.3, 0.3]]),
+              torch.tensor([[0.0, 0.0], [0.0, -math.inf]]), torch.tensor([[0.5, 0.5], [0.5, 0.5]])):
+        w = w.double()
+        mu = attnkern.sparsemap_chain(u, w, backend=backend)
+        for r in range(u.shape[0]):
+            want, best = sparsemap_qp(u[r].numpy(), w.numpy())
+            np.testing.assert_allclose(mu[r].numpy(), want, atol=2e-6)
+            assert sparsemap_objective(mu[r].numpy(), u[r].numpy(), w.numpy()) >= best - 1e-9
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e4])
+def test_sparsemap_magnitudes(scale):
+    u, w = random_case(8, rows=2, scale=scale, seed=22, per_row=True)
+    mu = attnkern.sparsemap_chain(u, w)
+    for r in range(2):
+        want, best = sparsemap_qp(u[r].numpy(), w[r].numpy())
+        np.testing.assert_allclose(mu[r].numpy(), want, atol=2e-6)
+        assert sparsemap_objective(mu[r].numpy(), u[r].numpy(), w[r].numpy()) >= best - 1e-9 * max(1.0, abs(best))
+
+
+def test_sparsemap_long_rows_match_the_reference():
+    u, w = random_case(300, rows=2, seed=23, per_row=True)
+    u[0, 100:140] = -math.inf
+    torch.testing.assert_close(attnkern.sparsemap_chain(u, w), attnkern.sparsemap_chain(u, w, backend="reference"),
+                               rtol=0, atol=1e-10)

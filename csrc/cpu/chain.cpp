@@ -1,0 +1,733 @@
+// The binary linear-chain ops on the CPU: z in {0,1}^m over a row's m finite
+// entries, scored Σ_i u_i z_i + Σ_i W[z_i][z_{i+1}].
+//
+// crf_marginals (Kim, Denton, Hoang & Rush, 2017): μ_i = P(z_i = 1) under
+// p(z) ∝ exp(score), by forward-backward in double (in log space, or with
+// rescaled linear messages when the scores' range allows); docs/algorithms.md,
+// section 11. Its backward needs Jᵀg with J = ∂μ/∂u, the covariance of z,
+// which is the Hessian of log Z and so symmetric: Jᵀg = Jg is the derivative
+// of μ along g, computed exactly by carrying tangents through a second
+// forward-backward (each message's tangent is the weighted mean of its terms'
+// tangents, the weights being the terms' shares of the message, kept from the
+// forward). The same tangents give ∂(g·μ)/∂W, by the Hessian's symmetry
+// between u and W.
+//
+// sparsemap_chain (Niculae, Martins, Blondel & Cardie, 2018): the active-set
+// method with Viterbi as the oracle (struct Sparsemap below; section 12).
+//
+// Both: entries at -inf take no part (the finite ones are neighbours in their
+// order, a removed one gets 0); a row with NaN or +inf gives NaN, and so does
+// a row that no labeling can score (possible only with -inf in W).
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+
+#include "attnkern/cpu_kernels.h"
+#include "attnkern/row_layout.h"
+
+namespace attnkern {
+namespace cpu {
+inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
+namespace {
+
+using at::Tensor;
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// log(e^a + e^b); -inf when both are.
+inline double log_add(double a, double b) {
+  const double hi = std::max(a, b), lo = std::min(a, b);
+  if (lo == kNegInf) return hi;
+  return hi + std::log1p(std::exp(lo - hi));
+}
+
+// The share of e^b in e^a + e^b (the weight of b's tangent in log_add's);
+// 0 when both are -inf (an unreachable state: its tangent is never used).
+inline double share_of_second(double a, double b) {
+  if (b == kNegInf) return 0.0;
+  if (a == kNegInf) return 1.0;
+  return 1.0 / (1.0 + std::exp(a - b));
+}
+
+// Scratch of one row of n entries: the row as loaded, the gradient, the
+// output, the finite entries u and their gradients g (compacted), their
+// positions and μ; then per label t = 0, 1: the forward and backward messages
+// (fwd, back), the label factors of the linear sweep (factor), the shares
+// (fshare, bshare) and the tangents (ta, tb). Labels in separate arrays keep
+// the element-wise passes vector loops. Not zeroed: every entry is written
+// before it is read.
+struct ChainScratch {
+  std::unique_ptr<double[]> buf;
+  std::unique_ptr<int64_t[]> pos;
+  double *row, *grad, *out, *u, *g, *mu;
+  double *fwd[2], *back[2], *factor[2], *fshare[2], *bshare[2], *ta[2], *tb[2];
+  explicit ChainScratch(int64_t n) : buf(new double[20 * n]), pos(new int64_t[n]) {
+    double* b = buf.get();
+    for (double** a : {&row, &grad, &out, &u, &g, &mu, &fwd[0], &fwd[1], &back[0], &back[1], &factor[0],
+                       &factor[1], &fshare[0], &fshare[1], &bshare[0], &bshare[1], &ta[0], &ta[1], &tb[0],
+                       &tb[1]}) {
+      *a = b;
+      b += n;
+    }
+  }
+};
+
+// Compacts the row's finite entries into s.u (positions into s.pos, count m);
+// false if the row holds a NaN or +inf.
+bool chain_entries(ChainScratch& s, int64_t n, int64_t& m) {
+  m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double x = s.row[j];
+    if (std::isnan(x) || x == std::numeric_limits<double>::infinity()) return false;
+    if (x > kNegInf) {
+      s.u[m] = x;
+      s.pos[m++] = j;
+    }
+  }
+  return true;
+}
+
+// Forward-backward on s.u[0..m) (m >= 1) with transition scores w (2×2,
+// row-major: w[2a + b] for z_i = a, z_{i+1} = b). Writes μ and, when `shares`
+// (the backward needs them), fshare[t][i] (i >= 1), the share of z_{i-1} = 1
+// among the labelings of entries 0..i with z_i = t, which is
+// P(z_{i-1} = 1 | z_i = t), and bshare[a][i] (i <= m - 2), the share of
+// z_{i+1} = 1 among the labelings of entries i+1..m-1 given z_i = a. Returns
+// false when no labeling has a score.
+//
+// Two sweeps compute the same quantities. The log-space one works for any
+// scores. The linear one (one exp per entry instead of nine transcendental
+// calls, only multiply-adds on the recurrences, the divisions in vector
+// passes after them) is used when every W is finite and the spread of W plus
+// max |u| is at most kLinearRange: a message then keeps each label at no less
+// than 2^-201·e^-kLinearRange of its pair's previous sum, and pairs are
+// rescaled by exact powers of two into [2^-200, 2^200], so every product the
+// sweeps form stays a normal double.
+constexpr double kLinearRange = 200.0;
+constexpr double kPairCeiling = 0x1p200, kPairFloor = 0x1p-200;
+
+bool linear_range(const double* u, int64_t m, const double* w) {
+  double lo = w[0], hi = w[0];
+  for (int k = 1; k < 4; ++k) {
+    lo = std::min(lo, w[k]);
+    hi = std::max(hi, w[k]);
+  }
+  if (!(lo > kNegInf)) return false;
+  double largest = 0.0;
+  for (int64_t i = 0; i < m; ++i) largest = std::max(largest, std::abs(u[i]));
+  return hi - lo + largest <= kLinearRange;
+}
+
+// Scales a message pair back into [2^-200, 2^200] (exactly: a power of two);
+// a branch that is rarely taken, so the recurrence does not wait on it.
+inline void rescale_pair(double& a, double& b) {
+  const double sum = a + b;
+  if (sum > kPairCeiling || sum < kPairFloor) [[unlikely]] {
+    const double by = sum > kPairCeiling ? kPairFloor : kPairCeiling;
+    a *= by;
+    b *= by;
+  }
+}
+
+bool chain_sweeps_log(ChainScratch& s, int64_t m, const double* w) {
+  const double* u = s.u;
+  double *fa0 = s.fwd[0], *fa1 = s.fwd[1];  // log-sums over labelings of entries 0..i ending in z_i = t
+  fa0[0] = 0.0;
+  fa1[0] = u[0];
+  for (int64_t i = 1; i < m; ++i) {
+    for (int t = 0; t < 2; ++t) {
+      const double from0 = fa0[i - 1] + w[t], from1 = fa1[i - 1] + w[2 + t];
+      s.fshare[t][i] = share_of_second(from0, from1);
+      s.fwd[t][i] = (t ? u[i] : 0.0) + log_add(from0, from1);
+    }
+  }
+  if (!(log_add(fa0[m - 1], fa1[m - 1]) > kNegInf)) return false;
+  double back0 = 0.0, back1 = 0.0;  // log-sums over entries i+1..m-1 given z_i = 0, 1
+  s.mu[m - 1] = share_of_second(fa0[m - 1], fa1[m - 1]);
+  for (int64_t i = m - 2; i >= 0; --i) {
+    double next[2];
+    for (int a = 0; a < 2; ++a) {
+      const double to0 = w[2 * a] + back0, to1 = w[2 * a + 1] + u[i + 1] + back1;
+      s.bshare[a][i] = share_of_second(to0, to1);
+      next[a] = log_add(to0, to1);
+    }
+    back0 = next[0];
+    back1 = next[1];
+    s.mu[i] = share_of_second(fa0[i] + back0, fa1[i] + back1);
+  }
+  return true;
+}
+
+void chain_sweeps_linear(ChainScratch& s, int64_t m, const double* w, bool shares) {
+  using Vec = at::vec::Vectorized<double>;
+  const double* u = s.u;
+  const double top = std::max(std::max(w[0], w[1]), std::max(w[2], w[3]));
+  const double e00 = std::exp(w[0] - top), e01 = std::exp(w[1] - top), e10 = std::exp(w[2] - top),
+               e11 = std::exp(w[3] - top);
+  // Each entry's label factors (e^0, e^{u_i}) divided by the larger of the
+  // two: f0 = e^{-max(u_i, 0)}, f1 = e^{min(u_i, 0)}.
+  double *f0 = s.factor[0], *f1 = s.factor[1];
+  at::vec::map([](Vec v) { return at::vec::maximum(v, Vec(0.0)).neg().exp(); }, f0, u, m);
+  at::vec::map([](Vec v) { return at::vec::minimum(v, Vec(0.0)).exp(); }, f1, u, m);
+  double *fa0 = s.fwd[0], *fa1 = s.fwd[1], *bb0 = s.back[0], *bb1 = s.back[1];
+  // The forward and backward recurrences are independent: one loop runs both
+  // (entry k forward, entry m-1-k backward) so that their latencies overlap.
+  // Each carries its last pair in registers and multiplies it by coefficients
+  // formed off the dependency chain (one multiply-add deep).
+  double a0 = f0[0], a1 = f1[0], b0 = 1.0, b1 = 1.0;
+  fa0[0] = a0;
+  fa1[0] = a1;
+  bb0[m - 1] = bb1[m - 1] = 1.0;
+  for (int64_t i = 1, j = m - 2; i < m; ++i, --j) {
+    double n0 = (f0[i] * e00) * a0 + (f0[i] * e10) * a1, n1 = (f1[i] * e01) * a0 + (f1[i] * e11) * a1;
+    double p0 = (e00 * f0[j + 1]) * b0 + (e01 * f1[j + 1]) * b1, p1 = (e10 * f0[j + 1]) * b0 + (e11 * f1[j + 1]) * b1;
+    rescale_pair(n0, n1);
+    rescale_pair(p0, p1);
+    fa0[i] = a0 = n0;
+    fa1[i] = a1 = n1;
+    bb0[j] = b0 = p0;
+    bb1[j] = b1 = p1;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const double one = fa1[i] * bb1[i];
+    s.mu[i] = one / (fa0[i] * bb0[i] + one);
+  }
+  if (!shares) return;
+  double *fs0 = s.fshare[0], *fs1 = s.fshare[1], *bs0 = s.bshare[0], *bs1 = s.bshare[1];
+  for (int64_t i = 1; i < m; ++i) {
+    const double from1_to0 = fa1[i - 1] * e10, from1_to1 = fa1[i - 1] * e11;
+    fs0[i] = from1_to0 / (fa0[i - 1] * e00 + from1_to0);
+    fs1[i] = from1_to1 / (fa0[i - 1] * e01 + from1_to1);
+  }
+  for (int64_t i = 0; i + 1 < m; ++i) {
+    const double to0 = f0[i + 1] * bb0[i + 1], to1 = f1[i + 1] * bb1[i + 1];
+    bs0[i] = e01 * to1 / (e00 * to0 + e01 * to1);
+    bs1[i] = e11 * to1 / (e10 * to0 + e11 * to1);
+  }
+}
+
+bool chain_sweeps(ChainScratch& s, int64_t m, const double* w, bool shares) {
+  if (linear_range(s.u, m, w)) {
+    chain_sweeps_linear(s, m, w, shares);
+    return true;
+  }
+  return chain_sweeps_log(s, m, w);
+}
+
+// Per-row W in double, checked: -inf forbids a transition; NaN and +inf are
+// refused.
+Tensor checked_pairwise(const Tensor& pairwise, const Tensor& x, int64_t dim, const char* op) {
+  check_cpu_float(pairwise, "pairwise");
+  auto shape = x.sizes().vec();
+  if (!shape.empty()) shape.erase(shape.begin() + dim);
+  shape.push_back(2);
+  shape.push_back(2);
+  TORCH_CHECK_VALUE(pairwise.dim() >= 2 && pairwise.size(-1) == 2 && pairwise.size(-2) == 2 &&
+                        at::is_expandable_to(pairwise.sizes(), shape),
+                    "attnkern: ", op, " pairwise must have shape (2, 2) or broadcast to ", at::IntArrayRef(shape),
+                    " (the unary scores' shape without dim, then 2×2), got ", pairwise.sizes());
+  Tensor rows = pairwise.to(at::kDouble).expand(shape).contiguous();
+  const double* wp = rows.const_data_ptr<double>();
+  for (int64_t k = 0; k < rows.numel(); ++k) {
+    TORCH_CHECK_VALUE(!std::isnan(wp[k]) && wp[k] != std::numeric_limits<double>::infinity(),
+                      "attnkern: ", op, " pairwise must not hold NaN or +inf (-inf forbids a transition), got ",
+                      wp[k]);
+  }
+  return rows;
+}
+
+// The backward of one row after chain_sweeps with shares (feasible, m >= 1),
+// with the incoming gradient compacted in s.g: du into s.out's places, and
+// Σ_i dξ_i(a, b) added into dw (2×2) when it is not null. The tangent of each
+// message along g is the share-weighted mean of its terms' tangents; the
+// pairwise marginal is ξ_i(a, b) = P(z_{i+1} = b)·P(z_i = a | z_{i+1} = b).
+void chain_backward(ChainScratch& s, int64_t m, double* dw) {
+  const double *g = s.g, *mu = s.mu, *fs0 = s.fshare[0], *fs1 = s.fshare[1], *bs0 = s.bshare[0],
+               *bs1 = s.bshare[1];
+  double *ta0 = s.ta[0], *ta1 = s.ta[1], *tb0 = s.tb[0], *tb1 = s.tb[1];
+  // Forward tangents at entry i and backward ones at entry j = m-1-i in one
+  // loop (independent recurrences), the last of each carried in registers.
+  double t0 = 0.0, t1 = g[0], r0 = 0.0, r1 = 0.0;
+  ta0[0] = t0;
+  ta1[0] = t1;
+  tb0[m - 1] = tb1[m - 1] = 0.0;
+  for (int64_t i = 1, j = m - 2; i < m; ++i, --j) {
+    const double step = t1 - t0;
+    t1 = g[i] + t0 + fs1[i] * step;
+    t0 = t0 + fs0[i] * step;
+    ta0[i] = t0;
+    ta1[i] = t1;
+    const double back_step = g[j + 1] + r1 - r0;
+    r1 = r0 + bs1[j] * back_step;
+    r0 = r0 + bs0[j] * back_step;
+    tb0[j] = r0;
+    tb1[j] = r1;
+  }
+  double log_z_tangent = 0.0;  // d log Z along g = g·μ
+  for (int64_t i = 0; i < m; ++i) {
+    log_z_tangent += g[i] * mu[i];
+    s.out[s.pos[i]] = mu[i] * (1.0 - mu[i]) * (ta1[i] + tb1[i] - ta0[i] - tb0[i]);
+  }
+  if (!dw) return;
+  for (int64_t i = 0; i + 1 < m; ++i) {
+    for (int b = 0; b < 2; ++b) {
+      const double next = b ? mu[i + 1] : 1.0 - mu[i + 1];
+      const double from1 = s.fshare[b][i + 1];
+      const double rest = (b ? g[i + 1] : 0.0) + s.tb[b][i + 1] - log_z_tangent;
+      dw[b] += next * (1.0 - from1) * (ta0[i] + rest);
+      dw[2 + b] += next * from1 * (ta1[i] + rest);
+    }
+  }
+}
+
+// The CRF's per-row steps for the drivers below.
+struct CrfMarginals {
+  static constexpr const char* kName = "crf_marginals";
+  struct Workspace {
+    explicit Workspace(int64_t) {}
+  };
+  static bool forward(ChainScratch& s, Workspace&, int64_t m, const double* w) {
+    return chain_sweeps(s, m, w, /*shares=*/false);
+  }
+  static bool backward(ChainScratch& s, Workspace&, int64_t m, const double* w, double* dw) {
+    if (!chain_sweeps(s, m, w, /*shares=*/true)) return false;
+    chain_backward(s, m, dw);
+    return true;
+  }
+};
+
+// The row loops of the chain ops (CrfMarginals, Sparsemap): rows gathered
+// along dim, -inf entries removed, NaN for a row with NaN or +inf or without
+// a feasible labeling. Op::forward writes s.mu; Op::backward, given the
+// compacted gradient in s.g, writes du into s.out's places and adds dW.
+template <typename Op, typename scalar_t>
+void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) {
+  const RowLayout lay = RowLayout::of(x, dim);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  scalar_t* op = out.mutable_data_ptr<scalar_t>();
+  const double* wp = w.const_data_ptr<double>();
+  const int64_t n = lay.n;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    ChainScratch s(n);
+    typename Op::Workspace ws(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = lay.base(r);
+      lay.load(xp + base, s.row);
+      int64_t m = 0;
+      if (!chain_entries(s, n, m)) {
+        std::fill(s.out, s.out + n, nan);
+      } else {
+        std::fill(s.out, s.out + n, 0.0);
+        if (m > 0) {
+          const bool feasible = Op::forward(s, ws, m, wp + 4 * r);
+          for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = feasible ? s.mu[i] : nan;
+        }
+      }
+      lay.store(s.out, op + base);
+    }
+  });
+}
+
+template <typename Op>
+Tensor chain_fwd(const Tensor& x_in, const Tensor& pairwise, int64_t dim) {
+  check_cpu_float(x_in, "unary");
+  dim = x_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, x_in.dim());
+  check_row_length(x_in, dim);
+  const Tensor x = x_in.contiguous();
+  const Tensor w = checked_pairwise(pairwise, x, dim, Op::kName);
+  Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_chain_fwd",
+                                    [&] { chain_fwd_impl<Op, scalar_t>(x, w, out, dim); });
+  }
+  return out;
+}
+
+template <typename Op, typename scalar_t>
+void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor& dx, Tensor& dw, int64_t dim) {
+  const RowLayout lay = RowLayout::of(x, dim);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+  scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+  const double* wp = w.const_data_ptr<double>();
+  double* dwp = dw.defined() ? dw.mutable_data_ptr<double>() : nullptr;
+  const int64_t n = lay.n;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    ChainScratch s(n);
+    typename Op::Workspace ws(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = lay.base(r);
+      lay.load(xp + base, s.row);
+      lay.load(gp + base, s.grad);
+      double* dw_row = dwp ? dwp + 4 * r : nullptr;
+      if (dw_row) std::fill(dw_row, dw_row + 4, 0.0);
+      int64_t m = 0;
+      bool nan_row = !chain_entries(s, n, m);
+      if (!nan_row) {
+        std::fill(s.out, s.out + n, 0.0);
+        if (m > 0) {
+          for (int64_t i = 0; i < m; ++i) s.g[i] = s.grad[s.pos[i]];
+          nan_row = !Op::backward(s, ws, m, wp + 4 * r, dw_row);
+        }
+      }
+      if (nan_row) {
+        std::fill(s.out, s.out + n, nan);
+        if (dw_row) std::fill(dw_row, dw_row + 4, nan);
+      }
+      lay.store(s.out, dp + base);
+    }
+  });
+}
+
+template <typename Op>
+std::tuple<Tensor, Tensor> chain_bwd(const Tensor& x_in, const Tensor& grad_in, const Tensor& pairwise, int64_t dim,
+                                     bool pairwise_grad) {
+  check_cpu_float(x_in, "unary");
+  check_cpu_float(grad_in, "grad");
+  TORCH_CHECK_VALUE(grad_in.sizes() == x_in.sizes(), "attnkern: ", Op::kName, "_bwd: grad of shape ",
+                    grad_in.sizes(), " does not match unary of shape ", x_in.sizes());
+  dim = x_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, x_in.dim());
+  check_row_length(x_in, dim);
+  const Tensor x = x_in.contiguous();
+  const Tensor grad = grad_in.to(x.scalar_type()).contiguous();
+  const Tensor w = checked_pairwise(pairwise, x, dim, Op::kName);
+  Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  Tensor dw = pairwise_grad ? at::empty_like(w) : Tensor();
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_chain_bwd",
+                                    [&] { chain_bwd_impl<Op, scalar_t>(x, grad, w, dx, dw, dim); });
+  } else if (dw.defined()) {
+    dw.zero_();
+  }
+  if (!dw.defined()) dw = at::empty({0}, x.options().dtype(at::kDouble));
+  return {dx, dw};
+}
+
+// SparseMAP over the chain (Niculae, Martins, Blondel & Cardie, 2018): μ, the
+// unary part of the argmax over the chain's marginal polytope of
+// uᵀμ + Σ_ab W[a][b]·μ_ab − ½‖μ‖² (the pairwise marginals μ_ab enter
+// linearly). The solution is a sparse combination ξ of labelings, its support
+// S; the active-set method grows S with Viterbi as the oracle: with
+// μ = Σ_s ξ_s z_s, the labeling that most violates optimality maximises
+// (u − μ)ᵀz + the W part, Viterbi on scores u − μ. It joins S, and the QP
+// restricted to S, max θ_Sᵀξ − ½‖Z_S ξ‖² over the simplex (θ_s the score of
+// labeling s), is solved exactly by primal active-set steps on its KKT
+// system. S is kept affinely independent (a labeling affinely dependent on S
+// replaces one of S instead of joining it), so the KKT matrix
+// K = [G 1; 1ᵀ 0], G = Z_SᵀZ_S, stays nonsingular.
+//
+// Backward: on a fixed support ξ is the first block of K⁻¹[θ_S; 1], so
+// dξ = P dθ_S with P that block of K⁻¹; dθ_s/du = z_s and dθ_s/dW[a][b] is the
+// number of a→b transitions in s. Hence du = Z_S v and dW[a][b] = Σ_s v_s·#ab(s)
+// with v = P Z_Sᵀ g, one more solve with K.
+struct Sparsemap {
+  static constexpr const char* kName = "sparsemap_chain";
+
+  // The support of one row and the work arrays of its solves, grown as the
+  // support grows (raw arrays: see ChainScratch).
+  struct Workspace {
+    int64_t n, cap = 0, k = 0;
+    std::unique_ptr<uint8_t[]> labels;  // cap labelings of n entries
+    std::unique_ptr<double[]> theta, xi, counts, gram, kkt, rhs;
+    std::unique_ptr<uint8_t[]> cand, back;
+    std::unique_ptr<double[]> cost, lambda;
+
+    explicit Workspace(int64_t n_) : n(n_), cand(new uint8_t[n_]), back(new uint8_t[2 * n_]), cost(new double[n_]) {
+      grow(8);
+    }
+    uint8_t* label(int64_t s) const { return labels.get() + s * n; }
+    double& g(int64_t a, int64_t b) const { return gram[a * cap + b]; }
+
+    void grow(int64_t new_cap) {
+      std::unique_ptr<uint8_t[]> nl(new uint8_t[new_cap * n]);
+      std::unique_ptr<double[]> nt(new double[new_cap]), nx(new double[new_cap]), nc(new double[4 * new_cap]),
+          ng(new double[new_cap * new_cap]);
+      for (int64_t s = 0; s < k; ++s) {
+        std::copy(label(s), label(s) + n, nl.get() + s * n);
+        nt[s] = theta[s];
+        nx[s] = xi[s];
+        std::copy(&counts[4 * s], &counts[4 * s] + 4, &nc[4 * s]);
+        for (int64_t t = 0; t < k; ++t) ng[s * new_cap + t] = g(s, t);
+      }
+      labels = std::move(nl);
+      theta = std::move(nt);
+      xi = std::move(nx);
+      counts = std::move(nc);
+      gram = std::move(ng);
+      kkt.reset(new double[(new_cap + 1) * (new_cap + 1)]);
+      rhs.reset(new double[new_cap + 1]);
+      lambda.reset(new double[new_cap + 1]);
+      cap = new_cap;
+    }
+
+    // Adds the candidate labeling (its score under u and w) with weight 0.
+    void add_candidate(const double* u, int64_t m, const double* w) {
+      if (k == cap) grow(2 * cap);
+      uint8_t* z = label(k);
+      std::copy(cand.get(), cand.get() + m, z);
+      double score = 0.0, c[4] = {0.0, 0.0, 0.0, 0.0};
+      for (int64_t i = 0; i < m; ++i) score += z[i] ? u[i] : 0.0;
+      for (int64_t i = 0; i + 1 < m; ++i) c[2 * z[i] + z[i + 1]] += 1.0;
+      for (int ab = 0; ab < 4; ++ab) {
+        counts[4 * k + ab] = c[ab];
+        if (c[ab] > 0.0) score += c[ab] * w[ab];
+      }
+      theta[k] = score;
+      xi[k] = 0.0;
+      for (int64_t t = 0; t <= k; ++t) {
+        double common = 0.0;
+        const uint8_t* y = label(t);
+        for (int64_t i = 0; i < m; ++i) common += double(z[i] & y[i]);
+        g(k, t) = g(t, k) = common;
+      }
+      ++k;
+    }
+
+    // Removes labeling j from the support (the last one takes its place).
+    void remove(int64_t j, int64_t m) {
+      const int64_t last = k - 1;
+      if (j != last) {
+        std::copy(label(last), label(last) + m, label(j));
+        theta[j] = theta[last];
+        xi[j] = xi[last];
+        std::copy(&counts[4 * last], &counts[4 * last] + 4, &counts[4 * j]);
+        for (int64_t t = 0; t < k; ++t) g(j, t) = g(last, t);
+        for (int64_t t = 0; t < k; ++t) g(t, j) = g(t, last);
+        g(j, j) = g(last, last);
+      }
+      --k;
+    }
+
+    bool holds_candidate(int64_t m) const {
+      for (int64_t s = 0; s < k; ++s) {
+        if (std::equal(cand.get(), cand.get() + m, label(s))) return true;
+      }
+      return false;
+    }
+
+    // Solves K [x; κ] = [rhs; last] for the support's KKT matrix K (x into
+    // rhs[0..k)), by Gaussian elimination with partial pivoting.
+    void solve_kkt(double last) {
+      const int64_t size = k + 1;
+      double* a = kkt.get();
+      for (int64_t r = 0; r < k; ++r) {
+        for (int64_t c = 0; c < k; ++c) a[r * size + c] = g(r, c);
+        a[r * size + k] = 1.0;
+        a[k * size + r] = 1.0;
+      }
+      a[k * size + k] = 0.0;
+      rhs[k] = last;
+      solve_dense(a, rhs.get(), size);
+    }
+
+    // Gaussian elimination with partial pivoting on a (size × size, row-major),
+    // b overwritten by the solution.
+    static void solve_dense(double* a, double* b, int64_t size) {
+      for (int64_t c = 0; c < size; ++c) {
+        int64_t pivot = c;
+        for (int64_t r = c + 1; r < size; ++r) {
+          if (std::abs(a[r * size + c]) > std::abs(a[pivot * size + c])) pivot = r;
+        }
+        TORCH_CHECK(std::abs(a[pivot * size + c]) > 1e-12, "attnkern: sparsemap_chain met a singular active set");
+        if (pivot != c) {
+          for (int64_t j = 0; j < size; ++j) std::swap(a[c * size + j], a[pivot * size + j]);
+          std::swap(b[c], b[pivot]);
+        }
+        for (int64_t r = c + 1; r < size; ++r) {
+          const double f = a[r * size + c] / a[c * size + c];
+          if (f == 0.0) continue;
+          for (int64_t j = c; j < size; ++j) a[r * size + j] -= f * a[c * size + j];
+          b[r] -= f * b[c];
+        }
+      }
+      for (int64_t c = size - 1; c >= 0; --c) {
+        double v = b[c];
+        for (int64_t j = c + 1; j < size; ++j) v -= a[c * size + j] * b[j];
+        b[c] = v / a[c * size + c];
+      }
+    }
+
+    // Whether the candidate's (z, 1) is a combination Σ λ_s (z_s, 1) of the
+    // support's (λ into lambda): the least-squares λ from (G + 11ᵀ)λ = b,
+    // b_s = z_s·z + 1 (G + 11ᵀ is positive definite while the support is
+    // affinely independent), then the residual ‖z‖² + 1 − λᵀb, exact zero for
+    // a dependent candidate up to rounding (labelings are 0/1 vectors).
+    bool candidate_depends(int64_t m) {
+      if (k == 0) return false;
+      double* a = kkt.get();
+      double norm = 1.0;
+      for (int64_t i = 0; i < m; ++i) norm += double(cand[i]);
+      for (int64_t s = 0; s < k; ++s) {
+        for (int64_t t = 0; t < k; ++t) a[s * k + t] = g(s, t) + 1.0;
+        double common = 1.0;
+        const uint8_t* y = label(s);
+        for (int64_t i = 0; i < m; ++i) common += double(cand[i] & y[i]);
+        lambda[s] = common;
+        rhs[s] = common;
+      }
+      solve_dense(a, lambda.get(), k);
+      double explained = 0.0;
+      for (int64_t s = 0; s < k; ++s) explained += lambda[s] * rhs[s];
+      return norm - explained < 1e-9 * norm;
+    }
+  };
+
+  // The labeling maximising Σ c_i z_i + Σ w[z_i][z_{i+1}] into ws.cand (ties
+  // to the smaller label); returns its value (-inf if none is feasible).
+  static double viterbi(Workspace& ws, const double* c, int64_t m, const double* w) {
+    uint8_t* back = ws.back.get();
+    double s0 = 0.0, s1 = c[0];
+    for (int64_t i = 1; i < m; ++i) {
+      double next[2];
+      for (int t = 0; t < 2; ++t) {
+        const double from0 = s0 + w[t], from1 = s1 + w[2 + t];
+        back[2 * i + t] = from1 > from0;
+        next[t] = std::max(from0, from1) + (t ? c[i] : 0.0);
+      }
+      s0 = next[0];
+      s1 = next[1];
+    }
+    uint8_t* z = ws.cand.get();
+    z[m - 1] = s1 > s0;
+    for (int64_t i = m - 1; i >= 1; --i) z[i - 1] = back[2 * i + z[i]];
+    return std::max(s0, s1);
+  }
+
+  // The QP restricted to the support, from the feasible ξ there: primal
+  // active-set steps (solve the KKT system; if some weight comes out negative,
+  // move towards the solution until the first weight reaches 0 and drop that
+  // labeling; repeat). Returns false if the labeling at `fresh` (just added
+  // with weight 0) is dropped before anything moved: no progress is possible.
+  static bool restricted_qp(Workspace& ws, int64_t fresh) {
+    for (bool first = true;; first = false) {
+      for (int64_t s = 0; s < ws.k; ++s) ws.rhs[s] = ws.theta[s];
+      ws.solve_kkt(1.0);
+      int64_t block = -1;
+      double step = 1.0;
+      for (int64_t s = 0; s < ws.k; ++s) {
+        if (ws.rhs[s] < 0.0) {
+          const double ratio = ws.xi[s] / (ws.xi[s] - ws.rhs[s]);
+          if (ratio < step) {
+            step = ratio;
+            block = s;
+          }
+        }
+      }
+      for (int64_t s = 0; s < ws.k; ++s) ws.xi[s] += step * (ws.rhs[s] - ws.xi[s]);
+      if (block < 0) return true;
+      if (first && block == fresh && step == 0.0) {
+        ws.remove(block, ws.n);
+        return false;
+      }
+      ws.xi[block] = 0.0;
+      ws.remove(block, ws.n);
+    }
+  }
+
+  // μ into s.mu; false if no labeling is feasible.
+  static bool solve(ChainScratch& s, Workspace& ws, int64_t m, const double* w) {
+    const double* u = s.u;
+    ws.k = 0;
+    if (!(viterbi(ws, u, m, w) > kNegInf)) return false;
+    ws.add_candidate(u, m, w);
+    ws.xi[0] = 1.0;
+    // Violations below a few rounding errors of the scores are not acted on.
+    double scale = 1.0;
+    for (int64_t i = 0; i < m; ++i) scale = std::max(scale, std::abs(u[i]));
+    for (int ab = 0; ab < 4; ++ab) {
+      if (w[ab] > kNegInf) scale = std::max(scale, std::abs(w[ab]));
+    }
+    const double tol = 64.0 * std::numeric_limits<double>::epsilon() * double(m + 1) * scale;
+    double* mu = s.mu;
+    for (int64_t iter = 0;; ++iter) {
+      TORCH_CHECK(iter <= 100 + 20 * m, "attnkern: sparsemap_chain's active set did not converge in ", iter,
+                  " steps");
+      std::fill(mu, mu + m, 0.0);
+      for (int64_t t = 0; t < ws.k; ++t) {
+        const uint8_t* z = ws.label(t);
+        for (int64_t i = 0; i < m; ++i) mu[i] += z[i] ? ws.xi[t] : 0.0;
+      }
+      double tau = 0.0;  // the support's common value θ_s − μ·z_s (ξ-weighted)
+      for (int64_t t = 0; t < ws.k; ++t) {
+        double dot = 0.0;
+        const uint8_t* z = ws.label(t);
+        for (int64_t i = 0; i < m; ++i) dot += z[i] ? mu[i] : 0.0;
+        tau += ws.xi[t] * (ws.theta[t] - dot);
+      }
+      for (int64_t i = 0; i < m; ++i) ws.cost[i] = u[i] - mu[i];
+      if (viterbi(ws, ws.cost.get(), m, w) <= tau + tol || ws.holds_candidate(m)) break;
+      if (ws.candidate_depends(m)) {
+        // Move along (−λ, +1), which keeps Z_S ξ and raises the objective,
+        // until a weight with λ_s > 0 reaches 0; that labeling leaves.
+        int64_t block = -1;
+        double step = std::numeric_limits<double>::infinity();
+        for (int64_t t = 0; t < ws.k; ++t) {
+          if (ws.lambda[t] > 1e-12 && ws.xi[t] / ws.lambda[t] < step) {
+            step = ws.xi[t] / ws.lambda[t];
+            block = t;
+          }
+        }
+        TORCH_CHECK(block >= 0, "attnkern: sparsemap_chain met a degenerate active set");
+        for (int64_t t = 0; t < ws.k; ++t) ws.xi[t] -= step * ws.lambda[t];
+        ws.xi[block] = 0.0;
+        ws.add_candidate(u, m, w);
+        ws.xi[ws.k - 1] = step;
+        ws.remove(block, m);
+        if (!restricted_qp(ws, -1)) break;
+      } else {
+        ws.add_candidate(u, m, w);
+        if (!restricted_qp(ws, ws.k - 1)) break;
+      }
+    }
+    std::fill(mu, mu + m, 0.0);
+    for (int64_t t = 0; t < ws.k; ++t) {
+      const uint8_t* z = ws.label(t);
+      for (int64_t i = 0; i < m; ++i) mu[i] += z[i] ? ws.xi[t] : 0.0;
+    }
+    return true;
+  }
+
+  static bool forward(ChainScratch& s, Workspace& ws, int64_t m, const double* w) { return solve(s, ws, m, w); }
+
+  static bool backward(ChainScratch& s, Workspace& ws, int64_t m, const double* w, double* dw) {
+    if (!solve(s, ws, m, w)) return false;
+    for (int64_t t = 0; t < ws.k; ++t) {
+      double r = 0.0;
+      const uint8_t* z = ws.label(t);
+      for (int64_t i = 0; i < m; ++i) r += z[i] ? s.g[i] : 0.0;
+      ws.rhs[t] = r;
+    }
+    ws.solve_kkt(0.0);
+    for (int64_t i = 0; i < m; ++i) {
+      double du = 0.0;
+      for (int64_t t = 0; t < ws.k; ++t) du += ws.label(t)[i] ? ws.rhs[t] : 0.0;
+      s.out[s.pos[i]] = du;
+    }
+    if (dw) {
+      for (int64_t t = 0; t < ws.k; ++t) {
+        for (int ab = 0; ab < 4; ++ab) dw[ab] += ws.rhs[t] * ws.counts[4 * t + ab];
+      }
+    }
+    return true;
+  }
+};
+
+}  // namespace
+
+void add_chain_kernels(KernelTable& t) {
+  t.crf_marginals_fwd = &chain_fwd<CrfMarginals>;
+  t.crf_marginals_bwd = &chain_bwd<CrfMarginals>;
+  t.sparsemap_chain_fwd = &chain_fwd<Sparsemap>;
+  t.sparsemap_chain_bwd = &chain_bwd<Sparsemap>;
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace attnkern
