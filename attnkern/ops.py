@@ -167,26 +167,34 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50, e
     return entmax(X, alpha, dim, backend=backend)
 
 
-def _structured(name: str, X: torch.Tensor, dim: int, lam, backend: str) -> torch.Tensor:
-    """The structured normalizer `name` (fusedmax, oscarmax) through its CPU
-    kernel or the reference; other devices only by the reference, when asked."""
+# The structured ops whose parameter is the chain's 2×2 transition scores
+# (the others take λ).
+_CHAIN_OPS = ("crf_marginals", "sparsemap_chain")
+
+
+def _structured(name: str, X: torch.Tensor, dim: int, param, backend: str) -> torch.Tensor:
+    """The structured op `name` (fusedmax, oscarmax with param = λ;
+    crf_marginals, sparsemap_chain with param = the pairwise scores) through
+    its CPU kernel or the reference; other devices only by the reference, when
+    asked."""
     dim = _prologue(X, dim)
     if not _compiling():
-        lam = check_row_param(lam, X, dim, name="lam", lower=0.0, strict=False)
+        param = (check_pairwise(param, X, dim) if name in _CHAIN_OPS
+                 else check_row_param(param, X, dim, name="lam", lower=0.0, strict=False))
     oracle = getattr(reference, name)
     if backend == "reference":
-        return oracle(X, lam, dim)
+        return oracle(X, param, dim)
     if X.device.type != "cpu" or backend not in ("auto", "cpu"):
         raise NotImplementedError(
             f"attnkern.{name} has kernels for CPU tensors only (got backend={backend!r} on {X.device}); "
             "backend='reference' runs the float64 reference on any device")
     if registry.choose(backend, X) == "reference":  # auto without the compiled extension (warned)
-        return oracle(X, lam, dim)
+        return oracle(X, param, dim)
     from attnkern import autograd
 
-    if not isinstance(lam, torch.Tensor):
-        lam = torch.tensor(lam, dtype=acc_dtype(X.dtype))
-    return getattr(autograd, f"{name}_apply")(X, lam, dim)
+    if not isinstance(param, torch.Tensor):
+        param = torch.tensor(param, dtype=acc_dtype(X.dtype))
+    return getattr(autograd, f"{name}_apply")(X, param, dim)
 
 
 def fusedmax(X: torch.Tensor, dim: int = -1, lam=1.0, *, backend: str = "auto") -> torch.Tensor:
@@ -240,7 +248,7 @@ def crf_marginals(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str 
     only (in unary and pairwise). Kernels: CPU; on other devices pass
     backend="reference" (float64, slow: an oracle).
     """
-    return _chain("crf_marginals", unary, pairwise, dim, backend)
+    return _structured("crf_marginals", unary, dim, pairwise, backend)
 
 
 def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str = "auto") -> torch.Tensor:
@@ -258,24 +266,5 @@ def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: st
     clamp(unary, 0, 1). Arguments, masks and derivatives as crf_marginals;
     solved exactly by the active-set method with Viterbi as the oracle.
     """
-    return _chain("sparsemap_chain", unary, pairwise, dim, backend)
+    return _structured("sparsemap_chain", unary, dim, pairwise, backend)
 
-
-def _chain(name: str, unary: torch.Tensor, pairwise, dim: int, backend: str) -> torch.Tensor:
-    """A binary linear-chain op (crf_marginals, sparsemap_chain) through its CPU
-    kernel or the reference; other devices only by the reference, when asked."""
-    dim = _prologue(unary, dim)
-    if not _compiling():
-        pairwise = check_pairwise(pairwise, unary, dim)
-    oracle = getattr(reference, name)
-    if backend == "reference":
-        return oracle(unary, pairwise, dim)
-    if unary.device.type != "cpu" or backend not in ("auto", "cpu"):
-        raise NotImplementedError(
-            f"attnkern.{name} has kernels for CPU tensors only (got backend={backend!r} on {unary.device}); "
-            "backend='reference' runs the float64 reference on any device")
-    if registry.choose(backend, unary) == "reference":  # auto without the compiled extension (warned)
-        return oracle(unary, pairwise, dim)
-    from attnkern import autograd
-
-    return getattr(autograd, f"{name}_apply")(unary, pairwise, dim)

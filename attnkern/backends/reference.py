@@ -646,6 +646,15 @@ def oscarmax(x: torch.Tensor, lam, dim: int = -1) -> torch.Tensor:
 # --- linear-chain CRF marginals ---------------------------------------------------------------
 
 
+def _chain_rows(unary: torch.Tensor, pairwise: torch.Tensor, dim: int):
+    """The chain ops' inputs as rows: (unary in float64 with dim last, its rows
+    (rows, n), the 2×2 scores of each row (rows, 2, 2))."""
+    z = _rows_last(unary, dim)
+    rows = z.reshape(-1, z.shape[-1])
+    w = pairwise.to(torch.float64).expand(*z.shape[:-1], 2, 2).reshape(-1, 2, 2)
+    return z, rows, w
+
+
 def _chain_log_partition(u: torch.Tensor, w: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """log Z of each row's binary chain over its finite entries: u (rows, n),
     any value where `finite` is False; w (rows, 2, 2). A removed entry leaves
@@ -683,10 +692,7 @@ def crf_marginals(unary: torch.Tensor, pairwise: torch.Tensor, dim: int = -1) ->
     autograd differentiates it once more for the backward."""
     if not unary.numel():
         return torch.zeros_like(unary)
-    z = _rows_last(unary, dim)
-    n = z.shape[-1]
-    rows = z.reshape(-1, n).to(torch.float64)
-    w = pairwise.to(torch.float64).expand(*z.shape[:-1], 2, 2).reshape(-1, 2, 2)
+    z, rows, w = _chain_rows(unary, pairwise, dim)
     finite = rows > -math.inf
     bad = rows.isnan().any(-1) | (rows == math.inf).any(-1)
     u = torch.where(finite & ~bad.unsqueeze(-1), rows, torch.zeros_like(rows))
@@ -784,10 +790,7 @@ def sparsemap_chain(unary: torch.Tensor, pairwise: torch.Tensor, dim: int = -1) 
     differentiates it in unary and pairwise."""
     if not unary.numel():
         return torch.zeros_like(unary)
-    z = _rows_last(unary, dim)
-    n = z.shape[-1]
-    rows = z.reshape(-1, n).to(torch.float64)
-    w = pairwise.to(torch.float64).expand(*z.shape[:-1], 2, 2).reshape(-1, 2, 2)
+    z, rows, w = _chain_rows(unary, pairwise, dim)
     out = []
     for r in range(rows.shape[0]):
         row = rows[r]
