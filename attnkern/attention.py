@@ -13,9 +13,16 @@ import torch
 
 from attnkern import _extension, ops, validation
 from attnkern.backends import reference, registry
-from attnkern.family import NORMALIZERS, Family, acc_dtype, takes_alpha
+from attnkern.family import (
+    ATTENTION_NORMALIZERS,
+    NORMALIZERS,
+    acc_dtype,
+    check_attention_normalizer,
+    takes_alpha,
+    takes_lam,
+)
 
-__all__ = ["attention", "draw_dropout_seed", "NORMALIZERS"]
+__all__ = ["attention", "draw_dropout_seed", "NORMALIZERS", "ATTENTION_NORMALIZERS"]
 
 
 def draw_dropout_seed() -> torch.Tensor:
@@ -62,7 +69,7 @@ def _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise TypeError(f"scale must be None or a finite float, got {scale!r}")
-    Family.of(normalizer)
+    check_attention_normalizer(normalizer)
 
 
 def _check_window(window):
@@ -162,9 +169,9 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               dropout_p: float = 0.0, is_causal: bool = False, scale=None, enable_gqa: bool = False, *,
-              normalizer: str = "softmax", alpha=None, backend: str = "auto", return_weights: bool = False,
-              window=None, cache_seqlens=None):
-    """Attention with softmax, sparsemax, entmax15 or α-entmax weights.
+              normalizer: str = "softmax", alpha=None, lam=None, backend: str = "auto",
+              return_weights: bool = False, window=None, cache_seqlens=None):
+    """Attention with softmax, sparsemax, entmax15, α-entmax, fusedmax or oscarmax weights.
 
     Arguments as torch.nn.functional.scaled_dot_product_attention:
       query (..., H, L, E), key (..., Hk, S, E), value (..., Hk, S, Ev); leading
@@ -183,6 +190,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
       (one per head), or a tensor broadcastable to (..., H, 1, 1); it may
       require grad. Each row of weights p solves
       argmax_{p in Δ} <p, s> + H^T_α(p) (Tsallis entropy; α = 1 Shannon).
+      The structured "fusedmax" and "oscarmax" (attnkern.fusedmax,
+      attnkern.oscarmax on each row of scores) take `lam` instead: a float >= 0
+      (default 1.0), a tensor of H values or broadcastable to (..., H, 1, 1),
+      which may require grad; λ applies to the scaled, masked scores. Their
+      positions are key positions: masked keys are removed, so the allowed
+      keys on either side of a masked run are neighbours (fusedmax), exactly
+      as in the row-wise ops. CPU kernels only (fused, O(L + S) memory per
+      block of rows); other devices take backend="reference".
     A query whose keys are all masked gets zeros (no NaN) for every normalizer.
     window: (left, right), FlashAttention's window_size: query i sees keys
       i + S - L - left <= j <= i + S - L + right (bottom-right alignment; the
@@ -197,7 +212,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
       them and runs unfused (the row-wise normalizer kernels).
     Returns out (..., H, L, Ev) in query's dtype [, weights].
     """
-    if window is None and cache_seqlens is None and _plain_call(
+    if window is None and cache_seqlens is None and lam is None and _plain_call(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha, backend,
             return_weights):
         from attnkern.autograd import AttentionFunction
@@ -205,6 +220,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         return AttentionFunction.apply(query, key, value, None, None, is_causal, scale, normalizer, "ops", 0.0, None)
     if query.is_nested or key.is_nested or value.is_nested:
+        if lam is not None or takes_lam(normalizer):
+            raise ValueError(f"normalizer={normalizer!r} (lam) is not supported with nested tensors yet")
         return _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha,
                        backend, return_weights, window, cache_seqlens)
     compiling = ops._compiling()
@@ -220,7 +237,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         # Every weight dropped, as SDPA and torch's module allow: zeros (and zero
         # gradients) in the shape and graph of the undropped result.
         res = attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, normalizer=normalizer,
-                        alpha=alpha, backend=backend, return_weights=return_weights, window=window,
+                        alpha=alpha, lam=lam, backend=backend, return_weights=return_weights, window=window,
                         cache_seqlens=cache_seqlens)
         return tuple(r * 0 for r in res) if isinstance(res, tuple) else res * 0
     E = query.shape[-1]
@@ -259,22 +276,34 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                              f"(..., heads, L, S)")
     if not compiling:
         alpha = validation.check_attention_alpha(alpha, normalizer, batch + (H, 1, 1), H, query.device)
-    elif isinstance(alpha, torch.Tensor):
-        alpha = validation.head_alpha_view(alpha, H)
+        lam = validation.check_attention_lam(lam, normalizer, batch + (H, 1, 1), H, query.device)
+    else:
+        alpha = validation.head_alpha_view(alpha, H) if isinstance(alpha, torch.Tensor) else alpha
+        lam = validation.head_alpha_view(lam, H) if isinstance(lam, torch.Tensor) else (
+            1.0 if lam is None and takes_lam(normalizer) else lam)
+    # The kernels take one parameter per head: α of α-entmax, λ of the
+    # structured normalizers (in the op's alpha argument).
+    has_head_param = takes_alpha(normalizer) or takes_lam(normalizer)
+    head_param = lam if takes_lam(normalizer) else alpha
 
-    alpha_batched = (isinstance(alpha, torch.Tensor) and alpha.dim() > 3
-                     and any(d != 1 for d in alpha.shape[:-3]))
+    alpha_batched = (isinstance(head_param, torch.Tensor) and head_param.dim() > 3
+                     and any(d != 1 for d in head_param.shape[:-3]))
     key_lengths = None
     if cache_seqlens is not None:
         key_lengths = _check_cache_seqlens(cache_seqlens, batch, S, query.device, compiling)
-        if alpha_batched and takes_alpha(normalizer):
-            raise ValueError("cache_seqlens with an alpha that differs along the batch dims is not supported: "
-                             "give alpha one value per head, or call per batch element")
+        if alpha_batched and has_head_param:
+            name = "lam" if takes_lam(normalizer) else "alpha"
+            raise ValueError(f"cache_seqlens with an {name} that differs along the batch dims is not supported: "
+                             f"give {name} one value per head, or call per batch element")
     mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
 
     chosen = registry.choose(backend, query, "attention", mask_grad=mask_grad)
     if H == 0 or E == 0:
         chosen = "reference"  # nothing for a kernel to do: no heads, or scores all 0 (E = 0)
+    if takes_lam(normalizer) and chosen not in ("cpu", "reference"):
+        raise NotImplementedError(
+            f"normalizer={normalizer!r} attention has CPU kernels only (got backend={backend!r} on "
+            f"{query.device}); backend='reference' runs the float64 reference (materialized scores) on any device")
     if (chosen == "reference" or return_weights) and (window is not None or key_lengths is not None):
         # (Unfused: the key band as a dense mask.)
         band = reference.band_mask(L, S, is_causal=is_causal, window=window, cache_seqlens=key_lengths,
@@ -286,10 +315,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         is_causal = False
     if chosen == "reference":
         res = reference.attention(q, k, v, attn_mask, is_causal, scale, normalizer=normalizer, alpha=alpha,
-                                  dropout_p=float(dropout_p), return_weights=return_weights)
+                                  lam=lam, dropout_p=float(dropout_p), return_weights=return_weights)
         return _unpad(res, added)
     if return_weights:
-        return _unpad(_unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha,
+        return _unpad(_unfused(q, k, v, attn_mask, is_causal, scale, normalizer, head_param,
                                "auto" if chosen == "triton" else chosen, float(dropout_p)), added)
 
     B = math.prod(batch)
@@ -319,7 +348,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     # α goes to the CPU kernels in float64 for float64 inputs (unrounded), else
     # (and to the CUDA and Triton kernels) in float32.
     alpha_dtype = torch.float64 if acc == torch.float64 and chosen == "cpu" else torch.float32
-    if takes_alpha(normalizer):
+    if has_head_param:
+        alpha = head_param
         if isinstance(alpha, torch.Tensor) and alpha_batched:
             # One α per (batch, head): the kernels take one α per head, so the
             # batch is folded into the heads, (B, H) -> (1, B·H); query head
@@ -381,8 +411,9 @@ def _unpad(res, added: int):
     return res.reshape(res.shape[added:])
 
 
-def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend, dropout_p: float):
-    """Materialized weights through the row-wise normalizers (return_weights=True):
+def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, param, backend, dropout_p: float):
+    """Materialized weights through the row-wise normalizers (return_weights=True;
+    param: α of α-entmax, λ of fusedmax and oscarmax, else None):
     the reference's scores, in the accumulation dtype (float32 but for float64).
     With dropout_p > 0 the weights are dropped out (torch's generator) before
     p·v and returned so, as torch's MultiheadAttention returns them."""
@@ -390,8 +421,11 @@ def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, alpha, backend, d
     k, v = reference.expand_kv_heads(q, k.to(acc), v.to(acc))
     s = reference.attention_scores(q.to(acc), k, attn_mask, is_causal, scale)
     if takes_alpha(normalizer):
-        a = alpha.to(acc) if isinstance(alpha, torch.Tensor) else alpha
+        a = param.to(acc) if isinstance(param, torch.Tensor) else param
         p = ops.entmax(s, a, -1, backend=backend)
+    elif takes_lam(normalizer):
+        lam = param.to(acc) if isinstance(param, torch.Tensor) else param
+        p = getattr(ops, normalizer)(s, -1, lam, backend=backend)
     else:
         p = getattr(ops, normalizer)(s, -1, backend=backend)
     if dropout_p > 0:

@@ -51,6 +51,27 @@ _BY_NAME = {f.normalizer: f for f in Family}
 NORMALIZERS: tuple[str, ...] = tuple(_BY_NAME)
 
 
+# The structured normalizers (Niculae & Blondel): sparsemax after a prox, with
+# a λ >= 0 where the family has α. Attention and the RNN attention modules take
+# them besides the family (the CPU kernels' attention runs them as sparsemax
+# heads with a prox: csrc/cpu/structured_row.h).
+STRUCTURED_NORMALIZERS: tuple[str, ...] = ("fusedmax", "oscarmax")
+
+# Every normalizer attnkern.attention takes.
+ATTENTION_NORMALIZERS: tuple[str, ...] = NORMALIZERS + STRUCTURED_NORMALIZERS
+
+
+def takes_lam(normalizer: str) -> bool:
+    """Whether the normalizer of this name takes λ (the structured ones)."""
+    return normalizer in STRUCTURED_NORMALIZERS
+
+
+def check_attention_normalizer(normalizer) -> None:
+    """ValueError unless `normalizer` is one attention takes."""
+    if not (isinstance(normalizer, str) and normalizer in ATTENTION_NORMALIZERS):
+        raise ValueError(f"normalizer must be one of {ATTENTION_NORMALIZERS}, got {normalizer!r}")
+
+
 def takes_alpha(normalizer: str) -> bool:
     """Whether the normalizer of this name takes α (False for unknown names)."""
     return normalizer == Family.ENTMAX.normalizer

@@ -16,7 +16,7 @@ import operator
 import numpy as np
 import torch
 
-from attnkern.family import Family, acc_dtype, takes_alpha
+from attnkern.family import STRUCTURED_NORMALIZERS, Family, acc_dtype, takes_alpha, takes_lam
 
 
 class DimensionError(IndexError, ValueError):
@@ -184,33 +184,51 @@ def head_alpha_view(alpha: torch.Tensor, heads: int) -> torch.Tensor:
     return alpha
 
 
+def _head_param(value, name: str, target: tuple, heads: int, device: torch.device, strict: bool):
+    """A per-head parameter of attention (α, λ): a finite float > 0 (>= 0 if not
+    strict), or a floating-point tensor on the query's `device` broadcastable
+    to `target` = (*batch, H, 1, 1), where a 1-d tensor of H values is one value
+    per head (returned viewed as (H, 1, 1))."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a float or a tensor, got bool")
+    if isinstance(value, numbers.Real):
+        return check_real(value, name, lower=0.0, strict=strict)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a float or a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but query is on {device}")
+    t = head_alpha_view(value, heads)
+    if not broadcasts_to(t.shape, target):
+        raise ValueError(f"{name} of shape {tuple(value.shape)} must be a float, a tensor of {heads} values "
+                         f"(one per head), or broadcastable to {tuple(target)}")
+    check_values(t, name, lower=0.0, strict=strict)
+    return t
+
+
 def check_attention_alpha(alpha, normalizer: str, target: tuple, heads: int, device: torch.device):
-    """attention's α: None unless the normalizer takes it; then a finite float >
-    0, or a floating-point tensor on the query's `device` broadcastable to
-    `target` = (*batch, H, 1, 1), where a 1-d tensor of H values is one α per
-    head (returned viewed as (H, 1, 1))."""
+    """attention's α: None unless the normalizer takes it; then as _head_param
+    (> 0)."""
     if not takes_alpha(normalizer):
         if alpha is not None:
             raise ValueError(f"alpha is only used with normalizer='entmax', got normalizer={normalizer!r}")
         return None
     if alpha is None:
         raise ValueError("normalizer='entmax' needs alpha (a float > 0 or a tensor of one value per head)")
-    if isinstance(alpha, bool):
-        raise TypeError("alpha must be a float or a tensor, got bool")
-    if isinstance(alpha, numbers.Real):
-        return check_real(alpha, "alpha")
-    if not isinstance(alpha, torch.Tensor):
-        raise TypeError(f"alpha must be a float or a torch.Tensor, got {type(alpha).__name__}")
-    if not alpha.is_floating_point():
-        raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
-    if alpha.device != device:
-        raise ValueError(f"alpha is on {alpha.device} but query is on {device}")
-    a = head_alpha_view(alpha, heads)
-    if not broadcasts_to(a.shape, target):
-        raise ValueError(f"alpha of shape {tuple(alpha.shape)} must be a float, a tensor of {heads} values "
-                         f"(one per head), or broadcastable to {tuple(target)}")
-    check_values(a, "alpha")
-    return a
+    return _head_param(alpha, "alpha", target, heads, device, strict=True)
+
+
+def check_attention_lam(lam, normalizer: str, target: tuple, heads: int, device: torch.device):
+    """attention's λ: None unless the normalizer is structured (fusedmax,
+    oscarmax); then 1.0 for None (as the row-wise ops), else as _head_param
+    (>= 0)."""
+    if not takes_lam(normalizer):
+        if lam is not None:
+            raise ValueError(f"lam is only used with normalizer in {STRUCTURED_NORMALIZERS}, got "
+                             f"normalizer={normalizer!r}")
+        return None
+    return 1.0 if lam is None else _head_param(lam, "lam", target, heads, device, strict=False)
 
 
 def check_module_alpha(normalizer: str, alpha) -> None:

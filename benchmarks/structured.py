@@ -6,7 +6,9 @@ sparsemax's, which does the same threshold work; crf_marginals (a
 forward-backward per row) and sparsemap_chain (an active set per row, on
 shorter rows) against torch.softmax's. Forward and
 forward+backward at [4096, 1024] float32, interleaved rounds, 1 and 2
-threads. Writes <out>.json and <out>.md in the format of benchmarks/ratios.py
+threads. And fused fusedmax / oscarmax attention against the unfused path
+(materialized scores, the row-wise op, the matmuls) at B=1, H=8, N=2048, E=64.
+Writes <out>.json and <out>.md in the format of benchmarks/ratios.py
 (docs.py renders them into docs/benchmarks.md).
 """
 
@@ -28,6 +30,11 @@ LAMS = (0.1, 1.0)
 # crf_marginals: fwd+bwd at most this multiple of torch.softmax's.
 CRF_TARGET_VS_SOFTMAX = 4.0
 SPARSEMAP_SHAPE = (512, 128)
+# Fused attention (B, H, N, E) and its target: fwd and fwd+bwd at most this
+# multiple of the unfused path's time (fusedmax; oscarmax reported).
+ATTENTION_SHAPE = (1, 8, 2048, 64)
+FUSED_TARGET_VS_UNFUSED = {"fusedmax": 0.7, "oscarmax": None}
+ATTENTION_LAM = 0.1
 
 
 def cases(rounds):
@@ -78,6 +85,41 @@ def cases(rounds):
     yield label, "sparsemap_chain", "fwd", None, interleaved(fwd(sparsemap, xs), fwd(softmax, xs), rounds)
     yield (label, "sparsemap_chain", "fwd+bwd", None,
            interleaved(fwdbwd(sparsemap, xs, gs), fwdbwd(softmax, xs, gs), rounds))
+    yield from attention_cases(rounds)
+
+
+def attention_cases(rounds):
+    B, H, N, E = ATTENTION_SHAPE
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(B, H, N, E, generator=gen) for _ in range(4))
+
+    def fused(name):
+        def run(q, k, v):
+            return attnkern.attention(q, k, v, normalizer=name, lam=ATTENTION_LAM)
+        return run
+
+    def unfused(name):
+        def run(q, k, v):
+            s = (q @ k.transpose(-1, -2)) * E**-0.5
+            return getattr(attnkern, name)(s, -1, ATTENTION_LAM) @ v
+        return run
+
+    def fwd(fn):
+        def call():
+            with torch.no_grad():
+                fn(q, k, v)
+        return call
+
+    def fwdbwd(fn):
+        def call():
+            qkv = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            torch.autograd.grad(fn(*qkv), qkv, go)
+        return call
+
+    label = f"attention B={B} H={H} N={N} E={E} λ={ATTENTION_LAM}, fused vs unfused"
+    for name, target in FUSED_TARGET_VS_UNFUSED.items():
+        yield label, name, "fwd", target, interleaved(fwd(fused(name)), fwd(unfused(name)), rounds)
+        yield label, name, "fwd+bwd", target, interleaved(fwdbwd(fused(name)), fwdbwd(unfused(name)), rounds)
 
 
 def main() -> None:
@@ -87,7 +129,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="prefix of the .md and .json written")
     args = ap.parse_args()
     note = ("Ratio = the structured normalizer's time / attnkern.sparsemax's on the same rows (crf_marginals, "
-            "sparsemap_chain: / torch.softmax's; the \"baseline ms\" column holds the baseline's time)")
+            "sparsemap_chain: / torch.softmax's; attention: fused / unfused; the \"baseline ms\" column holds the "
+            "baseline's time)")
     record_float32_cases("benchmarks/structured.py", note, args.threads, lambda: cases(args.rounds), Path(args.out))
 
 

@@ -169,6 +169,25 @@ def run_python(code, env=None, timeout=300, cwd=None):
                           cwd=cwd)
 
 
+def assert_same_with_1_and_2_threads(body):
+    """Runs `body` (Python source that appends the tensors to compare to a list
+    `row`; torch, attnkern and make_qkv imported) in a fresh process with 1 and
+    then 2 threads, torch.manual_seed(0) before each, and asserts the results
+    are bitwise equal."""
+    import os
+    import textwrap
+
+    code = ("import torch, attnkern\nfrom helpers import make_qkv\nres = []\nfor n in (1, 2):\n"
+            "    torch.set_num_threads(n)\n    torch.manual_seed(0)\n    row = []\n"
+            + textwrap.indent(textwrap.dedent(body), "    ")
+            + "\n    res.append(row)\n"
+            "assert all(torch.equal(a, b) for a, b in zip(*res, strict=True)), \\\n"
+            "    'results differ between 1 and 2 threads'\n"
+            "print('ok')\n")
+    r = run_python(code, env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
 def run_experiment(name, out, *argv):
     """Runs `attnkern-exp NAME --out OUT ARGV...` in this process and returns its
     result JSON and markdown, after checking that it exited 0, wrote both files

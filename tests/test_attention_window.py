@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import alpha_for, assert_close_tol, dalpha_tol, make_qkv, ref_attention, run_python
+from helpers import alpha_for, assert_close_tol, assert_same_with_1_and_2_threads, dalpha_tol, make_qkv, ref_attention
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attnkern
@@ -240,28 +240,14 @@ def test_unbounded_window_is_the_plain_call():
 
 
 def test_thread_count_does_not_change_banded_results():
-    code = """
-import torch, attnkern
-from helpers import make_qkv
-res = []
-for n in (1, 2):
-    torch.set_num_threads(n)
-    q, k, v, go = make_qkv(2, 4, 2, 600, 600, 64, 64, seed=1, grad_out=True)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    row = []
-    for norm in ("softmax", "sparsemax"):
-        out = attnkern.attention(q, k, v, normalizer=norm, enable_gqa=True, window=(130, 3),
-                                 cache_seqlens=torch.tensor([600, 333]))
-        row += [out] + list(torch.autograd.grad(out, (q, k, v), go))
-    res.append(row)
-assert all(torch.equal(a, b) for a, b in zip(*res)), "results differ between 1 and 2 threads"
-print("ok")
-"""
-    import os
-
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
-    r = run_python(code, env=env)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    assert_same_with_1_and_2_threads("""
+        q, k, v, go = make_qkv(2, 4, 2, 600, 600, 64, 64, seed=1, grad_out=True)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        for norm in ("softmax", "sparsemax"):
+            out = attnkern.attention(q, k, v, normalizer=norm, enable_gqa=True, window=(130, 3),
+                                     cache_seqlens=torch.tensor([600, 333]))
+            row += [out] + list(torch.autograd.grad(out, (q, k, v), go))
+    """)
 
 
 def test_opcheck_and_compile_with_a_band():

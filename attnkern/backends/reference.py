@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from attnkern.family import Family
+from attnkern.family import STRUCTURED_NORMALIZERS, Family
 from attnkern.validation import any_true
 
 # Bisection steps: the bracket is at most ln(n) + 1 wide, so 100 halvings
@@ -379,7 +379,7 @@ def band_mask(L: int, S: int, *, is_causal: bool = False, window=None, cache_seq
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
-              is_causal: bool = False, scale=None, *, normalizer: str = "softmax", alpha=None,
+              is_causal: bool = False, scale=None, *, normalizer: str = "softmax", alpha=None, lam=None,
               dropout_p: float = 0.0, dropout_mask: torch.Tensor | None = None, return_weights: bool = False):
     """Unfused attention in float64: p = normalizer(scale·q·kᵀ + mask) along keys, out = p·v.
 
@@ -388,6 +388,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     dims broadcast. attn_mask: None, bool (True = takes part) or float (added),
     broadcastable to (..., H, L, S). is_causal: query i sees keys j <= i.
     alpha ("entmax" only): float, or tensor broadcastable to (..., H, 1, 1).
+    lam ("fusedmax", "oscarmax" only): the same (None: 1.0); each row of scores
+      goes through the row-wise reference of that name.
     dropout_p: dropout on p before p·v (as torch's MultiheadAttention): each
       weight is kept with probability 1 - dropout_p and scaled by 1 / (1 - dropout_p).
     dropout_mask: the keep mask (bool, broadcastable to (..., H, L, S)) to use
@@ -404,8 +406,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     # so that no gradient (in α either) goes through them.
     empty = (s == -math.inf).all(-1, keepdim=True)
     s = torch.where(empty, torch.zeros_like(s), s)
-    family = Family.of(normalizer)
-    if family.takes_alpha:
+    if normalizer in STRUCTURED_NORMALIZERS:
+        lam = 1.0 if lam is None else lam
+        lam = lam.to(device=s.device, dtype=torch.float64) if isinstance(lam, torch.Tensor) else lam
+        p = (fusedmax if normalizer == "fusedmax" else oscarmax)(s, lam, -1)
+    elif (family := Family.of(normalizer)).takes_alpha:
         a = alpha if isinstance(alpha, torch.Tensor) else torch.tensor(float(alpha), dtype=torch.float64)
         p = entmax(s, a.to(device=s.device, dtype=torch.float64), -1)
     else:

@@ -1,5 +1,5 @@
-"""Multi-head attention with softmax, sparsemax, entmax15 or α-entmax weights,
-a drop-in for torch.nn.MultiheadAttention."""
+"""Multi-head attention with softmax, sparsemax, entmax15, α-entmax, fusedmax or
+oscarmax weights, a drop-in for torch.nn.MultiheadAttention."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkern.attention import _check_window, attention
+from attnkern.family import STRUCTURED_NORMALIZERS, acc_dtype, takes_lam
 from attnkern.nn.normalizers import EntmaxAlpha
 from attnkern.validation import check_mask_dtype, check_module_alpha
 
@@ -31,11 +32,15 @@ class MultiheadAttention(nn.Module):
     Same constructor and forward arguments, parameter names and state_dict
     keys as torch's module (so weights load either way), plus:
       normalizer: "softmax" (default; matches torch's module), "sparsemax",
-        "entmax15" or "entmax".
+        "entmax15", "entmax", or the structured "fusedmax" and "oscarmax"
+        (attnkern.attention's; adjacent means adjacent keys).
       alpha ("entmax" only): a float (fixed α for every head) or "learnable":
         one α per head, α = 1 + sigmoid(θ) ∈ (1, 2), initialized at
         `alpha_init` (as attnkern.nn.EntmaxAlpha; θ follows device and dtype,
         but stays float32 for float16 and bfloat16).
+      lam ("fusedmax", "oscarmax" only): a float >= 0 (fixed λ for every
+        head; default 1.0) or "learnable": one λ = exp(ρ) > 0 per head,
+        initialized at `lam_init` (ρ float32 for float16 and bfloat16).
       backend: passed to attnkern.attention.
       window: (left, right) keys around each query's position, as
         attnkern.attention's (bottom-right alignment; -1 unbounded), computed
@@ -50,12 +55,26 @@ class MultiheadAttention(nn.Module):
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, device=None, dtype=None, *,
                  normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, backend: str = "auto",
-                 window=None):
+                 window=None, lam=None, lam_init: float = 1.0):
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        check_module_alpha(normalizer, alpha)
+        if takes_lam(normalizer):
+            if alpha is not None:
+                raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} with "
+                                 f"normalizer={normalizer!r} (it takes lam)")
+            lam = 1.0 if lam is None else lam
+            if not (isinstance(lam, str) and lam == "learnable") and (
+                    isinstance(lam, (str, bool)) or not math.isfinite(float(lam)) or float(lam) < 0):
+                raise ValueError(f"lam must be a finite float >= 0 or 'learnable', got {lam!r}")
+            if lam == "learnable" and not (math.isfinite(lam_init) and lam_init > 0):
+                raise ValueError(f"lam_init must be a finite float > 0, got {lam_init!r}")
+        else:
+            check_module_alpha(normalizer, alpha)
+            if lam is not None:
+                raise ValueError(f"lam is only used with normalizer in {STRUCTURED_NORMALIZERS}, got lam={lam!r} "
+                                 f"with normalizer={normalizer!r}")
         window = _check_window(window)
         if window is not None and (add_bias_kv or add_zero_attn):
             raise ValueError("window cannot be combined with add_bias_kv or add_zero_attn: the keys they append "
@@ -98,6 +117,15 @@ class MultiheadAttention(nn.Module):
         else:
             self.entmax_alpha = None
             self.fixed_alpha = None if alpha is None else float(alpha)
+        # λ = exp(ρ) per head when learnable (ρ in float32 for the half types, as θ).
+        self.lam_init = float(lam_init)
+        if lam == "learnable":
+            self.lam_log = nn.Parameter(torch.empty(num_heads, device=device, dtype=acc_dtype(
+                dtype if dtype is not None else torch.get_default_dtype())))
+            self.fixed_lam = None
+        else:
+            self.register_parameter("lam_log", None)
+            self.fixed_lam = None if lam is None else float(lam)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -116,11 +144,18 @@ class MultiheadAttention(nn.Module):
             nn.init.xavier_normal_(self.bias_v)
         if self.entmax_alpha is not None:
             self.entmax_alpha.reset_parameters()
+        if self.lam_log is not None:
+            nn.init.constant_(self.lam_log, math.log(self.lam_init))
 
     @property
     def alpha(self):
         """α per head (a tensor) when learnable, the fixed float, or None."""
         return self.entmax_alpha.alpha if self.entmax_alpha is not None else self.fixed_alpha
+
+    @property
+    def lam(self):
+        """λ per head (a tensor) when learnable, the fixed float, or None."""
+        return self.lam_log.exp() if self.lam_log is not None else self.fixed_lam
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
@@ -183,7 +218,8 @@ class MultiheadAttention(nn.Module):
             mask = mask + tri
 
         res = attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                        is_causal=causal, normalizer=self.normalizer, alpha=self.alpha, backend=self.backend,
+                        is_causal=causal, normalizer=self.normalizer, alpha=self.alpha, lam=self.lam,
+                        backend=self.backend,
                         return_weights=need_weights, window=self.window)
         out, weights = res if need_weights else (res, None)
         out = self.out_proj(out.transpose(1, 2).reshape(N, L, E))

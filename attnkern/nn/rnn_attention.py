@@ -25,13 +25,11 @@ import torch
 from torch import nn
 
 from attnkern import ops
-from attnkern.family import NORMALIZERS, acc_dtype
+from attnkern.family import NORMALIZERS, STRUCTURED_NORMALIZERS, acc_dtype
 from attnkern.validation import check_module_alpha, learnable_alpha_theta
 
 MODES = ("learned", "uniform", "fixed")
-# The structured normalizers (row-wise, with a λ >= 0 instead of an α).
-STRUCTURED = ("fusedmax", "oscarmax")
-RNN_NORMALIZERS = NORMALIZERS + STRUCTURED
+RNN_NORMALIZERS = NORMALIZERS + STRUCTURED_NORMALIZERS
 
 
 def _positive_int(value, name: str) -> int:
@@ -70,7 +68,7 @@ class RNNAttention(nn.Module, abc.ABC):
     def __init__(self, *, normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, mode: str = "learned",
                  backend: str = "auto", lam=None, device=None, dtype=None):
         super().__init__()
-        if normalizer in STRUCTURED:
+        if normalizer in STRUCTURED_NORMALIZERS:
             if alpha is not None:
                 raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} with "
                                  f"normalizer={normalizer!r} (it takes lam)")
@@ -81,7 +79,7 @@ class RNNAttention(nn.Module, abc.ABC):
         else:
             check_module_alpha(normalizer, alpha)
             if lam is not None:
-                raise ValueError(f"lam is only used with normalizer in {STRUCTURED}, got lam={lam!r} with "
+                raise ValueError(f"lam is only used with normalizer in {STRUCTURED_NORMALIZERS}, got lam={lam!r} with "
                                  f"normalizer={normalizer!r}")
             self.lam = None
         if mode not in MODES:
@@ -100,7 +98,7 @@ class RNNAttention(nn.Module, abc.ABC):
     def alpha(self):
         """The α of the normalizer: 1 (softmax), 2 (sparsemax), 1.5, the fixed α,
         or the learnable α as a 0-dim tensor; None for the structured ones."""
-        if self.normalizer in STRUCTURED:
+        if self.normalizer in STRUCTURED_NORMALIZERS:
             return None
         if self.alpha_theta is not None:
             return 1.0 + torch.sigmoid(self.alpha_theta)
@@ -127,7 +125,7 @@ class RNNAttention(nn.Module, abc.ABC):
             return ops.sparsemax(scores, dim=-1, backend=self.backend)
         if self.normalizer == "entmax15":
             return ops.entmax15(scores, dim=-1, backend=self.backend)
-        if self.normalizer in STRUCTURED:
+        if self.normalizer in STRUCTURED_NORMALIZERS:
             return getattr(ops, self.normalizer)(scores, dim=-1, lam=self.lam, backend=self.backend)
         alpha = self.alpha
         if isinstance(alpha, torch.Tensor):

@@ -314,13 +314,23 @@ void backward_kernel(const Problem<acc_t>& P, const acc_t* dout, const float* sh
 
 // ------------------------------------------------------------------- ops
 
+// fusedmax and oscarmax: heads of family sparsemax whose rows a prox
+// precedes (Problem::prox), with λ per head in the op's alpha argument.
+Prox normalizer_prox(c10::string_view name) {
+  if (name == "fusedmax") return Prox::kFusedmax;
+  if (name == "oscarmax") return Prox::kOscarmax;
+  return Prox::kNone;
+}
+
 Family normalizer_family(c10::string_view name) {
+  if (normalizer_prox(name) != Prox::kNone) return Family::kSparsemax;
   std::string names;
   for (int f = 0; f < math::kNumFamilies; ++f) {
     if (name == math::kFamilyNames[f]) return static_cast<Family>(f);
     names += std::string(f ? ", " : "") + math::kFamilyNames[f];
   }
-  TORCH_CHECK(false, "attnkern.attention: normalizer must be one of ", names, "; got '", std::string(name), "'");
+  TORCH_CHECK(false, "attnkern.attention: normalizer must be one of ", names, ", fusedmax, oscarmax; got '",
+              std::string(name), "'");
 }
 
 struct Checked {
@@ -475,6 +485,28 @@ Tensor prepare_alpha(const c10::optional<Tensor>& alpha, Family fam, const Check
   return a;
 }
 
+// λ per head of a structured normalizer (given as the op's alpha), in double;
+// undefined for the other normalizers.
+Tensor prepare_lam(const c10::optional<Tensor>& lam, Prox prox, const Checked& c) {
+  if (prox == Prox::kNone) return Tensor();
+  TORCH_CHECK(lam.has_value() && lam->defined(), "attnkern.attention: normalizers fusedmax and oscarmax need lam "
+              "(one value per query head, in the alpha argument)");
+  TORCH_CHECK(lam->numel() == c.H, "attnkern.attention: lam must have one value per query head (", c.H,
+              "), got shape ", lam->sizes());
+  Tensor l = lam->to(at::kDouble).contiguous().view({c.H});
+  auto lc = l.accessor<double, 1>();
+  for (int64_t h = 0; h < c.H; ++h)
+    TORCH_CHECK_VALUE(std::isfinite(lc[h]) && lc[h] >= 0, "attnkern.attention: lam must be finite and >= 0, got ",
+                      lc[h]);
+  return l;
+}
+
+template <typename acc_t>
+void set_prox(Problem<acc_t>& P, Prox prox, const Tensor& lam) {
+  P.prox = prox;
+  if (prox != Prox::kNone) P.lam.assign(lam.const_data_ptr<double>(), lam.const_data_ptr<double>() + P.H);
+}
+
 // t (..., d) contiguous in the accumulation type, zero-padded to `width`
 // columns (no copy when it already has them).
 Tensor padded(const Tensor& t, at::ScalarType acc, int64_t width) {
@@ -577,8 +609,10 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
   Checked c = check_inputs(q_in, k_in, v_in);
   const Band band = prepare_band(window_left, window_right, key_lengths, c);
   const Family fam = normalizer_family(normalizer);
+  const Prox prox = normalizer_prox(normalizer);
   const Dropout drop = prepare_dropout(dropout_p, dropout_seed, c.S);
   Tensor alpha = prepare_alpha(alpha_in, fam, c);
+  const Tensor lam = prepare_lam(alpha_in, prox, c);
   widen_for_alpha_above_two(c, alpha);
   Tensor mask = prepare_mask(mask_in, c);
   Tensor out;
@@ -615,6 +649,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     if (out_k.numel() > 0 || shift.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, band, scale, fam, alpha);
       P.drop = drop;
+      set_prox(P, prox, lam);
       if (gemm16) {
         set_half_scores(P, hg, q_in, k_in, dt, Ep, q16, k16);
         if (has_softmax_head(P)) {
@@ -681,8 +716,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
   TORCH_CHECK(shift_in.sizes() == at::IntArrayRef({c.B, c.H, c.L}),
               "attnkern.attention_bwd: shift must have shape (B, H, L)");
   Tensor shift = shift_in.to(at::kFloat).contiguous();
+  const Prox prox = normalizer_prox(normalizer);
   Tensor alpha = prepare_alpha(alpha_in, fam, c);
-  const bool want_alpha = alpha_grad && fam == Family::kGeneric;
+  const Tensor lam = prepare_lam(alpha_in, prox, c);
+  // (dalpha: dα of α-entmax, dλ of fusedmax and oscarmax.)
+  const bool want_alpha = alpha_grad && (fam == Family::kGeneric || prox != Prox::kNone);
   widen_for_alpha_above_two(c, alpha);
   Tensor mask = prepare_mask(mask_in, c);
 
@@ -745,6 +783,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     if (dq_p.numel() > 0 || dk_acc.numel() > 0 || dv_acc.numel() > 0) {
       auto P = make_problem<scalar_t>(c, q, k, v, mask, is_causal, band, scale, fam, alpha);
       P.drop = drop;
+      set_prox(P, prox, lam);
       Tensor q16, k16, do16, vk16, kv16, delta;
       if (gemm16) {
         q16 = padded(q_in, dt, Ep);

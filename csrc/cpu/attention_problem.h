@@ -27,6 +27,7 @@
 #include "dropout.h"
 #include "entmax_row.h"
 #include "half_gemm.h"
+#include "structured_row.h"
 #include "tile_gemm.h"
 
 namespace attnkern {
@@ -120,6 +121,10 @@ struct Problem {
   // Per head: b = α - 1 and its family.
   std::vector<acc_t> b;
   std::vector<Family> fam;
+  // fusedmax / oscarmax (every head then of family sparsemax, taking the
+  // row-buffer path, with λ per head in lam): rows solved by ProxRow.
+  Prox prox = Prox::kNone;
+  std::vector<double> lam;
   // Dropout on the weights (off when dropout_p = 0).
   Dropout drop;
   // The softmax backward takes δ = Σ P dP from its own P and dP, in a pass over
@@ -800,6 +805,7 @@ struct Workspace {
   LineVector<acc_t> q_wide, v_wide;  // a block's q rows and a head's V, widened (Problem::q_half)
   LineVector<acc_t> k_panels, keys;  // a head's key panels (Problem::k_src), and one panel's keys
   LineVector<acc_t> k_wide, v_panels, do_wide;  // the backward's (Problem::widen_kv, pack_v_task)
+  ProxRow prox;                      // the structured rows' solver (Problem::prox)
 };
 
 // attention_softmax.cpp: one block of m query rows from i0 of (batch bi, head

@@ -570,57 +570,43 @@ const acc_t* widen_v_rows(const Problem<acc_t>& P, int64_t bi, int64_t hk, int64
                          P.half_is_bf16, j1 - j0, P.ev_half, P.Ev, buf);
 }
 
-// Forward of a block of rows of one head, of family FAM (not softmax: its
-// heads take the tiled path).
-template <typename acc_t, Family FAM>
-void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
-                  float* c, Workspace<acc_t>& ws) {
+// O (m x Ev) = the block's rows of probabilities times V, row by row over
+// their support lists (ws.idx, ws.pvals, ws.ptr), from V as it is
+// (bfloat16 / float16: P.v_rows_half; the padded columns zero).
+template <typename acc_t>
+void listed_pv(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t m, acc_t* o, Workspace<acc_t>& ws) {
+  const int64_t hk = h / P.group();
+  auto rows = [&](const auto* v, int64_t ldv, int64_t ev) {
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t t0 = ws.ptr[r];
+      acc_t* orow = o + r * P.Ev;
+      accumulate_listed(ws.pvals.data() + t0, ws.idx.data() + t0, ws.ptr[r + 1] - t0, v, ldv, ev, orow);
+      std::fill(orow + ev, orow + P.Ev, acc_t(0));
+    }
+  };
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (P.v_rows_half) {
+      const int64_t off = ((bi * P.Hk + hk) * P.S + P.key0) * P.ev_half;
+      if (P.half_is_bf16) return rows(static_cast<const c10::BFloat16*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
+      return rows(static_cast<const c10::Half*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
+    }
+  }
+  rows(P.v_head(bi, hk), P.Ev, P.Ev);
+}
+
+// O (m x Ev) = P · V for the block's rows of probabilities in ws.y (row
+// stride ld), dropout applied first: over support lists when the rows are
+// sparse enough, else GEMMs over the key runs holding probability.
+template <typename acc_t>
+void probs_times_v(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, int64_t ld,
+                   acc_t* o, Workspace<acc_t>& ws) {
   acc_t* y = ws.y.data();
-  const int64_t ld = rows_ld(n, P.q16 != nullptr);
-  bool scale_later = false;
-  const acc_t b = P.b[h];
-  // (Dropout scales the kept weights of whole rows: those rows are written.)
-  const bool generic_listed = FAM == Family::kGeneric && b > acc_t(0) && b < acc_t(1);
-  const bool listed_rows = !P.drop.on && (kListed<acc_t, FAM> || generic_listed);
-  score_block(P, bi, h, i0, m, n, y, ld, listed_rows ? &scale_later : nullptr);
   const int64_t hk = h / P.group();
   const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
-  // O row by row over the support lists (ws.idx, ws.pvals, ws.ptr), from V
-  // as it is (bfloat16 / float16: P.v_rows_half; the padded columns zero).
-  auto listed_pv = [&] {
-    auto rows = [&](const auto* v, int64_t ldv, int64_t ev) {
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t t0 = ws.ptr[r];
-        acc_t* orow = o + r * P.Ev;
-        accumulate_listed(ws.pvals.data() + t0, ws.idx.data() + t0, ws.ptr[r + 1] - t0, v, ldv, ev, orow);
-        std::fill(orow + ev, orow + P.Ev, acc_t(0));
-      }
-    };
-    if constexpr (std::is_same_v<acc_t, float>) {
-      if (P.v_rows_half) {
-        const int64_t off = ((bi * P.Hk + hk) * P.S + P.key0) * P.ev_half;
-        if (P.half_is_bf16) return rows(static_cast<const c10::BFloat16*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
-        return rows(static_cast<const c10::Half*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
-      }
-    }
-    rows(P.v_head(bi, hk), P.Ev, P.Ev);
-  };
-  if (listed_rows) {
-    bool listed;
-    if constexpr (kListed<acc_t, FAM>) {
-      listed = solve_listed<acc_t, FAM>(y, m, n, ld, b, limit, c, ws, scale_later, P.scale);
-    } else {
-      listed = solve_listed_generic<acc_t>(y, m, n, ld, b, limit, c, ws, scale_later, P.scale);
-    }
-    if (listed) return listed_pv();
-  } else {
-    for (int64_t r = 0; r < m; ++r)
-      c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * ld, n, b, ws.work.data(), ws.pidx.data()));
-  }
   if (P.drop.on) apply_dropout(P.drop, y, m, n, ld, P.row_id(bi, h, i0), P.key0);
   if (collect_support(y, m, n, ld, limit, ws.idx, ws.ptr)) {
     gather_listed(y, m, ld, ws);
-    return listed_pv();
+    return listed_pv(P, bi, h, m, o, ws);
   }
   nonzero_runs(y, m, n, ld, ws.runs);
   if (ws.runs.empty()) {
@@ -637,11 +623,54 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   }
 }
 
+
+// Forward of a block of rows of one head, of family FAM (not softmax: its
+// heads take the tiled path).
+template <typename acc_t, Family FAM>
+void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
+                  float* c, Workspace<acc_t>& ws) {
+  acc_t* y = ws.y.data();
+  const int64_t ld = rows_ld(n, P.q16 != nullptr);
+  bool scale_later = false;
+  const acc_t b = P.b[h];
+  // (Dropout scales the kept weights of whole rows: those rows are written.)
+  const bool generic_listed = FAM == Family::kGeneric && b > acc_t(0) && b < acc_t(1);
+  const bool listed_rows = !P.drop.on && (kListed<acc_t, FAM> || generic_listed);
+  score_block(P, bi, h, i0, m, n, y, ld, listed_rows ? &scale_later : nullptr);
+  const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
+  if (listed_rows) {
+    bool listed;
+    if constexpr (kListed<acc_t, FAM>) {
+      listed = solve_listed<acc_t, FAM>(y, m, n, ld, b, limit, c, ws, scale_later, P.scale);
+    } else {
+      listed = solve_listed_generic<acc_t>(y, m, n, ld, b, limit, c, ws, scale_later, P.scale);
+    }
+    if (listed) return listed_pv(P, bi, h, m, o, ws);
+  } else {
+    for (int64_t r = 0; r < m; ++r)
+      c[r] = static_cast<float>(normalize_scores<acc_t, FAM>(y + r * ld, n, b, ws.work.data(), ws.pidx.data()));
+  }
+  probs_times_v(P, bi, h, i0, m, n, ld, o, ws);
+}
+
+// Forward of a block of rows of a structured head (Problem::prox): each row
+// of scores solved whole by ws.prox, then P·V as for the other families.
+template <typename acc_t>
+void prox_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
+                  float* c, Workspace<acc_t>& ws) {
+  acc_t* y = ws.y.data();
+  const int64_t ld = rows_ld(n, P.q16 != nullptr);
+  score_block(P, bi, h, i0, m, n, y, ld);
+  for (int64_t r = 0; r < m; ++r) c[r] = ws.prox.solve(P.prox, y + r * ld, n, P.lam[h]);
+  probs_times_v(P, bi, h, i0, m, n, ld, o, ws);
+}
+
 template <typename acc_t>
 void rows_forward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, acc_t* o,
                         float* c, Workspace<acc_t>& ws) {
   // Softmax heads never come here (they are tiled); were one to, it would be
   // solved as α-entmax at b = 0.
+  if (P.prox != Prox::kNone) return prox_forward(P, bi, h, i0, m, n, o, c, ws);
   math::with_family(P.fam[h], [&](auto tag) {
     constexpr Family F = decltype(tag)::value;
     rows_forward<acc_t, F == Family::kSoftmax ? Family::kGeneric : F>(P, bi, h, i0, m, n, o, c, ws);
@@ -719,10 +748,75 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   }
 }
 
+// nonzero_runs for entries of either sign (its max test suits probabilities
+// only): the runs of key blocks where some row of y is non-zero or NaN.
+template <typename acc_t>
+void signed_nonzero_runs(const acc_t* y, int64_t m, int64_t n, int64_t ld, Runs& runs) {
+  runs.clear();
+  for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
+    const int64_t w = std::min(kBlockN, n - j0);
+    bool any = false;
+    for (int64_t r = 0; r < m && !any; ++r) any = any_nonzero(y + r * ld + j0, w);
+    if (!any) continue;
+    if (!runs.empty() && runs.back().second == j0) {
+      runs.back().second = j0 + w;
+    } else {
+      runs.emplace_back(j0, j0 + w);
+    }
+  }
+}
+
+// Backward of a block of rows of a structured head (Problem::prox): dP =
+// dO·Vᵀ over all the block's keys first, then each row solved again from its
+// scores (its probabilities, for dV, in place in ws.y) and its dS taken from
+// the solver's state; *dlam gets the head's dλ. GEMMs over the key runs
+// where dS (dQ, dK) and P (dV) are non-zero: oscarmax's dS reaches beyond
+// P's support (a cluster's entries below the threshold share its gradient).
+template <typename acc_t>
+void prox_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                   const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* dlam, Workspace<acc_t>& ws) {
+  const int64_t hk = h / P.group();
+  const acc_t* kh = P.k_head(bi, hk);
+  const acc_t* qb = P.q_rows(bi, h, i0);
+  acc_t* y = ws.y.data();
+  acc_t* d = ws.d.data();
+  score_block(P, bi, h, i0, m, n, y, n);
+  if (P.vp) {
+    gemm_packed_cols<acc_t>(m, n, 0, n, P.Ev, acc_t(1), dob, P.vp_head(bi, hk), d);
+  } else {
+    gemm<acc_t>(false, true, m, n, P.Ev, acc_t(1), dob, P.Ev, P.v_head(bi, hk), P.Ev, acc_t(0), d, n);
+  }
+  const int64_t row0 = P.row_id(bi, h, i0);
+  double dl = 0.0;
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* yr = y + r * n;
+    acc_t* dr = d + r * n;
+    ws.prox.solve(P.prox, yr, n, P.lam[h]);
+    // (Dropout: dV takes p·keep, the solver's dP the kept dP; both scaled.)
+    if (P.drop.on) apply_dropout(P.drop, yr, 1, n, n, row0 + r, P.key0, dr);
+    dl += ws.prox.vjp(P.prox, dr, n, P.scale);
+  }
+  if (dlam) *dlam += dl;
+  constexpr int64_t NR = kPanel<acc_t>;
+  signed_nonzero_runs(d, m, n, n, ws.runs);
+  if (ws.runs.empty()) std::fill(dqb, dqb + m * P.E, acc_t(0));
+  bool first = true;
+  for (auto [j0, j1] : ws.runs) {
+    const int64_t w = j1 - j0;
+    tile_gemm<acc_t>(m, P.E, w, acc_t(1), d + j0, n, 1, kh + j0 * P.E, P.E, NR, dqb, P.E, !first);
+    tile_gemm<acc_t>(w, P.E, m, acc_t(1), d + j0, 1, n, qb, P.E, NR, dk + j0 * P.E, P.E, true);
+    first = false;
+  }
+  nonzero_runs(y, m, n, n, ws.runs);
+  for (auto [j0, j1] : ws.runs)
+    tile_gemm<acc_t>(j1 - j0, P.Ev, m, acc_t(1), y + j0, 1, n, dob, P.Ev, NR, dv + j0 * P.Ev, P.Ev, true);
+}
+
 template <typename acc_t>
 void rows_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                          const float* c, const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* da,
                          Workspace<acc_t>& ws) {
+  if (P.prox != Prox::kNone) return prox_backward(P, bi, h, i0, m, n, dob, dqb, dk, dv, da, ws);
   math::with_family(P.fam[h], [&](auto tag) {
     rows_backward<acc_t, decltype(tag)::value>(P, bi, h, i0, m, n, c, dob, dqb, dk, dv, da, ws);
   });

@@ -37,10 +37,40 @@
 
 #include "attnkern/cpu_kernels.h"
 #include "attnkern/row_layout.h"
+#include "structured_row.h"
 
 namespace attnkern {
 namespace cpu {
 inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
+
+// Scratch of one row, n entries each: the row, its finite entries, y, the
+// gradient (as loaded and compacted), dx (compacted and placed; before it,
+// sparsemax_threshold's scratch) and the finite
+// entries' positions. Not zeroed: every entry is written before it
+// is read (a std::vector's zero fill is an inline template that each
+// instruction-set copy would compile, and one copy's would be shared).
+// oscarmax's prox also keeps the sort order of |x| and its pooled blocks (their
+// ends in sorted positions and their sums).
+struct ProxScratch {
+  std::unique_ptr<double[]> buf;
+  std::unique_ptr<int64_t[]> ibuf;
+  std::unique_ptr<std::pair<double, int64_t>[]> keyed;  // oscarmax's (|x|, index), sorted
+  double *row, *xs, *y, *g, *gs, *dxs, *out, *block_sum;
+  int64_t *pos, *order, *block_end;
+  int64_t blocks = 0;
+  explicit ProxScratch(int64_t n)
+      : buf(new double[8 * n]), ibuf(new int64_t[3 * n]), keyed(new std::pair<double, int64_t>[n]) {
+    double* b = buf.get();
+    for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum}) {
+      *a = b;
+      b += n;
+    }
+    pos = ibuf.get();
+    order = pos + n;
+    block_end = order + n;
+  }
+};
+
 namespace {
 
 using at::Tensor;
@@ -114,21 +144,34 @@ void tv_prox(const double* x, int64_t n, double lam, double* y) {
 }
 
 // sparsemax's threshold τ of y (n >= 1 finite entries): Σ max(y - τ, 0) = 1, by
-// Michelot's steps τ <- (Σ_{y > τ} y - 1) / |{y > τ}| from τ = (Σ y - 1) / n,
-// which is left of the root; each step only raises τ and drops entries, and
-// the first step that keeps the set gives τ exactly. O(n) a step, no sort.
-double sparsemax_threshold(const double* y, int64_t n) {
+// Michelot's steps τ <- (Σ_{y > τ} y - 1) / |{y > τ}| from τ = max(y) - 1,
+// which is left of the root (no weight exceeds 1); each step only raises τ
+// and drops entries, and the first step that keeps the set gives τ exactly.
+// The steps run on the entries above the start only, compacted into
+// `scratch` (n entries): rows of scores usually have few. No sort.
+double sparsemax_threshold(const double* y, int64_t n, double* scratch) {
+  double top = y[0];
+  for (int64_t i = 1; i < n; ++i) top = std::max(top, y[i]);
+  const double start = top - 1.0;
+  // (>=: the top itself, even where top - 1 rounds to top; an entry at the
+  // start only shortens the first step.)
+  int64_t count = 0;
   double sum = 0.0;
-  for (int64_t i = 0; i < n; ++i) sum += y[i];
-  double tau = (sum - 1.0) / double(n);
-  int64_t count = n;
+  for (int64_t i = 0; i < n; ++i) {
+    if (y[i] >= start) {
+      scratch[count++] = y[i];
+      sum += y[i];
+    }
+  }
+  double tau = (sum - 1.0) / double(count);
   for (;;) {
     double s = 0.0;
     int64_t c = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (y[i] > tau) {
-        s += y[i];
-        ++c;
+    for (int64_t i = 0; i < count; ++i) {
+      const double v = scratch[i];
+      if (v > tau) {
+        s += v;
+        scratch[c++] = v;
       }
     }
     if (c == count || c == 0) return tau;
@@ -139,12 +182,14 @@ double sparsemax_threshold(const double* y, int64_t n) {
 
 // The row's finite entries (compacted into xs, their positions into pos);
 // false if the row holds a NaN or +inf (its output is NaN).
-bool finite_entries(const double* x, int64_t n, double* xs, int64_t* pos, int64_t& m) {
+template <typename T>
+bool finite_entries(const T* x, int64_t n, double* xs, int64_t* pos, int64_t& m) {
   m = 0;
   for (int64_t j = 0; j < n; ++j) {
-    if (std::isnan(x[j]) || x[j] == std::numeric_limits<double>::infinity()) return false;
-    if (x[j] > -std::numeric_limits<double>::infinity()) {
-      xs[m] = x[j];
+    const double v = static_cast<double>(x[j]);
+    if (std::isnan(v) || v == std::numeric_limits<double>::infinity()) return false;
+    if (v > -std::numeric_limits<double>::infinity()) {
+      xs[m] = v;
       pos[m++] = j;
     }
   }
@@ -163,33 +208,6 @@ Tensor checked_lam(const Tensor& lam, const Tensor& x, int64_t dim, const char* 
   return rows;
 }
 
-// Scratch of one row, n entries each: the row, its finite entries, y, the
-// gradient (as loaded and compacted), dx (compacted and placed) and the finite
-// entries' positions. Not zeroed: every entry is written before it
-// is read (a std::vector's zero fill is an inline template that each
-// instruction-set copy would compile, and one copy's would be shared).
-// oscarmax's prox also keeps the sort order of |x| and its pooled blocks (their
-// ends in sorted positions and their sums).
-struct RowScratch {
-  std::unique_ptr<double[]> buf;
-  std::unique_ptr<int64_t[]> ibuf;
-  std::unique_ptr<std::pair<double, int64_t>[]> keyed;  // oscarmax's (|x|, index), sorted
-  double *row, *xs, *y, *g, *gs, *dxs, *out, *block_sum;
-  int64_t *pos, *order, *block_end;
-  int64_t blocks = 0;
-  explicit RowScratch(int64_t n)
-      : buf(new double[8 * n]), ibuf(new int64_t[3 * n]), keyed(new std::pair<double, int64_t>[n]) {
-    double* b = buf.get();
-    for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum}) {
-      *a = b;
-      b += n;
-    }
-    pos = ibuf.get();
-    order = pos + n;
-    block_end = order + n;
-  }
-};
-
 // sparsemax's vector-Jacobian product on y's m entries: v = g - mean_S g on the
 // support S = {y > tau}, 0 off it (into v; g may be v).
 void sparsemax_vjp(const double* y, double tau, const double* g, int64_t m, double* v) {
@@ -207,13 +225,13 @@ void sparsemax_vjp(const double* y, double tau, const double* g, int64_t m, doub
 
 struct Fusedmax {
   static constexpr const char* kName = "fusedmax";
-  static void prox(RowScratch& s, int64_t m, double lam) { tv_prox(s.xs, m, lam, s.y); }
+  static void prox(ProxScratch& s, int64_t m, double lam) { tv_prox(s.xs, m, lam, s.y); }
   // The backward of one row (see the top of the file) on its m finite entries,
   // given y (prox) and v (sparsemax_vjp, in s.gs): dx into s.dxs, returns dλ.
-  static double backward(RowScratch& s, int64_t m, double tau);
+  static double backward(ProxScratch& s, int64_t m, double tau);
 };
 
-double Fusedmax::backward(RowScratch& s, int64_t m, double tau) {
+double Fusedmax::backward(ProxScratch& s, int64_t m, double tau) {
   const double* y = s.y;
   const double* v = s.gs;
   double* dxs = s.dxs;
@@ -240,7 +258,7 @@ double Fusedmax::backward(RowScratch& s, int64_t m, double tau) {
 
 // y = prox of lam·OSCAR at the m finite entries (see the top of the file),
 // keeping the sort order and the pooled blocks (s.blocks of them).
-void oscar_prox(RowScratch& s, int64_t m, double lam) {
+void oscar_prox(ProxScratch& s, int64_t m, double lam) {
   const double* x = s.xs;
   int64_t* order = s.order;
   // Decreasing |x|, ties in index order (the result does not depend on it: tied
@@ -280,11 +298,11 @@ void oscar_prox(RowScratch& s, int64_t m, double lam) {
 
 struct Oscarmax {
   static constexpr const char* kName = "oscarmax";
-  static void prox(RowScratch& s, int64_t m, double lam) { oscar_prox(s, m, lam); }
-  static double backward(RowScratch& s, int64_t m, double tau);
+  static void prox(ProxScratch& s, int64_t m, double lam) { oscar_prox(s, m, lam); }
+  static double backward(ProxScratch& s, int64_t m, double tau);
 };
 
-double Oscarmax::backward(RowScratch& s, int64_t m, double /*tau: v is 0 off the support*/) {
+double Oscarmax::backward(ProxScratch& s, int64_t m, double /*tau: v is 0 off the support*/) {
   double dlam = 0.0;
   int64_t start = 0;
   for (int64_t b = 0; b < s.blocks; ++b) {
@@ -317,7 +335,7 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, int64_
   const double* lp = lam.const_data_ptr<double>();
   const int64_t n = lay.n;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
-    RowScratch s(n);
+    ProxScratch s(n);
     double* p = s.out;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
@@ -329,7 +347,7 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, int64_
         std::fill(p, p + n, 0.0);
         if (m > 0) {
           Op::prox(s, m, lp[r]);
-          const double tau = sparsemax_threshold(s.y, m);
+          const double tau = sparsemax_threshold(s.y, m, s.dxs);
           for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
         }
       }
@@ -364,7 +382,7 @@ void structured_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& lam,
   double* dlp = dlam.defined() ? dlam.mutable_data_ptr<double>() : nullptr;
   const int64_t n = lay.n;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
-    RowScratch s(n);
+    ProxScratch s(n);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
       lay.load(xp + base, s.row);
@@ -379,7 +397,7 @@ void structured_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& lam,
         if (m > 0) {
           for (int64_t i = 0; i < m; ++i) s.gs[i] = s.g[s.pos[i]];
           Op::prox(s, m, lp[r]);
-          const double tau = sparsemax_threshold(s.y, m);
+          const double tau = sparsemax_threshold(s.y, m, s.dxs);
           sparsemax_vjp(s.y, tau, s.gs, m, s.gs);
           dl = Op::backward(s, m, tau);
           for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = s.dxs[i];
@@ -416,6 +434,54 @@ std::tuple<Tensor, Tensor> structured_bwd(const Tensor& x_in, const Tensor& grad
 }
 
 }  // namespace
+
+ProxRow::ProxRow() = default;
+ProxRow::~ProxRow() = default;
+
+template <typename acc_t>
+float ProxRow::solve(Prox prox, acc_t* row, int64_t n, double lam) {
+  if (n > capacity_) {
+    s_ = std::make_unique<ProxScratch>(n);
+    capacity_ = n;
+  }
+  ProxScratch& s = *s_;
+  if (!finite_entries(row, n, s.xs, s.pos, m_)) {
+    m_ = -1;
+    std::fill(row, row + n, std::numeric_limits<acc_t>::quiet_NaN());
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  std::fill(row, row + n, acc_t(0));
+  if (m_ == 0) return std::numeric_limits<float>::infinity();
+  if (prox == Prox::kFusedmax) {
+    Fusedmax::prox(s, m_, lam);
+  } else {
+    Oscarmax::prox(s, m_, lam);
+  }
+  tau_ = sparsemax_threshold(s.y, m_, s.dxs);
+  for (int64_t i = 0; i < m_; ++i) row[s.pos[i]] = static_cast<acc_t>(std::max(s.y[i] - tau_, 0.0));
+  return static_cast<float>(tau_);
+}
+
+template <typename acc_t>
+double ProxRow::vjp(Prox prox, acc_t* d, int64_t n, acc_t scale) {
+  if (m_ < 0) {
+    std::fill(d, d + n, std::numeric_limits<acc_t>::quiet_NaN());
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  ProxScratch& s = *s_;
+  for (int64_t i = 0; i < m_; ++i) s.gs[i] = static_cast<double>(d[s.pos[i]]);
+  std::fill(d, d + n, acc_t(0));
+  if (m_ == 0) return 0.0;
+  sparsemax_vjp(s.y, tau_, s.gs, m_, s.gs);
+  const double dlam = prox == Prox::kFusedmax ? Fusedmax::backward(s, m_, tau_) : Oscarmax::backward(s, m_, tau_);
+  for (int64_t i = 0; i < m_; ++i) d[s.pos[i]] = scale * static_cast<acc_t>(s.dxs[i]);
+  return dlam;  // (λ applies to the scaled scores: no factor of scale)
+}
+
+template float ProxRow::solve<float>(Prox, float*, int64_t, double);
+template float ProxRow::solve<double>(Prox, double*, int64_t, double);
+template double ProxRow::vjp<float>(Prox, float*, int64_t, float);
+template double ProxRow::vjp<double>(Prox, double*, int64_t, double);
 
 void add_structured_kernels(KernelTable& t) {
   t.fusedmax_fwd = &structured_fwd<Fusedmax>;
