@@ -57,6 +57,13 @@ NORMALIZERS: tuple[str, ...] = tuple(_BY_NAME)
 # heads with a prox: csrc/cpu/structured_row.h).
 STRUCTURED_NORMALIZERS: tuple[str, ...] = ("fusedmax", "oscarmax")
 
+# The chain normalizers of the RNN attention modules, by the row-wise op each
+# runs: the marginals P(z_i = 1) of a binary linear chain over the positions
+# with learnable 2×2 pairwise scores (Kim et al.'s structured attention, and
+# SparseMAP's sparse counterpart). Marginals, not distributions: they need not
+# sum to 1.
+CHAIN_NORMALIZERS: dict[str, str] = {"crf": "crf_marginals", "sparsemap": "sparsemap_chain"}
+
 # Every normalizer attnkern.attention takes.
 ATTENTION_NORMALIZERS: tuple[str, ...] = NORMALIZERS + STRUCTURED_NORMALIZERS
 

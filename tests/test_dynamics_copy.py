@@ -41,6 +41,14 @@ def test_copy_end_to_end_tiny(tmp_path, capsys):
     assert time.time() - t < 10
 
 
+def test_copy_with_structured_normalizers(tmp_path):
+    argv = ["copy", "--out", str(tmp_path), "--quick", "--seeds", "1", "--steps", "10", "--hidden", "16",
+            "--batch", "8", "--distributions", "iid", "--normalizers", "oscarmax0.1", "sparsemap", "--no-progress"]
+    assert cli.main(argv) == 0
+    sr = json.loads((tmp_path / "copy.json").read_text())["summary"]["success_rate"]
+    assert set(sr["iid"]) == {"oscarmax0.1", "sparsemap"}
+
+
 def test_copy_bad_arguments(tmp_path, capsys):
     assert cli.main(["copy", "--out", str(tmp_path), "--distributions", "zipf"]) == 2
     assert "--distributions" in capsys.readouterr().err

@@ -100,10 +100,13 @@ def test_cli_list(capsys):
 def test_parse_normalizer():
     from attnkern.experiments.common import parse_normalizer
 
-    assert parse_normalizer("softmax") == ("softmax", None)
-    assert parse_normalizer("entmax1.25") == ("entmax", 1.25)
-    assert parse_normalizer("entmax-learnable") == ("entmax", "learnable")
-    for bad in ("relu", "entmax", "entmax0", "entmaxx"):
+    assert parse_normalizer("softmax") == ("softmax", {})
+    assert parse_normalizer("entmax1.25") == ("entmax", {"alpha": 1.25})
+    assert parse_normalizer("entmax-learnable") == ("entmax", {"alpha": "learnable"})
+    assert parse_normalizer("fusedmax") == ("fusedmax", {"lam": 1.0})
+    assert parse_normalizer("oscarmax0.05") == ("oscarmax", {"lam": 0.05})
+    assert parse_normalizer("crf") == ("crf", {}) and parse_normalizer("sparsemap") == ("sparsemap", {})
+    for bad in ("relu", "entmax", "entmax0", "entmaxx", "fusedmax-1", "crf0.1", "oscarmaxx"):
         with pytest.raises(ValueError, match="normalizer"):
             parse_normalizer(bad)
 

@@ -78,6 +78,24 @@ def test_permutation_end_to_end(out):
     assert result["plots"] == ["permutation_tweets.png"]
 
 
+def test_structured_normalizers_in_importance_and_permutation(out):
+    """fusedmax and oscarmax (with λ) and the chain marginals crf and sparsemap
+    run where their metrics hold; the experiments whose metrics need
+    distributions refuse the marginals with a one-line error."""
+    args = [a for a in COMMON if a not in ("softmax", "sparsemax")]
+    norms = ["fusedmax0.1", "crf"]
+    at = args.index("--normalizers") + 1
+    args[at:at] = norms
+    own = out / "structured"  # (not the folder the report test gathers)
+    result, _ = run_experiment("importance", own, *args)
+    rows = {r["normalizer"]: r for r in result["rows"]}
+    assert set(rows) == set(norms)
+    assert all(r["instances"] == 6 and -1 <= r["gradient_tau_mean"] <= 1 for r in rows.values())
+    result, _ = run_experiment("permutation", own, *args, "--permutations", "5")
+    assert {r["normalizer"] for r in result["rows"]} == set(norms)
+    assert cli.main(["adversarial", "--out", str(own), "--normalizers", "sparsemap"]) == 2
+
+
 def test_adversarial_end_to_end(out):
     result = _run("adversarial", out, "--steps", "30")
     for r in result["rows"]:

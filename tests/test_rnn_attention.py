@@ -188,3 +188,39 @@ def test_training_reduces_loss(norm):
 
 def test_exported():
     assert attnkern.nn.LuongAttention is LuongAttention
+
+
+@pytest.mark.parametrize("normalizer", ["crf", "sparsemap"])
+@pytest.mark.parametrize("steps", [None, 4], ids=["one-step", "four-steps"])
+def test_chain_marginals_as_attention(normalizer, steps):
+    """crf / sparsemap: the weights are the chain's marginals of the masked
+    scores under the module's learnable pairwise scores, masked positions 0,
+    context = Σ μ_i v_i, and the pairwise scores receive a gradient."""
+    att = make("general", normalizer)
+    assert att.alpha is None and att.pairwise.shape == (2, 2) and torch.all(att.pairwise == 0)
+    with torch.no_grad():
+        att.pairwise.copy_(torch.tensor([[0.3, -0.7], [-0.2, 1.1]]))
+    q, k, mask = inputs("general", L=steps)
+    v = torch.randn(3, 7, 4)
+    ctx, w = att(q, k, v, mask=mask)
+    scores = att.scores(q, k)
+    m = mask if steps is None else mask.unsqueeze(1)
+    op = attnkern.crf_marginals if normalizer == "crf" else attnkern.sparsemap_chain
+    torch.testing.assert_close(w, op(scores.masked_fill(~m, float("-inf")), att.pairwise))
+    wm = w if steps is not None else w.unsqueeze(1)
+    assert torch.all(wm[1, :, 4:] == 0) and torch.all(wm[2, :, 1:] == 0)
+    assert torch.all((w >= 0) & (w <= 1))
+    torch.testing.assert_close(ctx, (w.unsqueeze(-1) * (v if steps is None else v.unsqueeze(1))).sum(-2))
+    (ctx.sum() + (w * torch.randn_like(w)).sum()).backward()
+    assert att.pairwise.grad is not None and att.pairwise.grad.abs().sum() > 0
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    with pytest.raises(ValueError, match="takes neither alpha nor lam"):
+        make("dot", normalizer, alpha=1.5)
+
+
+def test_crf_attention_from_zero_pairwise_is_the_sigmoid():
+    """With the pairwise scores at their start (zeros) the positions are
+    independent: P(z_i = 1) = sigmoid(score_i)."""
+    att = make("dot", "crf")
+    s = torch.randn(2, 6)
+    torch.testing.assert_close(att.normalize(s), torch.sigmoid(s))

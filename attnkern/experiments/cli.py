@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from attnkern.experiments.common import DEFAULT_NORMALIZERS, parse_normalizer
+from attnkern.experiments.common import DEFAULT_NORMALIZERS, NORMALIZER_HELP, gives_marginals, parse_normalizer
 from attnkern.experiments.registry import EXPERIMENTS
 
 PROG = "attnkern-exp"
@@ -52,7 +52,8 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the reduced configuration (minutes on 2 cores)")
     p.add_argument("--seeds", type=_positive("--seeds"), default=None, help="seeds per configuration")
     p.add_argument("--normalizers", nargs="+", default=list(DEFAULT_NORMALIZERS),
-                   help="softmax, sparsemax, entmax15, entmax<alpha>, entmax-learnable")
+                   help=NORMALIZER_HELP + " (crf and sparsemap, chain marginals rather than distributions, "
+                        "only where the experiment's metrics allow them: importance, permutation, copy)")
     p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
                    help="auto: attnkern's compiled kernels, or the reference where they did not load (said in the "
                         "summary and the JSON); kernels: the compiled kernels or an error; reference: the float64 "
@@ -153,6 +154,12 @@ def main(argv=None) -> int:
         parser, module = build_parser(cmd)
         args = parser.parse_args(argv[1:])
         # The experiment's own options, before validate() creates the output directory.
+        marginals = [s for s in args.normalizers if gives_marginals(s)]
+        if marginals and not getattr(module, "ACCEPTS_MARGINALS", False):
+            takes = [n for n, mod in EXPERIMENTS.items()
+                     if getattr(importlib.import_module(mod), "ACCEPTS_MARGINALS", False)]
+            raise UsageError(f"argument --normalizers: {', '.join(marginals)} give chain marginals, not "
+                             f"distributions, which {cmd}'s metrics need; they run in {', '.join(takes)}")
         check = getattr(module, "check_arguments", None)
         if check is not None:
             try:

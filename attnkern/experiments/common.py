@@ -12,26 +12,42 @@ import numpy as np
 import torch
 
 from attnkern.experiments import runner
+from attnkern.family import CHAIN_NORMALIZERS
 
 DEFAULT_NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 _ENTMAX = re.compile(r"^entmax(?P<alpha>[0-9]*\.?[0-9]+|-learnable)$")
+_STRUCTURED = re.compile(r"^(?P<name>fusedmax|oscarmax)(?P<lam>[0-9]*\.?[0-9]+)?$")
+NORMALIZER_HELP = ("softmax, sparsemax, entmax15, entmax<alpha> (e.g. entmax1.25), entmax-learnable, "
+                   "fusedmax[<lam>], oscarmax[<lam>] (e.g. fusedmax0.1; lam 1 if not given), crf, sparsemap")
 
 
-def parse_normalizer(spec: str) -> tuple[str, float | str | None]:
-    """"softmax", "sparsemax", "entmax15", "entmax<α>" (e.g. entmax1.25) or
-    "entmax-learnable" -> (normalizer, alpha) as the attention modules take them."""
-    if spec in DEFAULT_NORMALIZERS:
-        return spec, None
+def parse_normalizer(spec: str) -> tuple[str, dict]:
+    """A --normalizers entry -> (normalizer, its parameters) as the attention
+    modules take them: "softmax", "sparsemax", "entmax15" -> {}; "entmax<α>"
+    (e.g. entmax1.25) or "entmax-learnable" -> {"alpha": ...};
+    "fusedmax[<λ>]", "oscarmax[<λ>]" -> {"lam": λ (1.0 if not given)};
+    "crf", "sparsemap" -> {} (chain marginals, attnkern.family.CHAIN_NORMALIZERS)."""
+    if spec in DEFAULT_NORMALIZERS or spec in CHAIN_NORMALIZERS:
+        return spec, {}
     m = _ENTMAX.match(spec or "")
     if m:
         a = m.group("alpha")
         if a == "-learnable":
-            return "entmax", "learnable"
+            return "entmax", {"alpha": "learnable"}
         alpha = float(a)
         if alpha > 0 and math.isfinite(alpha):
-            return "entmax", alpha
-    raise ValueError(f"unknown normalizer {spec!r}: use softmax, sparsemax, entmax15, entmax<alpha> "
-                     "(e.g. entmax1.25) or entmax-learnable")
+            return "entmax", {"alpha": alpha}
+    m = _STRUCTURED.match(spec or "")
+    if m:
+        lam = 1.0 if m.group("lam") is None else float(m.group("lam"))
+        if math.isfinite(lam):
+            return m.group("name"), {"lam": lam}
+    raise ValueError(f"unknown normalizer {spec!r}: use {NORMALIZER_HELP}")
+
+
+def gives_marginals(spec: str) -> bool:
+    """Whether a --normalizers entry gives chain marginals, not distributions."""
+    return spec in CHAIN_NORMALIZERS
 
 
 def to_jsonable(x):

@@ -63,12 +63,13 @@ class Seq2Seq(nn.Module):
     embed_dim, hidden_dim, num_layers: of the embeddings and the RNNs.
     rnn: "lstm" (the paper's model) or "gru" (its multi-head toy).
     attention: "general" or "dot" (Luong), or "scaled_dot".
-    normalizer, alpha, mode, backend: of the attention (attnkern.nn.LuongAttention).
+    normalizer, alpha, lam, mode, backend: of the attention (attnkern.nn.LuongAttention).
     """
 
     def __init__(self, src_vocab: int, tgt_vocab: int, embed_dim: int = 256, hidden_dim: int = 256,
                  num_layers: int = 1, rnn: str = "lstm", attention: str = "general", normalizer: str = "softmax",
-                 alpha=None, mode: str = "learned", backend: str = "auto", pad_idx: int = 0, bos_idx: int = 1):
+                 alpha=None, mode: str = "learned", backend: str = "auto", pad_idx: int = 0, bos_idx: int = 1,
+                 lam=None):
         super().__init__()
         for name, v in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("embed_dim", embed_dim),
                         ("hidden_dim", hidden_dim), ("num_layers", num_layers)):
@@ -83,7 +84,7 @@ class Seq2Seq(nn.Module):
         cell = nn.LSTM if rnn == "lstm" else nn.GRU
         self.encoder = cell(embed_dim, hidden_dim, num_layers=num_layers, batch_first=True)
         self.decoder = cell(embed_dim, hidden_dim, num_layers=num_layers, batch_first=True)
-        kw = dict(normalizer=normalizer, alpha=alpha, mode=mode, backend=backend)
+        kw = dict(normalizer=normalizer, alpha=alpha, lam=lam, mode=mode, backend=backend)
         if attention == "scaled_dot":
             self.attention = ScaledDotAttention(hidden_dim, hidden_dim, **kw)
         else:
@@ -192,7 +193,7 @@ class AttentionClassifier(nn.Module):
       1/3/5/7, hidden_dim // 4 channels each, ReLU, concatenated) or "average"
       (Linear + tanh on each embedding); every encoder gives h (B, T, hidden_dim).
     attention: "additive" (v·tanh(W h_t + U q)) or "dot" (q·h_t / sqrt(D)), q a
-      learned vector; normalizer, alpha, mode, backend: as attnkern.nn's modules.
+      learned vector; normalizer, alpha, lam, mode, backend: as attnkern.nn's modules.
     The output layer gives r_t = W h_t (B, T, C) (the output relevance) and
     logits = Σ_t a_t r_t + b.
     """
@@ -203,7 +204,7 @@ class AttentionClassifier(nn.Module):
 
     def __init__(self, vocab_size: int, num_classes: int, encoder: str = "bilstm", attention: str = "additive",
                  normalizer: str = "softmax", alpha=None, mode: str = "learned", embed_dim: int = 128,
-                 hidden_dim: int = 128, padding_idx: int = 0, backend: str = "auto"):
+                 hidden_dim: int = 128, padding_idx: int = 0, backend: str = "auto", lam=None):
         super().__init__()
         for name, v in (("vocab_size", vocab_size), ("num_classes", num_classes), ("embed_dim", embed_dim),
                         ("hidden_dim", hidden_dim)):
@@ -225,7 +226,7 @@ class AttentionClassifier(nn.Module):
                                        for w in self.CNN_WIDTHS)
         else:
             self.proj = nn.Linear(embed_dim, hidden_dim)
-        kw = dict(normalizer=normalizer, alpha=alpha, mode=mode, backend=backend)
+        kw = dict(normalizer=normalizer, alpha=alpha, lam=lam, mode=mode, backend=backend)
         if attention == "additive":
             self.attention = AdditiveAttention(hidden_dim, hidden_dim, hidden_dim, **kw)
         else:

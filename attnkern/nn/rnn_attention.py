@@ -1,6 +1,7 @@
 """Attention modules for recurrent models (Luong, additive, scaled dot), with
-softmax, sparsemax, 1.5-entmax or α-entmax weights computed by attnkern's row
-kernels.
+softmax, sparsemax, 1.5-entmax, α-entmax, fusedmax or oscarmax weights, or the
+marginals of a linear-chain CRF or of SparseMAP over the positions, computed by
+attnkern's row kernels.
 
 Shapes: a query is (B, Dq) (one decoder step) or (B, L, Dq) (L decoder steps at
 once, e.g. under teacher forcing); keys are (B, T, Dk) and values (B, T, Dv).
@@ -25,11 +26,11 @@ import torch
 from torch import nn
 
 from attnkern import ops
-from attnkern.family import NORMALIZERS, STRUCTURED_NORMALIZERS, acc_dtype
+from attnkern.family import CHAIN_NORMALIZERS, NORMALIZERS, STRUCTURED_NORMALIZERS, acc_dtype
 from attnkern.validation import check_module_alpha, learnable_alpha_theta
 
 MODES = ("learned", "uniform", "fixed")
-RNN_NORMALIZERS = NORMALIZERS + STRUCTURED_NORMALIZERS
+RNN_NORMALIZERS = NORMALIZERS + STRUCTURED_NORMALIZERS + tuple(CHAIN_NORMALIZERS)
 
 
 def _positive_int(value, name: str) -> int:
@@ -57,6 +58,12 @@ class RNNAttention(nn.Module, abc.ABC):
       (1, 2) as α = 1 + sigmoid(θ), starting at alpha_init.
     lam: for "fusedmax" and "oscarmax", a float >= 0 (default 1.0) applied to
       the scores as the attention kind computes them.
+    "crf" and "sparsemap" (Kim et al., 2017; Niculae et al., 2018): the
+      weights are the marginals μ_i = P(z_i = 1) of a binary chain over the
+      positions with unary scores = the scores and learnable 2×2 pairwise
+      scores (the `pairwise` parameter, from zeros), by attnkern.crf_marginals
+      or attnkern.sparsemap_chain; context = Σ_i μ_i v_i. Marginals in [0, 1],
+      not a distribution (they need not sum to 1).
     mode: "learned", "uniform" or "fixed" (see the module docstring).
     backend: attnkern backend of the normalizer ("auto" runs the compiled
       kernel on CPU tensors; "reference" the float64 oracle).
@@ -68,7 +75,12 @@ class RNNAttention(nn.Module, abc.ABC):
     def __init__(self, *, normalizer: str = "softmax", alpha=None, alpha_init: float = 1.5, mode: str = "learned",
                  backend: str = "auto", lam=None, device=None, dtype=None):
         super().__init__()
-        if normalizer in STRUCTURED_NORMALIZERS:
+        if normalizer in CHAIN_NORMALIZERS:
+            if alpha is not None or lam is not None:
+                raise ValueError(f"normalizer={normalizer!r} takes neither alpha nor lam (its parameters are the "
+                                 "learnable pairwise scores)")
+            self.lam = None
+        elif normalizer in STRUCTURED_NORMALIZERS:
             if alpha is not None:
                 raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} with "
                                  f"normalizer={normalizer!r} (it takes lam)")
@@ -88,6 +100,14 @@ class RNNAttention(nn.Module, abc.ABC):
             raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
         self.alpha_theta = None
         self.fixed_alpha = None
+        # The chain's 2×2 transition scores pairwise[z_i, z_{i+1}], learnable,
+        # starting at zeros (independent positions: P(z_i = 1) = sigmoid(score_i)
+        # for crf); in the accumulation dtype of `dtype`, as θ.
+        if normalizer in CHAIN_NORMALIZERS:
+            self.pairwise = nn.Parameter(torch.zeros(2, 2, device=device, dtype=acc_dtype(
+                dtype if dtype is not None else torch.get_default_dtype())))
+        else:
+            self.register_parameter("pairwise", None)
         if alpha == "learnable":
             self.alpha_theta = nn.Parameter(learnable_alpha_theta(alpha_init, device=device, dtype=dtype))
         elif alpha is not None:
@@ -98,7 +118,7 @@ class RNNAttention(nn.Module, abc.ABC):
     def alpha(self):
         """The α of the normalizer: 1 (softmax), 2 (sparsemax), 1.5, the fixed α,
         or the learnable α as a 0-dim tensor; None for the structured ones."""
-        if self.normalizer in STRUCTURED_NORMALIZERS:
+        if self.normalizer in STRUCTURED_NORMALIZERS or self.normalizer in CHAIN_NORMALIZERS:
             return None
         if self.alpha_theta is not None:
             return 1.0 + torch.sigmoid(self.alpha_theta)
@@ -127,6 +147,9 @@ class RNNAttention(nn.Module, abc.ABC):
             return ops.entmax15(scores, dim=-1, backend=self.backend)
         if self.normalizer in STRUCTURED_NORMALIZERS:
             return getattr(ops, self.normalizer)(scores, dim=-1, lam=self.lam, backend=self.backend)
+        if self.normalizer in CHAIN_NORMALIZERS:
+            op = getattr(ops, CHAIN_NORMALIZERS[self.normalizer])
+            return op(scores, self.pairwise.to(acc_dtype(scores.dtype)), dim=-1, backend=self.backend)
         alpha = self.alpha
         if isinstance(alpha, torch.Tensor):
             alpha = alpha.to(acc_dtype(scores.dtype))

@@ -35,6 +35,9 @@ from attnkern.experiments.data.synthetic import COPY_DISTRIBUTIONS
 from attnkern.experiments.dynamics.seq2seq_train import copy_config, train_copy
 
 NAME = "copy"
+# Its metrics (token accuracy, the argmax of the weights) hold for chain marginals too (--normalizers crf,
+# sparsemap).
+ACCEPTS_MARGINALS = True
 
 # Step budgets: the quick one is the smallest budget (on the evaluation grid) at which softmax iid
 # runs succeed in >= 90% of seeds (CALIBRATION says how it was found).

@@ -107,9 +107,9 @@ def row_agreement(x: np.ndarray, y: np.ndarray, src_mask: np.ndarray, tgt_mask: 
 
 
 def build(config, data, mode):
-    normalizer, alpha = parse_normalizer(config["normalizer"])
+    normalizer, params = parse_normalizer(config["normalizer"])
     return Seq2Seq(data.src_vocab, data.tgt_vocab, config["embed_dim"], config["hidden_dim"],
-                   normalizer=normalizer, alpha=alpha, mode=mode, backend=config["backend"],
+                   normalizer=normalizer, **params, mode=mode, backend=config["backend"],
                    bos_idx=data.bos).to(config["device"])
 
 

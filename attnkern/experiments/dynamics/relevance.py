@@ -145,8 +145,8 @@ def _measure(std, uni, probe, rng) -> dict:
 def train_pair(config: dict, seed: int) -> dict:
     """Trains a standard and a uniform-attention classifier on the same batches."""
     train, probe, vocab_size = _load(config["dataset"], seed, config["probe"])
-    normalizer, alpha = parse_normalizer(config["normalizer"])
-    kw = dict(encoder=config["encoder"], attention=config["attention"], normalizer=normalizer, alpha=alpha,
+    normalizer, params = parse_normalizer(config["normalizer"])
+    kw = dict(encoder=config["encoder"], attention=config["attention"], normalizer=normalizer, **params,
               embed_dim=config["embed_dim"], hidden_dim=config["hidden_dim"], backend=config["backend"])
     torch.manual_seed(seed)
     dev = config["device"]

@@ -32,8 +32,8 @@ def copy_config(**overrides) -> dict:
 
 def _model_options(cfg: dict, task: CopyTask) -> dict:
     """The keyword arguments a copy model (single- or multi-head) takes from a copy config."""
-    normalizer, alpha = parse_normalizer(cfg["normalizer"])
-    return dict(rnn=cfg["rnn"], attention=cfg["attention"], normalizer=normalizer, alpha=alpha,
+    normalizer, params = parse_normalizer(cfg["normalizer"])
+    return dict(rnn=cfg["rnn"], attention=cfg["attention"], normalizer=normalizer, **params,
                 backend=cfg["backend"], pad_idx=task.pad_idx, bos_idx=task.bos_idx)
 
 

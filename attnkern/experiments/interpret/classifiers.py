@@ -204,10 +204,10 @@ def train_config(dataset: str, encoder: str, normalizer: str, seed: int, quick: 
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, num_classes: int) -> AttentionClassifier:
-    normalizer, alpha = parse_normalizer(cfg.normalizer)
+    normalizer, params = parse_normalizer(cfg.normalizer)
     mode = "uniform" if cfg.mode == "uniform" else "learned"
     return AttentionClassifier(vocab_size, num_classes, encoder=cfg.encoder, attention=cfg.attention,
-                               normalizer=normalizer, alpha=alpha, mode=mode, embed_dim=cfg.embed_dim,
+                               normalizer=normalizer, **params, mode=mode, embed_dim=cfg.embed_dim,
                                hidden_dim=cfg.hidden_dim, backend=cfg.backend)
 
 

@@ -29,6 +29,8 @@ from attnkern.experiments.interpret.metrics import (
 )
 
 NAME = "importance"
+# Its metrics (Kendall τ, top-k, output change) hold for chain marginals too (--normalizers crf, sparsemap).
+ACCEPTS_MARGINALS = True
 TOPK = (1, 2, 3, 4, 5)
 
 # Jain & Wallace (2019), Table 2: (mean, std, sig. frac.) per predicted class; gradient τ for the BiLSTM and the

@@ -17,6 +17,8 @@ from attnkern.experiments.interpret import shared
 from attnkern.experiments.interpret.metrics import tvd
 
 NAME = "permutation"
+# Its metrics (Kendall τ, top-k, output change) hold for chain marginals too (--normalizers crf, sparsemap).
+ACCEPTS_MARGINALS = True
 
 
 def add_arguments(parser) -> None:
