@@ -175,8 +175,8 @@ _CHAIN_OPS = ("crf_marginals", "sparsemap_chain")
 def _structured(name: str, X: torch.Tensor, dim: int, param, backend: str) -> torch.Tensor:
     """The structured op `name` (fusedmax, oscarmax with param = λ;
     crf_marginals, sparsemap_chain with param = the pairwise scores) through
-    its CPU kernel or the reference; other devices only by the reference, when
-    asked."""
+    its CPU kernel (fusedmax also its CUDA kernel) or the reference; other
+    devices only by the reference, when asked."""
     dim = _prologue(X, dim)
     if not _compiling():
         param = (check_pairwise(param, X, dim) if name in _CHAIN_OPS
@@ -184,16 +184,19 @@ def _structured(name: str, X: torch.Tensor, dim: int, param, backend: str) -> to
     oracle = getattr(reference, name)
     if backend == "reference":
         return oracle(X, param, dim)
-    if X.device.type != "cpu" or backend not in ("auto", "cpu"):
+    # (CUDA: fusedmax has a row kernel; the others raise rather than fall back to the slow reference.)
+    on_cuda = X.device.type == "cuda" and backend in ("auto", "cuda") and registry.why_not("cuda", X, name) is None
+    if not on_cuda and (X.device.type != "cpu" or backend not in ("auto", "cpu")):
         raise NotImplementedError(
-            f"attnkern.{name} has kernels for CPU tensors only (got backend={backend!r} on {X.device}); "
-            "backend='reference' runs the float64 reference on any device")
+            f"attnkern.{name} has kernels for CPU tensors{' and CUDA' if name == 'fusedmax' else ''} only "
+            f"(got backend={backend!r} on {X.device}); backend='reference' runs the float64 reference on any "
+            "device")
     if registry.choose(backend, X) == "reference":  # auto without the compiled extension (warned)
         return oracle(X, param, dim)
     from attnkern import autograd
 
     if not isinstance(param, torch.Tensor):
-        param = torch.tensor(param, dtype=acc_dtype(X.dtype))
+        param = torch.tensor(param, dtype=acc_dtype(X.dtype), device=X.device)
     return getattr(autograd, f"{name}_apply")(X, param, dim)
 
 
@@ -208,8 +211,10 @@ def fusedmax(X: torch.Tensor, dim: int = -1, lam=1.0, *, backend: str = "auto") 
     `dim` (one λ per row), which may require grad. lam = 0 is sparsemax.
     Entries at -inf are removed first: the finite entries on either side of
     them become neighbours, and they get 0 (a row of only -inf gives zeros).
-    First derivatives only (in X and lam). Kernels: CPU; on other devices pass
-    backend="reference" (float64, slow: an oracle).
+    First derivatives only (in X and lam). Kernels: CPU, and CUDA (one thread
+    per row, the CPU kernel's math, scratch of 32 bytes per entry for up to
+    256 MiB of rows at a time); on other devices pass backend="reference"
+    (float64, slow: an oracle).
     """
     return _structured("fusedmax", X, dim, lam, backend)
 

@@ -65,7 +65,7 @@ TORCH_LIBRARY(attnkern, m) {
   m.def("entmax_loss_fwd(Tensor x, Tensor target, Tensor alpha) -> (Tensor loss, Tensor grad)");
   // --- end entmax-package compatibility ---
 
-  // Structured normalizers (CPU only for now).
+  // Structured normalizers (CPU kernels; fusedmax also CUDA: csrc/cuda/structured.cu).
   // fusedmax_fwd(x, lam, dim) -> p = sparsemax(prox of lam·TV along dim),
   //     -inf entries removed (lam: one value per row, broadcastable as
   //     entmax_fwd's alpha, >= 0)

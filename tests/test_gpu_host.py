@@ -213,3 +213,45 @@ def test_cuda_opcheck():
     torch.library.opcheck(torch.ops.attnkern.entmax_fwd, (x, a, -1))
     p = _fwd("entmax", x, -1, a)
     torch.library.opcheck(torch.ops.attnkern.entmax_bwd, (p, x, a, -1, True))
+
+
+@gpu
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,dim", [((7, 33), -1), ((3, 1031), -1), ((3, 4, 70), 1), ((6, 1), 1), ((0, 9), -1)])
+def test_cuda_fusedmax_matches_cpu(dtype, shape, dim):
+    """The CUDA fusedmax row kernel (one thread per row, the CPU kernel's math)
+    against the CPU kernel: values, the gradient in x and in λ per row, masked
+    entries, a fully masked row and a NaN row."""
+    x = mask_some(make_scores(shape, torch.float64, scale=2.0, seed=5), frac=0.2, full_rows=1).to(dtype)
+    if x.numel() > 8:
+        x.view(-1)[5] = math.nan
+    g = make_scores(shape, torch.float64, seed=6).to(dtype)
+    lam = _rows_alpha(x, dim, values=(0.0, 0.1, 0.5, 2.0)).to(torch.float64)
+    ops = torch.ops.attnkern
+    assert_close(ops.fusedmax_fwd(x.cuda(), lam.cuda(), dim).cpu(), ops.fusedmax_fwd(x, lam, dim), scale=10.0)
+    dx_cpu, dl_cpu = ops.fusedmax_bwd(x, g, lam, dim, True)
+    dx_gpu, dl_gpu = ops.fusedmax_bwd(x.cuda(), g.cuda(), lam.cuda(), dim, True)
+    assert_close(dx_gpu.cpu(), dx_cpu, scale=10.0)
+    assert dl_gpu.shape == dl_cpu.shape
+    assert_close(dl_gpu.cpu(), dl_cpu, dtype=torch.float64, scale=100.0)
+
+
+@gpu
+@needs_cuda_kernels
+def test_cuda_fusedmax_public_api_autograd_and_opcheck():
+    x = make_scores((4, 300), torch.float32, scale=2.0, seed=7)
+    lam = torch.tensor([[0.1], [0.5], [1.0], [0.0]])
+    outs = []
+    for dev in ("cpu", "cuda"):
+        xr, lr = x.to(dev).requires_grad_(), lam.to(dev).requires_grad_()
+        p = attnkern.fusedmax(xr, lam=lr)
+        gx, gl = torch.autograd.grad((p * torch.arange(300.0, device=dev)).sum(), (xr, lr))
+        outs.append((p.detach().cpu(), gx.cpu(), gl.cpu()))
+    for a, b in zip(outs[1], outs[0], strict=True):
+        assert_close(a, b, scale=10.0)
+    xc, lc = x.cuda(), lam.cuda().double()
+    torch.library.opcheck(torch.ops.attnkern.fusedmax_fwd, (xc, lc, -1))
+    torch.library.opcheck(torch.ops.attnkern.fusedmax_bwd, (xc, xc, lc, -1, True))
+    with pytest.raises(NotImplementedError, match="CPU"):
+        attnkern.oscarmax(x.cuda())

@@ -71,15 +71,16 @@ def _extension_why_not(backend: str, x: torch.Tensor, op: str) -> str | None:
         return "cuda: attnkern._C was built without CUDA kernels"
     if x.device.type != "cuda":
         return f"cuda: input is on {x.device}"
-    if op == "attention" and not torch._C._dispatch_has_kernel_for_dispatch_key("attnkern::attention_fwd", "CUDA"):
-        return "cuda: attnkern._C has no CUDA attention kernel"
+    if op != "normalizer" and not torch._C._dispatch_has_kernel_for_dispatch_key(f"attnkern::{op}_fwd", "CUDA"):
+        return f"cuda: attnkern._C has no CUDA {op} kernel"
     return None
 
 
 def why_not(backend: str, x: torch.Tensor, op: str = "normalizer", *, mask_grad: bool = False) -> str | None:
-    """Why `backend` cannot run `op` ("normalizer" or "attention") on x, or
-    None if it can. mask_grad: the attention call needs a gradient in its float
-    attn_mask, which only the reference gives."""
+    """Why `backend` cannot run `op` ("normalizer", "attention", or an op with
+    kernels of its own such as "fusedmax") on x, or None if it can. mask_grad:
+    the attention call needs a gradient in its float attn_mask, which only the
+    reference gives."""
     if backend == "reference":
         return None
     if backend == "triton":

@@ -37,6 +37,7 @@
 
 #include "attnkern/cpu_kernels.h"
 #include "attnkern/row_layout.h"
+#include "attnkern/structured_math.h"
 #include "structured_row.h"
 
 namespace attnkern {
@@ -75,110 +76,7 @@ namespace {
 
 using at::Tensor;
 
-// y = prox of lam·TV at x (n >= 1 entries, lam >= 0).
-void tv_prox(const double* x, int64_t n, double lam, double* y) {
-  if (n == 1 || lam == 0.0) {
-    std::copy(x, x + n, y);
-    return;
-  }
-  // The segment starts at `first`; its value lies in [lo, hi]. lo_dual /
-  // hi_dual: the dual variable at k if the segment took lo / hi; lo_end /
-  // hi_end: the last k where lo / hi was raised / lowered (where the segment
-  // ends if the next jump goes down / up).
-  int64_t k = 0, first = 0, lo_end = 0, hi_end = 0;
-  double lo = x[0] - lam, hi = x[0] + lam, lo_dual = lam, hi_dual = -lam;
-  auto close = [&](int64_t last, double value) {
-    for (; first <= last; ++first) y[first] = value;
-  };
-  for (;;) {
-    while (k == n - 1) {  // the row's end: the dual must come back to 0 there
-      if (lo_dual < 0.0) {  // even the lowest value is too high: down-jump after lo_end
-        close(lo_end, lo);
-        k = lo_end = first;
-        lo = x[first];
-        lo_dual = lam;
-        hi_dual = lo + lam - hi;
-      } else if (hi_dual > 0.0) {  // even the highest value is too low: up-jump after hi_end
-        close(hi_end, hi);
-        k = hi_end = first;
-        hi = x[first];
-        hi_dual = -lam;
-        lo_dual = hi - lam - lo;
-      } else {
-        close(k, lo + lo_dual / double(k - first + 1));
-        return;
-      }
-    }
-    lo_dual += x[k + 1] - lo;
-    if (lo_dual < -lam) {  // the segment ends at lo_end at its lowest value; the next is below
-      close(lo_end, lo);
-      k = lo_end = hi_end = first;
-      lo = x[first];
-      hi = lo + 2.0 * lam;
-      lo_dual = lam;
-      hi_dual = -lam;
-      continue;
-    }
-    hi_dual += x[k + 1] - hi;
-    if (hi_dual > lam) {  // ends at hi_end at its highest value; the next is above
-      close(hi_end, hi);
-      k = lo_end = hi_end = first;
-      hi = x[first];
-      lo = hi - 2.0 * lam;
-      lo_dual = lam;
-      hi_dual = -lam;
-      continue;
-    }
-    ++k;
-    if (lo_dual >= lam) {
-      lo_end = k;
-      lo += (lo_dual - lam) / double(k - first + 1);
-      lo_dual = lam;
-    }
-    if (hi_dual <= -lam) {
-      hi_end = k;
-      hi += (hi_dual + lam) / double(k - first + 1);
-      hi_dual = -lam;
-    }
-  }
-}
 
-// sparsemax's threshold τ of y (n >= 1 finite entries): Σ max(y - τ, 0) = 1, by
-// Michelot's steps τ <- (Σ_{y > τ} y - 1) / |{y > τ}| from τ = max(y) - 1,
-// which is left of the root (no weight exceeds 1); each step only raises τ
-// and drops entries, and the first step that keeps the set gives τ exactly.
-// The steps run on the entries above the start only, compacted into
-// `scratch` (n entries): rows of scores usually have few. No sort.
-double sparsemax_threshold(const double* y, int64_t n, double* scratch) {
-  double top = y[0];
-  for (int64_t i = 1; i < n; ++i) top = std::max(top, y[i]);
-  const double start = top - 1.0;
-  // (>=: the top itself, even where top - 1 rounds to top; an entry at the
-  // start only shortens the first step.)
-  int64_t count = 0;
-  double sum = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (y[i] >= start) {
-      scratch[count++] = y[i];
-      sum += y[i];
-    }
-  }
-  double tau = (sum - 1.0) / double(count);
-  for (;;) {
-    double s = 0.0;
-    int64_t c = 0;
-    for (int64_t i = 0; i < count; ++i) {
-      const double v = scratch[i];
-      if (v > tau) {
-        s += v;
-        scratch[c++] = v;
-      }
-    }
-    if (c == count || c == 0) return tau;
-    count = c;
-    tau = (s - 1.0) / double(c);
-  }
-}
 
 // The row's finite entries (compacted into xs, their positions into pos);
 // false if the row holds a NaN or +inf (its output is NaN).
@@ -208,52 +106,17 @@ Tensor checked_lam(const Tensor& lam, const Tensor& x, int64_t dim, const char* 
   return rows;
 }
 
-// sparsemax's vector-Jacobian product on y's m entries: v = g - mean_S g on the
-// support S = {y > tau}, 0 off it (into v; g may be v).
-void sparsemax_vjp(const double* y, double tau, const double* g, int64_t m, double* v) {
-  double gsum = 0.0;
-  int64_t support = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    if (y[i] > tau) {
-      gsum += g[i];
-      ++support;
-    }
-  }
-  const double gmean = support > 0 ? gsum / double(support) : 0.0;
-  for (int64_t i = 0; i < m; ++i) v[i] = y[i] > tau ? g[i] - gmean : 0.0;
-}
 
 struct Fusedmax {
   static constexpr const char* kName = "fusedmax";
-  static void prox(ProxScratch& s, int64_t m, double lam) { tv_prox(s.xs, m, lam, s.y); }
+  static void prox(ProxScratch& s, int64_t m, double lam) { math::tv_prox(s.xs, m, lam, s.y); }
   // The backward of one row (see the top of the file) on its m finite entries,
   // given y (prox) and v (sparsemax_vjp, in s.gs): dx into s.dxs, returns dλ.
   static double backward(ProxScratch& s, int64_t m, double tau);
 };
 
 double Fusedmax::backward(ProxScratch& s, int64_t m, double tau) {
-  const double* y = s.y;
-  const double* v = s.gs;
-  double* dxs = s.dxs;
-  double dlam = 0.0;
-  int64_t a = 0;
-  while (a < m) {
-    int64_t b = a;
-    while (b + 1 < m && y[b + 1] == y[a]) ++b;  // the segment [a, b] of y
-    if (y[a] > tau) {
-      double vsum = 0.0;
-      for (int64_t i = a; i <= b; ++i) vsum += v[i];
-      const double size = double(b - a + 1);
-      for (int64_t i = a; i <= b; ++i) dxs[i] = vsum / size;
-      const double left = a == 0 ? 0.0 : (y[a] > y[a - 1] ? 1.0 : -1.0);
-      const double right = b == m - 1 ? 0.0 : (y[b + 1] > y[b] ? 1.0 : -1.0);
-      dlam += (right - left) / size * vsum;
-    } else {
-      for (int64_t i = a; i <= b; ++i) dxs[i] = 0.0;
-    }
-    a = b + 1;
-  }
-  return dlam;
+  return math::fusedmax_vjp(s.y, s.gs, m, tau, s.dxs);
 }
 
 // y = prox of lam·OSCAR at the m finite entries (see the top of the file),
@@ -347,7 +210,7 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, int64_
         std::fill(p, p + n, 0.0);
         if (m > 0) {
           Op::prox(s, m, lp[r]);
-          const double tau = sparsemax_threshold(s.y, m, s.dxs);
+          const double tau = math::sparsemax_threshold(s.y, m, s.dxs);
           for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
         }
       }
@@ -397,8 +260,8 @@ void structured_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& lam,
         if (m > 0) {
           for (int64_t i = 0; i < m; ++i) s.gs[i] = s.g[s.pos[i]];
           Op::prox(s, m, lp[r]);
-          const double tau = sparsemax_threshold(s.y, m, s.dxs);
-          sparsemax_vjp(s.y, tau, s.gs, m, s.gs);
+          const double tau = math::sparsemax_threshold(s.y, m, s.dxs);
+          math::sparsemax_vjp(s.y, tau, s.gs, m, s.gs);
           dl = Op::backward(s, m, tau);
           for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = s.dxs[i];
         }
@@ -457,7 +320,7 @@ float ProxRow::solve(Prox prox, acc_t* row, int64_t n, double lam) {
   } else {
     Oscarmax::prox(s, m_, lam);
   }
-  tau_ = sparsemax_threshold(s.y, m_, s.dxs);
+  tau_ = math::sparsemax_threshold(s.y, m_, s.dxs);
   for (int64_t i = 0; i < m_; ++i) row[s.pos[i]] = static_cast<acc_t>(std::max(s.y[i] - tau_, 0.0));
   return static_cast<float>(tau_);
 }
@@ -472,7 +335,7 @@ double ProxRow::vjp(Prox prox, acc_t* d, int64_t n, acc_t scale) {
   for (int64_t i = 0; i < m_; ++i) s.gs[i] = static_cast<double>(d[s.pos[i]]);
   std::fill(d, d + n, acc_t(0));
   if (m_ == 0) return 0.0;
-  sparsemax_vjp(s.y, tau_, s.gs, m_, s.gs);
+  math::sparsemax_vjp(s.y, tau_, s.gs, m_, s.gs);
   const double dlam = prox == Prox::kFusedmax ? Fusedmax::backward(s, m_, tau_) : Oscarmax::backward(s, m_, tau_);
   for (int64_t i = 0; i < m_; ++i) d[s.pos[i]] = scale * static_cast<acc_t>(s.dxs[i]);
   return dlam;  // (λ applies to the scaled scores: no factor of scale)
