@@ -246,6 +246,32 @@ def check_module_alpha(normalizer: str, alpha) -> None:
                          f"with normalizer={normalizer!r}")
 
 
+def check_module_lam(normalizer: str, alpha, lam, learnable: bool = False):
+    """An nn module's normalizer parameters: for a structured normalizer, alpha
+    must be None and lam a finite float >= 0 (None: 1.0) or, where the module
+    allows it (`learnable`), "learnable"; for the others, alpha as
+    check_module_alpha and lam None. Returns lam as a float, "learnable" or
+    None."""
+    if not takes_lam(normalizer):
+        check_module_alpha(normalizer, alpha)
+        if lam is not None:
+            raise ValueError(f"lam is only used with normalizer in {STRUCTURED_NORMALIZERS}, got lam={lam!r} "
+                             f"with normalizer={normalizer!r}")
+        return None
+    if alpha is not None:
+        raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} with "
+                         f"normalizer={normalizer!r} (it takes lam)")
+    if lam is None:
+        return 1.0
+    if learnable and isinstance(lam, str) and lam == "learnable":
+        return lam
+    if isinstance(lam, (str, bool)) or not isinstance(lam, numbers.Real) or not (
+            math.isfinite(float(lam)) and float(lam) >= 0):
+        allowed = "a finite float >= 0" + (" or 'learnable'" if learnable else "")
+        raise ValueError(f"lam must be {allowed}, got {lam!r}")
+    return float(lam)
+
+
 def learnable_alpha_theta(alpha_init, device=None, dtype=None) -> torch.Tensor:
     """θ with α = 1 + sigmoid(θ) = alpha_init, the parameter of a learnable α
     kept in (1, 2); alpha_init must lie in (1, 2). device and dtype are the

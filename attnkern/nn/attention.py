@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkern.attention import _check_window, attention
-from attnkern.family import STRUCTURED_NORMALIZERS, acc_dtype, takes_lam
+from attnkern.family import acc_dtype
 from attnkern.nn.normalizers import EntmaxAlpha
-from attnkern.validation import check_mask_dtype, check_module_alpha
+from attnkern.validation import check_mask_dtype, check_module_lam
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype, name: str) -> torch.Tensor | None:
@@ -60,21 +60,9 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if takes_lam(normalizer):
-            if alpha is not None:
-                raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} with "
-                                 f"normalizer={normalizer!r} (it takes lam)")
-            lam = 1.0 if lam is None else lam
-            if not (isinstance(lam, str) and lam == "learnable") and (
-                    isinstance(lam, (str, bool)) or not math.isfinite(float(lam)) or float(lam) < 0):
-                raise ValueError(f"lam must be a finite float >= 0 or 'learnable', got {lam!r}")
-            if lam == "learnable" and not (math.isfinite(lam_init) and lam_init > 0):
-                raise ValueError(f"lam_init must be a finite float > 0, got {lam_init!r}")
-        else:
-            check_module_alpha(normalizer, alpha)
-            if lam is not None:
-                raise ValueError(f"lam is only used with normalizer in {STRUCTURED_NORMALIZERS}, got lam={lam!r} "
-                                 f"with normalizer={normalizer!r}")
+        lam = check_module_lam(normalizer, alpha, lam, learnable=True)
+        if lam == "learnable" and not (math.isfinite(lam_init) and lam_init > 0):
+            raise ValueError(f"lam_init must be a finite float > 0, got {lam_init!r}")
         window = _check_window(window)
         if window is not None and (add_bias_kv or add_zero_attn):
             raise ValueError("window cannot be combined with add_bias_kv or add_zero_attn: the keys they append "

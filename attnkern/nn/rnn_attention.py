@@ -27,7 +27,7 @@ from torch import nn
 
 from attnkern import ops
 from attnkern.family import CHAIN_NORMALIZERS, NORMALIZERS, STRUCTURED_NORMALIZERS, acc_dtype
-from attnkern.validation import check_module_alpha, learnable_alpha_theta
+from attnkern.validation import check_module_lam, learnable_alpha_theta
 
 MODES = ("learned", "uniform", "fixed")
 RNN_NORMALIZERS = NORMALIZERS + STRUCTURED_NORMALIZERS + tuple(CHAIN_NORMALIZERS)
@@ -80,20 +80,8 @@ class RNNAttention(nn.Module, abc.ABC):
                 raise ValueError(f"normalizer={normalizer!r} takes neither alpha nor lam (its parameters are the "
                                  "learnable pairwise scores)")
             self.lam = None
-        elif normalizer in STRUCTURED_NORMALIZERS:
-            if alpha is not None:
-                raise ValueError(f"alpha is only used with normalizer='entmax', got alpha={alpha!r} with "
-                                 f"normalizer={normalizer!r} (it takes lam)")
-            lam = 1.0 if lam is None else lam
-            if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (math.isfinite(lam) and lam >= 0):
-                raise ValueError(f"lam must be a finite float >= 0, got {lam!r}")
-            self.lam = float(lam)
         else:
-            check_module_alpha(normalizer, alpha)
-            if lam is not None:
-                raise ValueError(f"lam is only used with normalizer in {STRUCTURED_NORMALIZERS}, got lam={lam!r} with "
-                                 f"normalizer={normalizer!r}")
-            self.lam = None
+            self.lam = check_module_lam(normalizer, alpha, lam)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if backend not in ops.BACKENDS:
