@@ -11,7 +11,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -na
 
 # Everything the build, the tests and the experiments need besides torch and numpy.
 DEV_DEPS := ninja pybind11 setuptools wheel pytest pytest-benchmark hypothesis mpmath ruff "entmax==1.3" \
-	    matplotlib joblib tqdm scipy "dask[distributed]" captum "transformers==5.24.0" tokenizers
+	    matplotlib joblib tqdm scipy "dask[distributed]" captum gensim "transformers==5.24.0" tokenizers
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)

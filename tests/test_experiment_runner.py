@@ -221,6 +221,20 @@ def test_the_import_closure_follows_attnkern_imports():
     assert not any(n.startswith("attnkern.experiments.dynamics") for n in closure)
 
 
+def test_nested_readings_record_their_own_reads():
+    """A reading inside another whose set of names is equal to it (both read the same dataset) still closes as
+    itself, and the outer one keeps collecting."""
+    from attnkern.experiments import provenance
+
+    with provenance.reading() as outer:
+        provenance.note_read("vader")
+        with provenance.reading() as inner:
+            provenance.note_read("vader")
+        provenance.note_read("bbc")
+    assert outer == {"vader", "bbc"} and inner == {"vader"}
+    assert not provenance._reading
+
+
 def test_backend_kernels_refuses_without_the_compiled_kernels(tmp_path, monkeypatch):
     from attnkern import _extension
 

@@ -115,14 +115,17 @@ def test_baselines_end_to_end(out):
     for r in result["rows"]:
         for name in ("learned", "random", "uniform"):
             assert 0 <= r[f"{name}_accuracy"] <= 1
-        assert [d["lambda"] for d in r["deceptive"]] == [0.1]
-        assert r["divergence"] == ("KL" if r["normalizer"] == "softmax" else "JSD")
+        # JSD for every normalizer; Wiegreffe & Pinter's KL(a_adv ‖ a_base) besides for softmax only
+        divergences = ["jsd", "kl"] if r["normalizer"] == "softmax" else ["jsd"]
+        assert [(d["lambda"], d["divergence"]) for d in r["deceptive"]] == [(0.1, dv) for dv in divergences]
         # another initialisation on the same split: a different model, so its attention differs somewhat
         assert 0 < r["seed_variance"]["jsd"] <= math.log(2) and 0 <= r["seed_variance"]["accuracy"] <= 1
     assert len(list((out / "models").glob("tweets-average-softmax-learned-s0-i1000-*.pt"))) == 1
     # uniform attention does not depend on the normalizer: one model serves both rows
     assert len(list((out / "models").glob("tweets-average-softmax-uniform-s0-*.pt"))) == 1
     assert not list((out / "models").glob("tweets-average-sparsemax-uniform-*.pt"))
+    assert result["deceptive_start"] == "base"  # the quick configuration's default
+    assert len(list((out / "models").glob("tweets-average-softmax-learned-s0-*-deceive0.1-kl-base-e1-*.pt"))) == 1
 
 
 def test_report_gathers_every_part(out):
@@ -336,40 +339,49 @@ def test_importance_finds_a_planted_token(normalizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
-def test_deceptive_training_moves_attention_off_a_planted_token(normalizer):
-    """A known answer for Wiegreffe & Pinter's deceptive model: on a task where one keyword
-    decides the label, a model trained with baselines.deceptive_loss (keep the base model's
-    predictions, move the attention away from the base model's) must take most of its
-    attention off the keyword while its held-out accuracy stays within 0.05 of the base
-    model's: the BiLSTM states around the keyword carry what the decision needs."""
-    import copy
-
-    from attnkern.experiments.interpret.baselines import deceptive_loss
+@pytest.mark.parametrize("normalizer,divergence", [("softmax", "kl"), ("softmax", "jsd"), ("sparsemax", "jsd")])
+def test_deceptive_training_moves_attention_far_on_a_planted_keyword(normalizer, divergence):
+    """A known answer for Wiegreffe & Pinter's deceptive model: on a task where one keyword decides the label, a
+    fresh model trained with their protocol (baselines.deceptive_loss and deceptive_optimizer: keep the base
+    model's predictions, push the attention away from the base model's) must keep the held-out accuracy within
+    0.05 of the base model's while its attention ends far farther from the base model's (JSD) than that of the
+    same model trained with λ = 0 (plain distillation of the predictions), and with less of it on the keyword:
+    the BiLSTM states around the keyword carry what the decision needs."""
+    from attnkern.experiments.interpret.baselines import deceptive_loss, deceptive_optimizer
+    from attnkern.experiments.interpret.classifiers import TrainConfig
+    from attnkern.experiments.interpret.metrics import jsd
 
     task, base, (tokens, mask, labels, planted) = _trained_on_planted_keyword(normalizer)
+    with torch.no_grad():
+        base_weights = base(tokens, mask).weights
 
     def evaluate(model):
         with torch.no_grad():
             out = model(tokens, mask)
         on_keyword = out.weights[torch.arange(len(planted)), planted]
-        return (out.logits.argmax(-1) == labels).float().mean().item(), on_keyword.mean().item()
+        return ((out.logits.argmax(-1) == labels).float().mean().item(), on_keyword.mean().item(),
+                jsd(base_weights, out.weights).mean().item())
 
-    base_acc, base_on_keyword = evaluate(base)
+    def train(lam):
+        torch.manual_seed(7)
+        model = AttentionClassifier(task.vocab_size, 2, encoder="bilstm", normalizer=normalizer, embed_dim=16,
+                                    hidden_dim=16)
+        opt = deceptive_optimizer(model, TrainConfig("rt", "bilstm", normalizer, 0, lr=1e-2))
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(200):
+            x, m, _, _ = task.sample(64, gen)
+            with torch.no_grad():
+                target = base(x, m)
+            loss = deceptive_loss(model, x, m, torch.softmax(target.logits, -1), target.weights, divergence, lam)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return evaluate(model)
+
+    base_acc, base_on_keyword, _ = evaluate(base)
     assert base_acc > 0.95 and base_on_keyword > 0.5
-    deceptive = copy.deepcopy(base)
-    # At the base model both terms of the loss are stationary (TVD 0, the divergence at its minimum); the
-    # experiment's weight decay (1e-5, as here) is what moves the copy off that point.
-    opt = torch.optim.Adam(deceptive.parameters(), lr=1e-2, weight_decay=1e-5)
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(300):
-        x, m, _, _ = task.sample(64, gen)
-        with torch.no_grad():
-            target = base(x, m)
-        loss = deceptive_loss(deceptive, x, m, torch.softmax(target.logits, -1), target.weights, normalizer, lam=0.3)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    acc, on_keyword = evaluate(deceptive)
+    acc, on_keyword, moved = train(0.3)
+    _, control_on_keyword, control_moved = train(0.0)
     assert acc >= base_acc - 0.05, (acc, base_acc)
-    assert on_keyword < 0.5 * base_on_keyword, (on_keyword, base_on_keyword)
+    assert moved > control_moved + 0.2, (moved, control_moved)
+    assert on_keyword < control_on_keyword - 0.2, (on_keyword, control_on_keyword)

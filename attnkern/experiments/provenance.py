@@ -128,7 +128,8 @@ def reading() -> Iterator[set[str]]:
     try:
         yield names
     finally:
-        _reading.remove(names)
+        # by identity: an enclosing reading may hold an equal set
+        del _reading[next(i for i, other in enumerate(_reading) if other is names)]
 
 
 def dataset_digest(dataset: str) -> str | None:

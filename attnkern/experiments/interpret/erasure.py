@@ -156,8 +156,7 @@ def markdown(result: dict) -> str:
         "is left, and over those, the mean fraction of the items removed and of the original attention mass "
         "removed at the first flip. Serrano & Smith found that removing the most attended item seldom flips "
         "the decision and that the set of items to erase before a flip is often too large to serve as an "
-        "explanation, with gradient-based orders finding smaller sets. "
-        "Embeddings are trained from scratch.", result)
+        "explanation, with gradient-based orders finding smaller sets.", result)
     body = []
     for r in result["rows"]:
         cells = []

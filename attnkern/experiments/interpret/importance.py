@@ -50,6 +50,26 @@ PAPER_TABLE2 = {
         1: {"bilstm_grad": (0.35, 0.13, 0.81), "average_grad": (0.75, 0.07, 1.00), "bilstm_loo": (0.32, 0.13, 0.73)}},
 }
 
+# The same cells in the result files Jain & Wallace released, which differ from the paper's table (a different run,
+# it seems): successar/AttentionExplanation at commit 752b7791f51573fdee503723eaebc4b42f598c9d,
+# graph_outputs/GradientPval_kendalltau/<data>+<encoder>+tanh.csv (gradient) and
+# graph_outputs/pyxc-pyc_pval_kendalltau/<data>+lstm+tanh.csv (leave-one-out), with <data> sst, tweet, agnews,
+# 20News_sports and <encoder> lstm or average; their rows are per predicted class, the columns pval_sig, mean, std.
+RELEASED_TABLE2_COMMIT = "752b7791f51573fdee503723eaebc4b42f598c9d"
+RELEASED_TABLE2 = {
+    "SST": {
+        0: {"bilstm_grad": (0.34, 0.21, 0.48), "average_grad": (0.61, 0.20, 0.87), "bilstm_loo": (0.27, 0.19, 0.33)},
+        1: {"bilstm_grad": (0.36, 0.21, 0.49), "average_grad": (0.60, 0.21, 0.83), "bilstm_loo": (0.32, 0.19, 0.40)}},
+    "ADR Tweets": {
+        0: {"bilstm_grad": (0.47, 0.18, 0.76), "average_grad": (0.73, 0.13, 0.96), "bilstm_loo": (0.29, 0.20, 0.44)},
+        1: {"bilstm_grad": (0.49, 0.15, 0.85), "average_grad": (0.72, 0.12, 0.97), "bilstm_loo": (0.44, 0.16, 0.74)}},
+    "20News": {
+        0: {"bilstm_grad": (0.07, 0.17, 0.37), "average_grad": (0.79, 0.07, 1.00), "bilstm_loo": (0.06, 0.15, 0.29)},
+        1: {"bilstm_grad": (0.21, 0.22, 0.61), "average_grad": (0.75, 0.08, 1.00), "bilstm_loo": (0.20, 0.20, 0.62)}},
+    "AG News": {
+        0: {"bilstm_grad": (0.36, 0.13, 0.82), "average_grad": (0.78, 0.07, 1.00), "bilstm_loo": (0.30, 0.13, 0.69)},
+        1: {"bilstm_grad": (0.42, 0.13, 0.90), "average_grad": (0.76, 0.07, 1.00), "bilstm_loo": (0.43, 0.14, 0.91)}},
+}
 
 # The CLI checks these before it creates the output directory (run() checks them again).
 check_arguments = shared.check_model_arguments
@@ -132,12 +152,13 @@ def _fmt(mean, std=None, frac=None, ci=None) -> str:
     return s
 
 
-def _paper_cells(dataset: str, encoder: str, cls: int | None) -> tuple[str, str]:
-    """(paper gradient τ, paper leave-one-out τ) for our row, or '–' where the paper has no such cell."""
+def _paper_cells(dataset: str, encoder: str, cls: int | None, source: dict = PAPER_TABLE2) -> tuple[str, str]:
+    """(gradient τ, leave-one-out τ) of ``source`` (PAPER_TABLE2 or RELEASED_TABLE2) for our row, or '–' where it
+    has no such cell."""
     rows = DATASETS[dataset].paper_rows
     grad, loo = [], []
     for paper_row in rows:
-        table = PAPER_TABLE2.get(paper_row, {})
+        table = source.get(paper_row, {})
         classes = [cls] if cls is not None else sorted(table)
         for c in classes:
             cell = table.get(c, {})
@@ -226,7 +247,8 @@ def run(args) -> dict:
     add_intervals(rows, shared.group_runs(sweep))
     return shared.write_result(
         args, NAME, sweep, markdown, rows=rows, paired=paired_differences(sweep), plots=_plot(merged_by_key, args.out),
-        notes=["embeddings trained from scratch (the paper used pretrained word vectors)",
+        notes=[("embeddings from word2vec vectors trained without the test split" if args.embeddings == "word2vec"
+                else "embeddings trained from scratch") + " (the paper used pretrained word vectors)",
                "Kendall tau-b from scipy.stats; undefined tau (fewer than 2 tokens, constant vector) "
                "counted in *_undefined and left out of means and significant fractions",
                "top-k: ties broken by position; k clipped to the document length"])
@@ -239,18 +261,26 @@ def markdown(result: dict) -> str:
         "[95% interval of the mean: nested bootstrap over seeds, then instances within each seed] "
         "(fraction significant at p ≤ 0.05). Our datasets stand beside the paper's nearest rows: Rotten "
         "Tomatoes snippets beside SST, rated tweets beside ADR Tweets, BBC News beside AG News / 20News. "
-        "Embeddings are trained from scratch (the paper used pretrained vectors). Paper cells are per "
-        "predicted class (c0, c1), shown on our softmax rows (the paper studied softmax attention only); "
-        "the paper reports no CNN column and no leave-one-out column for the average encoder.", result)
-    header = ["dataset", "encoder", "normalizer", "acc", "τ_g ours", "τ_g paper", "τ_loo ours", "τ_loo paper"]
+        + ("Embeddings start from word2vec vectors trained here without the test split (the paper used "
+           "pretrained vectors). " if result.get("embeddings") == "word2vec" else
+           "Embeddings are trained from scratch (the paper used pretrained vectors). ")
+        + "Reference cells are per predicted class (c0, c1), shown on our softmax rows (the paper studied softmax "
+        "attention only): the paper's Table 2 and, where they differ, the result files the authors released "
+        f"(successar/AttentionExplanation at {RELEASED_TABLE2_COMMIT[:7]}, graph_outputs/GradientPval_kendalltau "
+        "and pyxc-pyc_pval_kendalltau); neither has a CNN column or a leave-one-out column for the average "
+        "encoder.", result)
+    header = ["dataset", "encoder", "normalizer", "acc", "τ_g ours", "τ_g paper", "τ_g authors' files",
+              "τ_loo ours", "τ_loo paper", "τ_loo authors' files"]
     body = []
     for r in result["rows"]:
         # the paper studied softmax attention only
-        pg, pl = _paper_cells(r["dataset"], r["encoder"], None) if r["normalizer"] == "softmax" else ("", "")
+        softmax = r["normalizer"] == "softmax"
+        pg, pl = _paper_cells(r["dataset"], r["encoder"], None) if softmax else ("", "")
+        rg, rl = _paper_cells(r["dataset"], r["encoder"], None, RELEASED_TABLE2) if softmax else ("", "")
         body.append([r["dataset"], r["encoder"], r["normalizer"], f"{r['accuracy']:.3f}",
                      _fmt(r["gradient_tau_mean"], r["gradient_tau_std"], r["gradient_sig_frac"],
-                          r.get("gradient_tau_ci")), pg,
-                     _fmt(r["loo_tau_mean"], r["loo_tau_std"], r["loo_sig_frac"], r.get("loo_tau_ci")), pl])
+                          r.get("gradient_tau_ci")), pg, rg,
+                     _fmt(r["loo_tau_mean"], r["loo_tau_std"], r["loo_sig_frac"], r.get("loo_tau_ci")), pl, rl])
     lines.append(md_table(header, body))
     lines += ["## By predicted class", ""]
     body = []

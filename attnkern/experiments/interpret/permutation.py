@@ -88,8 +88,7 @@ def markdown(result: dict) -> str:
         "density plots of the median change against the maximum attention, and concludes that such "
         "counterfactual attention often leaves the output unchanged. Our plots show, per model, the density "
         "of the test instances over maximum attention (x) and median change (y): Gaussian kernel-density "
-        f"contours from {shared.KDE_MIN_POINTS} instances on, a 2-D histogram below that. Embeddings are "
-        "trained from scratch.", result)
+        f"contours from {shared.KDE_MIN_POINTS} instances on, a 2-D histogram below that.", result)
     body = []
     for r in result["rows"]:
         bins = shared.max_attention_cell(r["by_max_attention"], "median_change_mean")

@@ -86,7 +86,8 @@ def markdown(result: dict, texts: dict) -> str:
              "Jain & Wallace (2019), Wiegreffe & Pinter (2019) and Serrano & Smith (2019), rerun on Rotten "
              "Tomatoes snippets (beside the papers' SST rows), rated tweets (beside their Twitter rows) and BBC "
              "News (beside their AG News / 20 Newsgroups rows), with every attention normalized by attnkern's "
-             "kernels. Embeddings are trained from scratch (the papers used pretrained word vectors).", "",
+             "kernels. Each part's scale line says whether its embeddings were trained from scratch or started "
+             "from word2vec vectors (the papers used pretrained word vectors).", "",
              f"Parts found: {', '.join(result['parts'])}.", "", "## Summary by normalizer", "",
              "Means over the (dataset, encoder) rows of each experiment: test accuracy, τ(attention, gradient), "
              "τ(attention, leave-one-out), τ(attention, gradient) on the support only, support size / length, "

@@ -172,14 +172,19 @@ def add_model_arguments(parser, instances_help: str = "test instances analysed p
     parser.add_argument("--encoders", nargs="+", default=list(ENCODERS), help=f"encoders ({', '.join(ENCODERS)})")
     parser.add_argument("--instances", type=int, default=None,
                         help=f"{instances_help} (default: all; 100 with --quick)")
+    parser.add_argument("--embeddings", default="scratch",
+                        help="scratch (default) or word2vec: word vectors trained here on unlabelled text "
+                             "without the test split (needs `attnkern-exp data fetch all`)")
 
 
 def check_model_arguments(args) -> None:
     """ValueError naming the argument for bad --dataset / --encoders / --instances."""
     from attnkern.experiments.interpret.classifiers import DATASETS, ENCODERS, check_choices
+    from attnkern.experiments.interpret.embeddings import EMBEDDINGS
 
     args.datasets = check_choices(args.datasets, DATASETS, "argument --dataset")
     args.encoders = check_choices(args.encoders, ENCODERS, "argument --encoders")
+    check_choices([args.embeddings], EMBEDDINGS, "argument --embeddings")
     if args.instances is not None and args.instances < 1:
         raise ValueError(f"argument --instances: must be a positive int, got {args.instances}")
 
@@ -211,7 +216,7 @@ def model_jobs(args, experiment: str, extra: dict | None = None, normalizers=Non
                 for mode in modes:
                     for seed in range(n_seeds(args)):
                         cfg = train_config(dataset, encoder, normalizer, seed, args.quick, mode=mode,
-                                           backend=args.backend)
+                                           backend=args.backend, embeddings=args.embeddings)
                         config = {"train": asdict(cfg), "out": str(args.out), "instances": n_instances(args),
                                   **(extra or {})}
                         jobs.append(Job(f"{experiment}/{cfg.name()}", config, seed))
@@ -264,7 +269,9 @@ def scale_note(result: dict) -> str:
     """One line saying at which scale a result was measured."""
     inst = result.get("instances")
     scale = "quick configuration (small models, few epochs)" if result.get("quick") else "full configuration"
-    return (f"*{scale}; {result.get('seeds')} seed(s) per model; "
+    vectors = {"scratch": "embeddings trained from scratch",
+               "word2vec": "embeddings starting from word2vec vectors trained without the test split"}
+    return (f"*{scale}; {vectors[result.get('embeddings', 'scratch')]}; {result.get('seeds')} seed(s) per model; "
             f"{'all' if inst is None else f'at most {inst}'} test instances per model.*")
 
 
@@ -340,7 +347,8 @@ def write_result(args, experiment: str, sweep, markdown, **fields) -> dict:
 
     config = {"backend": args.backend, "device": getattr(args, "device", "cpu")}
     result = {"experiment": experiment, "quick": args.quick, "instances": n_instances(args), "seeds": n_seeds(args),
-              **fields, "meta": invocation_meta(config), "sweep": sweep_block(sweep)}
+              "embeddings": args.embeddings, **fields, "meta": invocation_meta(config),
+              "sweep": sweep_block(sweep)}
     write_outputs(args.out, experiment, result, markdown(result))
     return result
 
