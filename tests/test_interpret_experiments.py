@@ -67,6 +67,8 @@ def test_importance_end_to_end(out):
     assert "ADR Tweets" in (out / "importance.md").read_text()
     # the models are cached for the other experiments
     assert len(list((out / "models").glob("tweets-average-*-learned-s0-*.pt"))) == 2
+    first, last = result["sweep"]["provenance"]["started"]
+    assert first <= last and first.endswith(" UTC")
 
 
 def test_permutation_end_to_end(out):

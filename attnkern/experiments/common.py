@@ -78,12 +78,13 @@ def sweep_block(sweep: runner.Sweep) -> dict:
     """The sweep's counts, failures, and the provenance of the runs behind the
     results (each run's own, also when it was served from the cache): the
     distinct commits, machines, instruction-set levels, backends, code and data
-    fingerprints, and the total compute time."""
+    fingerprints, the first and last start time, and the total compute time."""
     metas = [r.get("meta", {}) for r in sweep.results.values()]
 
     def distinct(key):
         return sorted({str(m.get(key)) for m in metas})
 
+    starts = sorted(m["started"] for m in metas if m.get("started"))
     data: dict[str, list] = {}
     for r in sweep.results.values():
         for name, digest in (r.get("data") or {}).items():
@@ -95,7 +96,8 @@ def sweep_block(sweep: runner.Sweep) -> dict:
             "provenance": {"commits": distinct("attnkern_commit"), "processors": distinct("processor"),
                            "isa_levels": distinct("isa_level"), "backends": distinct("backend"),
                            "torch": distinct("torch"), "code_fingerprints": distinct("code_fingerprint"),
-                           "data": data, "run_seconds": sum(r.get("seconds", 0.0) for r in sweep.results.values())}}
+                           "data": data, "run_seconds": sum(r.get("seconds", 0.0) for r in sweep.results.values()),
+                           "started": [min(starts), max(starts)] if starts else []}}
 
 
 def failures_md(failures: dict) -> str:
