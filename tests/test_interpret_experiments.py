@@ -387,3 +387,60 @@ def test_deceptive_training_moves_attention_far_on_a_planted_keyword(normalizer,
     assert acc >= base_acc - 0.05, (acc, base_acc)
     assert moved > control_moved + 0.2, (moved, control_moved)
     assert on_keyword < control_on_keyword - 0.2, (on_keyword, control_on_keyword)
+
+
+def test_diagnostic_end_to_end(tmp_path):
+    root = make_cache(tmp_path / "data")
+    old = os.environ.get("ATTNKERN_DATA")
+    os.environ["ATTNKERN_DATA"] = str(root)
+    try:
+        result, md = run_experiment("diagnostic", tmp_path / "out", "--quick", "--dataset", "tweets", "--encoders",
+                                    "bilstm", "--normalizers", "softmax", "sparsemax", "--no-progress")
+    finally:
+        if old is None:
+            os.environ.pop("ATTNKERN_DATA", None)
+        else:
+            os.environ["ATTNKERN_DATA"] = old
+    assert [(r["guide"], r["normalizer"]) for r in result["rows"]] == [("bilstm", "softmax"),
+                                                                      ("bilstm", "sparsemax")]
+    for r in result["rows"]:
+        for name in ("uniform", "learned", "guided", "guide"):
+            assert 0 <= r[f"{name}_accuracy"] <= 1 and 0 <= r[f"{name}_macro_f1"] <= 1
+    assert "guide's attention" in md
+    # the guides and the diagnostic models with their own attention are the cached classifiers
+    assert len(list((tmp_path / "out" / "models").glob("tweets-average-*-learned-s0-*.pt"))) == 2
+
+
+def test_diagnostic_refuses_the_average_encoder_as_a_guide(tmp_path, capsys):
+    assert cli.main(["diagnostic", "--quick", "--out", str(tmp_path), "--encoders", "average"]) == 2
+    assert "--encoders" in capsys.readouterr().err
+
+
+def test_guided_diagnostic_model_uses_the_imposed_weights(tmp_path, monkeypatch):
+    """A known answer: in the fixture the label follows the cue words. Weights imposed one-hot on a cue word let
+    the diagnostic model classify the test split; one-hot on a filler word leaves it near chance. So the imposed
+    weights decide what the model sees, in training and in testing."""
+    from _interpret_data import NEGATIVE, POSITIVE
+
+    from attnkern.experiments.interpret.classifiers import load_text_data, train_config
+    from attnkern.experiments.interpret.diagnostic import train_guided
+
+    monkeypatch.setenv("ATTNKERN_DATA", str(make_cache(tmp_path / "data", n_rated=400)))
+    data = load_text_data("rt", 0, 80)
+    cues = {data.vocab.stoi[w] for w in POSITIVE + NEGATIVE if w in data.vocab.stoi}
+
+    def one_hot(seqs, on_cue):
+        out = []
+        for seq in seqs:
+            at = [i for i, t in enumerate(seq) if (t in cues) == on_cue]
+            w = torch.zeros(len(seq))
+            w[at[0] if at else 0] = 1.0
+            out.append(w)
+        return out
+
+    cfg = train_config("rt", "average", "softmax", 0, quick=True)
+    scores = {}
+    for on_cue in (True, False):
+        weights = {name: one_hot(getattr(data, name)[0], on_cue) for name in ("train", "dev", "test")}
+        scores[on_cue] = train_guided(cfg, data, weights)["accuracy"]
+    assert scores[True] >= 0.9 and scores[False] <= 0.75, scores

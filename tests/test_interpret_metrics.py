@@ -212,3 +212,11 @@ def test_nested_bootstrap_interval_covers_the_seed_spread():
     assert np.isnan(nested_bootstrap_interval([[np.nan], []])[0])
     with pytest.raises(ValueError, match="level"):
         nested_bootstrap_interval([[1.0]], level=1.5)
+
+
+def test_macro_f1_by_hand():
+    from attnkern.experiments.interpret.metrics import macro_f1
+
+    # class 0: tp 1, predicted 2, true 2 -> F1 0.5; class 1 likewise 0.5; class 2: always right -> 1
+    assert macro_f1([0, 1, 1, 0, 2], [0, 0, 1, 1, 2]) == pytest.approx((0.5 + 0.5 + 1.0) / 3)
+    assert macro_f1([1, 1], [0, 0]) == 0.0

@@ -12,6 +12,7 @@ EXPERIMENTS: dict[str, str] = {
     "permutation": "attnkern.experiments.interpret.permutation",
     "adversarial": "attnkern.experiments.interpret.adversarial",
     "baselines": "attnkern.experiments.interpret.baselines",
+    "diagnostic": "attnkern.experiments.interpret.diagnostic",
     "erasure": "attnkern.experiments.interpret.erasure",
     "report": "attnkern.experiments.interpret.report",
 }

@@ -38,6 +38,7 @@ from attnkern.experiments.common import parse_normalizer
 from attnkern.experiments.data.sources import cache_root
 from attnkern.experiments.data.text import Vocab, batches, pad_batch, split_indices, tokenize
 from attnkern.experiments.interpret.embeddings import EMBEDDINGS, initialise_embedding, word2vec_vectors
+from attnkern.experiments.interpret.metrics import macro_f1
 from attnkern.experiments.models import AttentionClassifier
 
 ENCODERS = ("bilstm", "cnn", "average")
@@ -257,16 +258,9 @@ def accuracy(model, split) -> float:
     return float((predict(model, seqs) == labels).mean())
 
 
-def macro_f1(model, split) -> float:
+def split_macro_f1(model, split) -> float:
     seqs, labels = split
-    pred = predict(model, seqs)
-    f1s = []
-    for c in np.unique(labels):
-        tp = np.sum((pred == c) & (labels == c))
-        prec = tp / max(np.sum(pred == c), 1)
-        rec = tp / max(np.sum(labels == c), 1)
-        f1s.append(0.0 if tp == 0 else 2 * prec * rec / (prec + rec))
-    return float(np.mean(f1s))
+    return macro_f1(predict(model, seqs), labels)
 
 
 def fit(model, data: TextData, cfg: TrainConfig, loss_fn=None, score_fn=None) -> dict:
@@ -356,7 +350,7 @@ def get_classifier(cfg: TrainConfig, out: str | Path) -> Trained:
     start = time.time()
     info = fit(model, data, cfg)
     info.update(dev_accuracy=accuracy(model, data.dev), test_accuracy=accuracy(model, data.test),
-                test_macro_f1=macro_f1(model, data.test), train_seconds=time.time() - start,
+                test_macro_f1=split_macro_f1(model, data.test), train_seconds=time.time() - start,
                 sizes={"train": len(data.train[0]), "dev": len(data.dev[0]), "test": len(data.test[0]),
                        "vocab": len(data.vocab)})
     if vector_info is not None:

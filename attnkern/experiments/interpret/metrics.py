@@ -32,6 +32,7 @@ __all__ = [
     "jsd",
     "kendall_tau",
     "kl_divergence",
+    "macro_f1",
     "summarize_kendall",
     "topk_agreement",
     "tvd",
@@ -111,6 +112,18 @@ class KendallResult:
     @property
     def defined(self) -> bool:
         return not math.isnan(self.tau)
+
+
+def macro_f1(pred, labels) -> float:
+    """The mean over the classes present in ``labels`` of each class's F1 (0 for a class never predicted
+    correctly)."""
+    pred, labels = np.asarray(pred), np.asarray(labels)
+    f1s = []
+    for c in np.unique(labels):
+        tp = np.sum((pred == c) & (labels == c))
+        precision, recall = tp / max(np.sum(pred == c), 1), tp / max(np.sum(labels == c), 1)
+        f1s.append(0.0 if tp == 0 else 2 * precision * recall / (precision + recall))
+    return float(np.mean(f1s))
 
 
 def _as_vector(x, name: str) -> np.ndarray:
