@@ -100,6 +100,7 @@ def test_structured_normalizers_in_importance_and_permutation(out):
 
 def test_adversarial_end_to_end(out):
     result = _run("adversarial", out, "--steps", "30")
+    assert result["start"] == "uniform"  # the authors' start by default
     for r in result["rows"]:
         assert 0 <= r["max_jsd_mean"] <= math.log(2) + 1e-6
         assert 0 <= r["feasible_mean"] <= 5
@@ -250,14 +251,16 @@ def test_erasure_counts_items_and_mass_until_the_flip():
     assert items.tolist() == [0] and mass.tolist() == [0.0]
 
 
+@pytest.mark.parametrize("start", ["uniform", "scores"])
 @pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
-def test_adversarial_candidates_stay_in_the_family(normalizer):
+def test_adversarial_candidates_stay_in_the_family(normalizer, start):
     model = _tiny_model(normalizer)
     for p in model.parameters():
         p.requires_grad_(False)
     tokens, mask = _batch()
     enc = shared.encode_batch(model, tokens, mask)
-    alpha, change, dist = adversarial_attention(model, enc, k=3, epsilon=0.01, steps=60, penalty=100.0)
+    alpha, change, dist = adversarial_attention(model, enc, k=3, epsilon=0.01, steps=60, penalty=100.0,
+                                                start=start)
     assert alpha.shape == (2, 3, 5)
     assert torch.allclose(alpha.sum(-1), torch.ones(2, 3), atol=1e-5)
     assert (alpha[1, :, 3:] == 0).all()  # padding gets nothing
@@ -265,6 +268,47 @@ def test_adversarial_candidates_stay_in_the_family(normalizer):
     assert change.shape == (2, 3)
     # the search moves away from the original attention
     assert float(dist.max()) > 0.01
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax15", "entmax1.3"])
+def test_start_scores_invert_the_normalizer(normalizer):
+    """The adversary's start: scores that the model's own normalizer maps back to the drawn distribution."""
+    from attnkern.experiments.common import parse_normalizer
+    from attnkern.experiments.interpret.adversarial import scores_for
+
+    name, params = parse_normalizer(normalizer)
+    torch.manual_seed(0)
+    model = AttentionClassifier(30, 2, encoder="average", normalizer=name, embed_dim=8, hidden_dim=8, **params)
+    p = torch.softmax(3 * torch.randn(4, 7, dtype=torch.float64), -1)
+    back = model.attention.normalize(scores_for(model.attention, p), torch.ones(4, 7, dtype=torch.bool))
+    torch.testing.assert_close(back, p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
+def test_adversary_moves_far_only_where_the_output_allows_it(normalizer):
+    """A known answer for Jain & Wallace's adversary: with the same output relevance at every position the output
+    does not depend on the attention, so a candidate far from the model's attention (ε-max JSD > 0.5 of ln 2)
+    stays within ε; over two positions that push the output opposite ways every move of the attention moves the
+    output, so the candidates that stay within ε (there must be some) stay close (JSD < 0.01)."""
+    from dataclasses import replace
+
+    model = _tiny_model(normalizer)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cases = ((6, torch.tensor([1.0, -1.0]).expand(1, 6, 2), True),
+             (2, torch.tensor([[[8.0, -8.0], [-8.0, 8.0]]]), False))
+    for n, relevance, far in cases:
+        tokens = torch.arange(3, 3 + n).unsqueeze(0)
+        enc = shared.encode_batch(model, tokens, tokens != 0)
+        # (peaked where the adversary may move far: JSD from the uniform distribution over 6 is at most 0.45)
+        weights = torch.tensor([[0.95] + [0.01] * 5]) if far else torch.full((1, n), 1.0 / n)
+        case = replace(enc, weights=weights, relevance=relevance, bias=torch.zeros(2))
+        case = replace(case, probs=shared.decode(weights, relevance, case.bias))
+        _, change, dist = adversarial_attention(model, case, k=5, epsilon=0.01, steps=300)
+        ok = change <= 0.01
+        assert ok.any(), change
+        best = float(torch.where(ok, dist, torch.zeros_like(dist)).max())
+        assert (best > 0.5) if far else (best < 0.01), (far, best)
 
 
 def test_density_panel_is_a_kde_with_enough_spread_points_else_a_histogram():

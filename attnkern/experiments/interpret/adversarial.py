@@ -1,17 +1,23 @@
 """Adversarial attention: how far can attention move without changing the output? (Jain & Wallace 2019, Eq. 2)
 
 Per test instance, with the encoder fixed, k = 5 alternative attention distributions α^(1..k) are optimised to
-maximise ``Σ_i JSD(α^(i), α̂) + 1/(k(k−1)) Σ_{i<j} JSD(α^(i), α^(j))`` (distance from the model's attention α̂,
-plus diversity among the k, as in the authors' code) while the output stays within ε = 0.01 of the original:
-the relaxed objective subtracts ``penalty · Σ_i max(0, TVD(ŷ^(i), ŷ) − ε)``. Adam, step 0.01, 500 steps, on
-free scores that go through the model's own normalizer, so a sparsemax or entmax model's adversary is sparse too.
+maximise ``Σ_i JSD(α^(i), α̂) + (1/k²) Σ_{i≠j} JSD(α^(i), α^(j))`` (distance from the model's attention α̂, plus
+diversity among the k averaged over all k² ordered pairs, as in the authors' code) while the output stays within
+ε = 0.01 of the original: the relaxed objective subtracts ``penalty · Σ_i max(0, TVD(ŷ^(i), ŷ) − ε)``. Adam with
+amsgrad, step 0.01, 500 steps, on free scores that go through the model's own normalizer, so a sparsemax or
+entmax model's adversary is sparse too. The candidates start, as the authors' do, at the random distributions
+softmax(log(1/n) + 3·N(0, 1)) (``--start uniform``), given to the optimiser as the scores that the model's
+normalizer maps to them (its inverse on the open simplex: log p for softmax, p itself for sparsemax,
+p^(α−1)/(α−1) for α-entmax): the authors' scores for softmax, and for sparse normalizers a start from which the
+gradient flows (their raw log-space scores would give sparsemax one-hot starts, where its Jacobian vanishes and
+the search never moves). ``--start scores`` starts from the model's own scores plus noise instead (the labelled
+variant this experiment used before 2026-11-29).
 
 The instance's statistic is the ε-max JSD: the largest JSD(α^(i), α̂) among the candidates whose output change is
 within ε (0 if none is: α̂ itself always qualifies). JSD is in nats, at most ln 2 ≈ 0.693.
 
-As in the authors' code: k, ε, the steps, the step size and the penalty weight (PENALTY). Ours differs in the
-start (the model's own scores plus noise, where theirs is uniform plus 3·N(0, 1) noise in log space) and in the
-diversity term's constant (theirs averages the pairwise JSD over all k² ordered pairs).
+Settings from the authors' code (AdversaryMulti in successar/AttentionExplanation, model/Binary_Classification.py):
+k, ε, the start, the steps, the optimiser and its step size, the penalty weight (PENALTY) and the diversity term.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ LN2 = math.log(2.0)
 # The weight of the output change beyond ε in Jain & Wallace's code (AdversaryMulti in
 # successar/AttentionExplanation, model/Binary_Classification.py); our default was 100 before.
 PENALTY = 500.0
+STARTS = ("uniform", "scores")
+# The authors' start: softmax of log-uniform scores plus noise of this standard deviation.
+START_NOISE = 3.0
 
 
 def add_arguments(parser) -> None:
@@ -41,22 +50,45 @@ def add_arguments(parser) -> None:
     parser.add_argument("--penalty", type=float, default=PENALTY,
                         help=f"weight of the output change beyond epsilon in the relaxed objective "
                              f"(default {PENALTY:g}, the authors' code)")
+    parser.add_argument("--start", choices=STARTS, default="uniform",
+                        help="uniform: softmax(log(1/n) + 3·N(0, 1)) as in the authors' code, as scores of the "
+                             "model's normalizer (default); scores: the model's own scores plus noise")
+
+
+def scores_for(attention, p: torch.Tensor) -> torch.Tensor:
+    """Scores that ``attention``'s normalizer maps to the distributions ``p`` (..., T) with positive entries: its
+    inverse on the open simplex, up to the constant every normalizer ignores. log p for softmax (α = 1),
+    p^(α−1)/(α−1) for α-entmax (p for sparsemax); fusedmax and oscarmax get sparsemax's (their prox then merges
+    nearly equal neighbours or values)."""
+    alpha = attention.alpha
+    alpha = 2.0 if alpha is None else float(alpha)
+    if alpha == 1.0:
+        return torch.log(p.clamp_min(1e-30))
+    return p.pow(alpha - 1.0) / (alpha - 1.0)
 
 
 def adversarial_attention(model, enc: shared.Encoded, k: int = 5, epsilon: float = 0.01, steps: int = 500,
-                          lr: float = 0.01, penalty: float = PENALTY, seed: int = 0):
+                          lr: float = 0.01, penalty: float = PENALTY, seed: int = 0, start: str = "uniform"):
     """k adversarial attention distributions per instance of a batch.
 
     Returns (alphas (B, k, T), output changes TVD (B, k), JSD from the original (B, k)), all detached.
     """
+    if start not in STARTS:
+        raise ValueError(f"start must be one of {STARTS}, got {start!r}")
     B, T = enc.weights.shape
     gen = torch.Generator().manual_seed(seed)
     mask = enc.mask.repeat_interleave(k, 0)  # (B·k, T)
-    # start near the model's own scores (finite at padding too), perturbed so the k candidates differ
-    base = torch.where(enc.mask, enc.scores, torch.zeros_like(enc.scores))
-    scale = base.std(dim=1, keepdim=True).clamp_min(0.1).unsqueeze(1)
-    z = (base.unsqueeze(1) + scale * torch.randn(B, k, T, generator=gen)).detach().requires_grad_(True)
-    opt = torch.optim.Adam([z], lr=lr)
+    if start == "uniform":
+        noise = START_NOISE * torch.randn(B, k, T, generator=gen, dtype=enc.scores.dtype)
+        p0 = torch.softmax(noise.masked_fill(~enc.mask.unsqueeze(1), -math.inf), dim=-1)
+        z = scores_for(model.attention, p0)
+    else:
+        # the model's own scores (finite at padding too), perturbed at their own scale so the k candidates differ
+        base = torch.where(enc.mask, enc.scores, torch.zeros_like(enc.scores))
+        scale = base.std(dim=1, keepdim=True).clamp_min(0.1).unsqueeze(1)
+        z = base.unsqueeze(1) + scale * torch.randn(B, k, T, generator=gen)
+    z = z.masked_fill(~enc.mask.unsqueeze(1), 0.0).detach().requires_grad_(True)
+    opt = torch.optim.Adam([z], lr=lr, amsgrad=True)
     orig = enc.weights.unsqueeze(1)  # (B, 1, T)
     rel = enc.relevance.unsqueeze(1)  # (B, 1, T, C)
     pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
@@ -67,7 +99,8 @@ def adversarial_attention(model, enc: shared.Encoded, k: int = 5, epsilon: float
         far = jsd(alpha, orig).sum(1)
         if pairs:
             ii, jj = zip(*pairs, strict=True)
-            far = far + jsd(alpha[:, list(ii)], alpha[:, list(jj)]).sum(1) / (k * (k - 1))
+            # each unordered pair twice, over all k² ordered pairs (the diagonal is 0)
+            far = far + 2 * jsd(alpha[:, list(ii)], alpha[:, list(jj)]).sum(1) / (k * k)
         loss = (-far + penalty * torch.relu(change - epsilon).sum(1)).sum()
         opt.zero_grad()
         loss.backward()
@@ -85,7 +118,8 @@ def analyse(config: dict, seed: int) -> dict:
     # one large batch: each Adam step costs mostly fixed overhead, so instances are nearly free to add
     for b, (enc, _) in enumerate(shared.test_batches(trained, config["instances"], batch_size=128)):
         _, change, dist = adversarial_attention(model, enc, config["k"], config["epsilon"], config["steps"],
-                                                config["lr"], config["penalty"], seed=1000 * seed + b)
+                                                config["lr"], config["penalty"], seed=1000 * seed + b,
+                                                start=config.get("start", "scores"))
         ok = change <= config["epsilon"]
         best = torch.where(ok, dist, torch.zeros_like(dist)).max(1).values
         for i in range(enc.tokens.shape[0]):
@@ -123,7 +157,8 @@ def check_arguments(args) -> None:
 
 def run(args) -> dict:
     check_arguments(args)
-    extra = {"k": args.k, "epsilon": args.epsilon, "steps": args.steps, "lr": args.lr, "penalty": args.penalty}
+    extra = {"k": args.k, "epsilon": args.epsilon, "steps": args.steps, "lr": args.lr, "penalty": args.penalty,
+             "start": args.start}
     jobs = shared.model_jobs(args, NAME, extra=extra)
     sweep = shared.run_model_jobs(analyse, jobs, args, NAME)
     rows, merged = shared.model_rows(sweep, lambda key, per: summarize(per))
@@ -135,8 +170,11 @@ def markdown(result: dict) -> str:
         "Adversarial attention (Jain & Wallace 2019, Eq. 2 and Figure 8)",
         f"Per test instance, {result['k']} attention distributions optimised for JSD from the model's "
         f"attention (plus diversity among them) with the output change held within ε = {result['epsilon']} "
-        f"(TVD; relaxed with penalty {result['penalty']}, Adam step {result['lr']}, {result['steps']} steps). "
-        "ε-max JSD: the largest JSD of a candidate that stays within ε (nats; at most ln 2 = 0.693). "
+        f"(TVD; relaxed with penalty {result['penalty']}, Adam step {result['lr']}, {result['steps']} steps, "
+        + ("started from the log-uniform scores plus noise as in the authors' code). "
+           if result.get("start", "scores") == "uniform" else
+           "started from the model's own scores plus noise, not the authors' log-uniform start). ")
+        + "ε-max JSD: the largest JSD of a candidate that stays within ε (nats; at most ln 2 = 0.693). "
         "The paper gives this as density plots only and finds, for most instances, adversarial attention "
         "far from the original with an unchanged prediction. For sparsemax and entmax models the adversary's "
         "scores pass through the same normalizer, so its distributions are sparse too.", result)
