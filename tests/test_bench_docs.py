@@ -92,3 +92,39 @@ def test_ratios_render_their_result_files():
     assert "### bfloat16, 2 threads" in one and "| 0.90 ✗ | ≤ 0.8 | 9.0 | 10.0 | 5 |" in one
     assert "Page faults a timed call (median; attnkern / PyTorch): attention N=2048 softmax fwd 0 / 100." in one
     assert "| 0.75 | 0.70–0.95 | ≤ 0.8 | 9.0 | 10.0 | 3 × 5 |" in three and "commit abc1234" in three
+
+
+_CROSS_MACHINE = """
+import json, sys
+from pathlib import Path
+import docs
+root = Path(sys.argv[1])
+docs.ROOT, docs.EXPERIMENTS = root, root / "results" / "experiments"
+row = dict(dataset="rt", encoder="bilstm", normalizer="softmax", gradient_tau_mean=0.30, gradient_tau_ci=[0.28, 0.32],
+           loo_tau_mean=0.25, loo_tau_ci=[0.23, 0.27])
+def result(cpu, day, grad, loo):
+    prov = dict(commits=["abc1234"], processors=[cpu], isa_levels=["AVX512"], backends=["cpu"],
+                started=[f"2026-11-{day} 10:00:00 UTC"] * 2)
+    return dict(experiment="importance", quick=False, embeddings="scratch", seeds=5, sweep=dict(provenance=prov),
+                rows=[dict(row, gradient_tau_mean=grad, loo_tau_mean=loo)])
+out = []
+runs = (("a-amd", result("AMD EPYC", "29", 0.30, 0.25)), ("b-intel", result("Intel Xeon", "30", 0.31, 0.29)))
+for name, data in runs:
+    folder = docs.EXPERIMENTS / name
+    folder.mkdir(parents=True)
+    (folder / "importance.json").write_text(json.dumps(data))
+    out.append(docs.importance_cross_machine())
+print(json.dumps(out))
+"""
+
+
+def test_cross_machine_check_compares_a_rerun_with_the_first_runs_intervals(tmp_path):
+    """The rerun on another CPU is checked against the earlier run's 95% intervals: τ_g 0.31 lies in
+    [0.28, 0.32], τ_loo 0.29 outside [0.23, 0.27]."""
+    res = _script("-c", _CROSS_MACHINE, str(tmp_path), cwd=BENCH)
+    assert res.returncode == 0, res.stderr[-3000:]
+    alone, both = json.loads(res.stdout)
+    assert alone.startswith("Not yet rerun on another machine")
+    assert "1 of 2 means within" in both
+    assert "| rt | bilstm | softmax | τ_g | 0.300 [0.280, 0.320] | 0.310 | Intel Xeon | yes |" in both
+    assert "| rt | bilstm | softmax | τ_loo | 0.250 [0.230, 0.270] | 0.290 | Intel Xeon | no |" in both
