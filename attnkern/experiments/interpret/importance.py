@@ -120,8 +120,9 @@ def summarize(per: dict, select=None) -> dict:
     out = {"instances": len(idx)}
     support = np.asarray([per["support"][i] for i in idx], dtype=float)
     for key, prefix in (("grad", "gradient"), ("loo", "loo")):
-        out.update(summarize_kendall([_kendalls(per[key])[i] for i in idx]).as_dict(prefix))
-        supp = summarize_kendall([_kendalls(per[f"{key}_supp"])[i] for i in idx])
+        taus, support_taus = _kendalls(per[key]), _kendalls(per[f"{key}_supp"])
+        out.update(summarize_kendall([taus[i] for i in idx]).as_dict(prefix))
+        supp = summarize_kendall([support_taus[i] for i in idx])
         out.update({f"{prefix}_support_tau_mean": supp.mean, f"{prefix}_support_tau_std": supp.std,
                     f"{prefix}_support_sig_frac": supp.sig_frac, f"{prefix}_support_undefined": supp.n_undefined})
         topk = np.asarray([per[f"topk_{key}"][i] for i in idx], dtype=float).reshape(len(idx), len(TOPK))
