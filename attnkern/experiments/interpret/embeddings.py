@@ -86,13 +86,9 @@ def train_word2vec(docs: list[list[str]], dim: int, seed: int) -> tuple[list[str
 
 def _fingerprint(dataset: str, split_seed: int, dim: int) -> str:
     return provenance.digest({"code": provenance.code_fingerprint(__name__),
-                              "data": provenance.data_fingerprint(SOURCES + (_source_of(dataset),)),
+                              "data": provenance.data_fingerprint(SOURCES),  # (every dataset's source among them)
                               "settings": WORD2VEC_SETTINGS, "dataset": dataset, "split_seed": split_seed,
                               "dim": dim})
-
-
-def _source_of(dataset: str) -> str:
-    return "bbc" if dataset == "bbc" else "vader"
 
 
 def word2vec_vectors(dataset: str, split_seed: int, dim: int, out: str | Path) -> WordVectors:
