@@ -433,18 +433,14 @@ def test_deceptive_training_moves_attention_far_on_a_planted_keyword(normalizer,
     assert on_keyword < control_on_keyword - 0.2, (on_keyword, control_on_keyword)
 
 
-def test_diagnostic_end_to_end(tmp_path):
-    root = make_cache(tmp_path / "data")
-    old = os.environ.get("ATTNKERN_DATA")
-    os.environ["ATTNKERN_DATA"] = str(root)
-    try:
-        result, md = run_experiment("diagnostic", tmp_path / "out", "--quick", "--dataset", "tweets", "--encoders",
-                                    "bilstm", "--normalizers", "softmax", "sparsemax", "--no-progress")
-    finally:
-        if old is None:
-            os.environ.pop("ATTNKERN_DATA", None)
-        else:
-            os.environ["ATTNKERN_DATA"] = old
+def test_diagnostic_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNKERN_DATA", str(make_cache(tmp_path / "data")))
+    result, md = run_experiment("diagnostic", tmp_path / "out", "--quick", "--dataset", "tweets", "--encoders",
+                                "bilstm", "--normalizers", "softmax", "sparsemax", "--no-progress")
+    assert cli.main(["report", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["parts"] == ["diagnostic"]
+    assert all(math.isfinite(s["guided_minus_uniform"]) for s in report["summary"])
     assert [(r["guide"], r["normalizer"]) for r in result["rows"]] == [("bilstm", "softmax"),
                                                                       ("bilstm", "sparsemax")]
     for r in result["rows"]:

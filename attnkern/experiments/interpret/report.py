@@ -1,8 +1,8 @@
 """Report: gathers the interpretability results in --out into one report.md (tables beside the papers', plots).
 
-Reads whichever of importance.json, permutation.json, adversarial.json, baselines.json and erasure.json exist in the
-output folder, opens with a per-normalizer summary (what sparse attention changes), then includes each experiment's
-own markdown with its plots. Runs nothing itself.
+Reads whichever of importance.json, permutation.json, adversarial.json, baselines.json, diagnostic.json and
+erasure.json exist in the output folder, opens with a per-normalizer summary (what sparse attention changes), then
+includes each experiment's own markdown with its plots. Runs nothing itself.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from attnkern.experiments.common import md_table, write_outputs
 
 NAME = "report"
-PARTS = ("importance", "permutation", "adversarial", "baselines", "erasure")
+PARTS = ("importance", "permutation", "adversarial", "baselines", "diagnostic", "erasure")
 
 
 def add_arguments(parser) -> None:
@@ -56,6 +56,7 @@ def summary_by_normalizer(results: dict) -> list[dict]:
         s["erasure_gradient_items"] = _mean([r["gradient"]["items_frac_common"] for r in rows("erasure")])
         base = rows("baselines")
         s["learned_minus_uniform"] = _mean([r["learned_accuracy"] - r["uniform_accuracy"] for r in base])
+        s["guided_minus_uniform"] = _mean([r["guided_accuracy"] - r["uniform_accuracy"] for r in rows("diagnostic")])
         out.append(s)
     return out
 
@@ -93,14 +94,16 @@ def markdown(result: dict, texts: dict) -> str:
              "τ(attention, leave-one-out), τ(attention, gradient) on the support only, support size / length, "
              "top-1 and top-3 agreement with gradient importance, mean median output change under permutation, "
              "mean ε-max adversarial JSD, fraction of items erased before the decision flips (attention order, "
-             "gradient order), and learned − uniform attention accuracy.", ""]
+             "gradient order), learned − uniform attention accuracy, and the diagnostic model's accuracy with "
+             "the guide's attention − with uniform weights.", ""]
     header = ["normalizer", "acc", "τ_g", "τ_loo", "τ_g supp.", "supp./len", "top-1 g", "top-3 g", "perm. Δŷ",
-              "adv. JSD", "erase (attn)", "erase (grad)", "learned − uniform"]
+              "adv. JSD", "erase (attn)", "erase (grad)", "learned − uniform", "guided − uniform"]
     body = [[s["normalizer"], *[_cell(s[k]) for k in ("accuracy", "gradient_tau", "loo_tau", "gradient_support_tau",
                                                       "support_frac", "top1_gradient", "top3_gradient",
                                                       "permutation_change", "adversarial_jsd",
                                                       "erasure_attention_items", "erasure_gradient_items",
-                                                      "learned_minus_uniform")]] for s in result["summary"]]
+                                                      "learned_minus_uniform", "guided_minus_uniform")]]
+            for s in result["summary"]]
     lines.append(md_table(header, body))
     for name in result["parts"]:
         text = texts.get(name, "").strip()
