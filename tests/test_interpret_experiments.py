@@ -444,16 +444,20 @@ def test_diagnostic_end_to_end(tmp_path, monkeypatch):
     assert [(r["guide"], r["normalizer"]) for r in result["rows"]] == [("bilstm", "softmax"),
                                                                       ("bilstm", "sparsemax")]
     for r in result["rows"]:
-        for name in ("uniform", "learned", "guided", "guide"):
+        for name in ("uniform", "learned", "guided", "guided_deceptive", "guide"):
             assert 0 <= r[f"{name}_accuracy"] <= 1 and 0 <= r[f"{name}_macro_f1"] <= 1
     assert "guide's attention" in md
+    # the deceptive guides are the baselines experiment's (quick: fine-tuned from the guide for one epoch)
+    assert len(list((tmp_path / "out" / "models").glob("tweets-bilstm-*-learned-s0-*-deceive1-jsd-base-e1-*.pt"))) == 2
     # the guides and the diagnostic models with their own attention are the cached classifiers
     assert len(list((tmp_path / "out" / "models").glob("tweets-average-*-learned-s0-*.pt"))) == 2
 
 
-def test_diagnostic_refuses_the_average_encoder_as_a_guide(tmp_path, capsys):
+def test_diagnostic_refuses_bad_arguments(tmp_path, capsys):
     assert cli.main(["diagnostic", "--quick", "--out", str(tmp_path), "--encoders", "average"]) == 2
     assert "--encoders" in capsys.readouterr().err
+    assert cli.main(["diagnostic", "--quick", "--out", str(tmp_path), "--deceptive-lambda", "-1"]) == 2
+    assert "--deceptive-lambda" in capsys.readouterr().err
 
 
 def test_guided_diagnostic_model_uses_the_imposed_weights(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -133,10 +134,11 @@ def deceptive_optimizer(model, cfg: classifiers.TrainConfig) -> torch.optim.Opti
 
 
 def get_deceptive(base: classifiers.Trained, lam: float, divergence: str, out, start: str = "scratch",
-                  epochs: int | None = None) -> tuple[classifiers.TrainConfig, dict]:
-    """Trains (or loads) the deceptive model for ``base``, λ and ``divergence``: from a fresh initialisation
-    (``start="scratch"``) or from the base model's parameters (``"base"``), for ``epochs`` epochs (default: the
-    base model's); returns its config and test statistics."""
+                  epochs: int | None = None) -> tuple[dict, Path]:
+    """Trains (or finds saved) the deceptive model for ``base``, λ and ``divergence``: from a fresh
+    initialisation (``start="scratch"``) or from the base model's parameters (``"base"``), for ``epochs`` epochs
+    (default: the base model's); returns its test statistics and the file it is saved in
+    (:func:`load_deceptive` reads it)."""
     if start not in DECEPTIVE_STARTS:
         raise ValueError(f"start must be one of {DECEPTIVE_STARTS}, got {start!r}")
     cfg = base.config
@@ -146,7 +148,7 @@ def get_deceptive(base: classifiers.Trained, lam: float, divergence: str, out, s
     code = provenance.code_fingerprint(__name__)
     path = base.path.with_name(f"{base.path.stem}-deceive{lam:g}-{divergence}-{start}{tag}-{code}.pt")
     if path.exists():
-        return cfg, torch.load(path, map_location="cpu", weights_only=True)["stats"]
+        return torch.load(path, map_location="cpu", weights_only=True)["stats"], path
     data = base.data
     train_targets = _targets(base.model, data.train)
     dev_targets = _targets(base.model, data.dev)
@@ -179,7 +181,14 @@ def get_deceptive(base: classifiers.Trained, lam: float, divergence: str, out, s
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"state_dict": model.state_dict(), "stats": stats, "lambda": lam, "divergence": divergence,
                 "start": start, "config": asdict(cfg)}, path)
-    return cfg, stats
+    return stats, path
+
+
+def load_deceptive(base: classifiers.Trained, path: Path):
+    """The deceptive model of ``base`` saved in ``path`` by :func:`get_deceptive`, in eval mode."""
+    model = classifiers.build_model(base.config, len(base.data.vocab), base.data.num_classes)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+    return model.eval()
 
 
 def analyse(config: dict, seed: int) -> dict:
@@ -196,7 +205,7 @@ def analyse(config: dict, seed: int) -> dict:
     result["deceptive"] = []
     for divergence in divergences_for(cfg.normalizer):
         for lam in config["lambdas"]:
-            _, stats = get_deceptive(learned, lam, divergence, out, config["deceptive_start"],
+            stats, _ = get_deceptive(learned, lam, divergence, out, config["deceptive_start"],
                                      config.get("deceptive_epochs"))
             result["deceptive"].append({"lambda": lam, "divergence": divergence, **stats})
     result["base_self"] = base_stats  # sanity: TVD and JSD of the base model against itself are 0

@@ -10,14 +10,19 @@ linear output. It is trained three ways on the same split and seed:
   the BiLSTM or CNN of ``--encoders``, with the same normalizer), on the training documents while it learns and
   on the test documents when it is scored.
 
+- with the attention of the guide's deceptive model imposed (``--deceptive-lambda``, default 1; the baselines
+  experiment's deceptive model with the JSD objective, trained from scratch, or fine-tuned from the guide for one
+  epoch with ``--quick``): the attention that keeps the guide's predictions while lying far from its attention.
+
 If the guide's weights let the diagnostic model beat uniform weights and approach or pass its own learned
-attention, they say something about which tokens matter that does not depend on the model that produced them:
-Wiegreffe & Pinter's argument that such weights are meaningful. Test accuracy and macro-F1; the guide's own
-accuracy beside them. Wiegreffe & Pinter also impose a deceptive model's weights; that row is not here yet.
+attention, while the deceptive weights do not, they say something about which tokens matter that does not depend
+on the model that produced them: Wiegreffe & Pinter's argument that such weights are meaningful. Test accuracy and
+macro-F1; the guide's own accuracy beside them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -25,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkern.experiments.common import md_table
-from attnkern.experiments.interpret import classifiers, shared
+from attnkern.experiments.interpret import baselines, classifiers, shared
 from attnkern.experiments.interpret.metrics import macro_f1
 
 NAME = "diagnostic"
@@ -37,11 +42,16 @@ GUIDED_INIT_OFFSET = 3000
 def add_arguments(parser) -> None:
     shared.add_model_arguments(parser)
     parser.set_defaults(encoders=list(GUIDE_ENCODERS))
+    parser.add_argument("--deceptive-lambda", type=float, default=1.0,
+                        help="λ of the deceptive model whose attention is imposed in the last row (default 1; "
+                             "0 leaves the row out)")
 
 
 def check_arguments(args) -> None:
     """ValueError naming the argument (the CLI checks before it creates the output directory)."""
     shared.check_model_arguments(args)
+    if not (args.deceptive_lambda >= 0 and math.isfinite(args.deceptive_lambda)):
+        raise ValueError(f"argument --deceptive-lambda: must be finite and >= 0, got {args.deceptive_lambda}")
     if "average" in args.encoders:
         raise ValueError("argument --encoders: the guides are contextual encoders (bilstm, cnn); the average "
                          "encoder is the diagnostic model itself")
@@ -124,39 +134,54 @@ def analyse(config: dict, seed: int) -> dict:
     result = {name: {"accuracy": t.info["test_accuracy"], "macro_f1": t.info["test_macro_f1"]}
               for name, t in (("guide", guide), ("learned", learned), ("uniform", uniform))}
     result["guided"] = train_guided(mlp_cfg, data, weights)
+    lam = config["deceptive_lambda"]
+    if lam > 0:
+        start = "base" if config["quick"] else "scratch"
+        _, path = baselines.get_deceptive(guide, lam, "jsd", out, start,
+                                          baselines.QUICK_DECEPTIVE_EPOCHS if config["quick"] else None)
+        deceptive = baselines.load_deceptive(guide, path)
+        weights = {name: guide_weights(deceptive, getattr(data, name)[0]) for name in ("train", "dev", "test")}
+        result["guided_deceptive"] = train_guided(mlp_cfg, data, weights)
     return result
 
 
 def run(args) -> dict:
     check_arguments(args)
-    jobs = shared.model_jobs(args, NAME)
+    jobs = shared.model_jobs(args, NAME, extra={"deceptive_lambda": args.deceptive_lambda, "quick": args.quick})
     sweep = shared.run_model_jobs(analyse, jobs, args, NAME)
     rows = []
     for (dataset, encoder, normalizer), results in sorted(shared.group_runs(sweep).items()):
         row = {"dataset": dataset, "guide": encoder, "normalizer": normalizer, "seeds": len(results)}
-        for name in ("uniform", "learned", "guided", "guide"):
+        names = ("uniform", "learned", "guided", "guided_deceptive", "guide")
+        for name in (n for n in names if n in results[0]):
             for key in ("accuracy", "macro_f1"):
                 values = [r[name][key] for r in results]
                 row[f"{name}_{key}"] = float(np.mean(values))
                 row[f"{name}_{key}_std"] = float(np.std(values))
         rows.append(row)
-    return shared.write_result(args, NAME, sweep, markdown, rows=rows, plots=[])
+    return shared.write_result(args, NAME, sweep, markdown, rows=rows, deceptive_lambda=args.deceptive_lambda,
+                               plots=[])
 
 
 def markdown(result: dict) -> str:
     lines = shared.markdown_head(
         "Diagnostic MLP guided by trained attention (Wiegreffe & Pinter 2019, §5)",
         "Test accuracy (macro-F1) of a model without context (one tanh layer per token, attention-weighted "
-        "sum, linear output) with uniform weights, with its own learned attention, and with the attention of "
-        "a trained contextual model (the guide) imposed and frozen; the guide's own score beside. Mean over "
-        "seeds (± std when there are several). Wiegreffe & Pinter found that the weights of a trained LSTM "
-        "guide the MLP better than uniform weights and about as well as its own.", result)
+        "sum, linear output) with uniform weights, with its own learned attention, with the attention of a "
+        "trained contextual model (the guide) imposed and frozen, and with the attention of the guide's "
+        "deceptive model (JSD objective) imposed; the guide's own score beside. Mean over seeds (± std when "
+        "there are several). Wiegreffe & Pinter found that the weights of a trained LSTM guide the MLP better "
+        "than uniform weights and about as well as its own, and a deceptive model's weights worse.", result)
     def cell(r, name):
+        if f"{name}_accuracy" not in r:
+            return "–"
         spread = f" ± {r[f'{name}_accuracy_std']:.3f}" if r["seeds"] > 1 else ""
         return f"{r[f'{name}_accuracy']:.3f}{spread} ({r[f'{name}_macro_f1']:.3f})"
 
     body = [[r["dataset"], r["guide"], r["normalizer"], r["seeds"], cell(r, "uniform"), cell(r, "learned"),
-             cell(r, "guided"), cell(r, "guide")] for r in result["rows"]]
+             cell(r, "guided"), cell(r, "guided_deceptive"), cell(r, "guide")] for r in result["rows"]]
+    lam = result.get("deceptive_lambda")
     lines.append(md_table(["dataset", "guide", "normalizer", "seeds", "MLP, uniform", "MLP, own attention",
-                           "MLP, guide's attention", "guide itself"], body))
+                           "MLP, guide's attention", f"MLP, deceptive guide's attention (λ = {lam:g})" if lam else
+                           "MLP, deceptive guide's attention", "guide itself"], body))
     return shared.markdown_tail(lines, result)
