@@ -316,17 +316,14 @@ def importance_table() -> str:
     """Jain & Wallace's Table 2 at full scale from the committed `importance` results: every row of the
     from-scratch run and, beside its softmax rows, the word2vec rows; with the paper's and the authors' released
     reference cells and the statistics on the support that the ties of sparse attention cannot inflate."""
-    from attnkern.experiments.interpret.importance import PAPER_TABLE2, RELEASED_TABLE2, _paper_cells
+    from attnkern.experiments.interpret.importance import PAPER_TABLE2, RELEASED_TABLE2, _fmt, _paper_cells
 
     paths, results = _importance_results()
     if not results:
         return "No full-scale `importance` result is committed yet (`results/experiments/`)."
 
     def ci(row, prefix):
-        mean, lo_hi = row.get(f"{prefix}_tau_mean"), row.get(f"{prefix}_tau_ci")
-        if mean is None or mean != mean:
-            return "–"
-        return f"{mean:.2f} [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]" if lo_hi and None not in lo_hi else f"{mean:.2f}"
+        return _fmt(row.get(f"{prefix}_tau_mean"), ci=row.get(f"{prefix}_tau_ci"))
 
     def support(row):
         mean = row.get("gradient_support_tau_mean")
@@ -382,18 +379,15 @@ def importance_table() -> str:
 def importance_by_class() -> str:
     """The softmax rows of the committed full-scale `importance` results per predicted class, beside the paper's
     cells and the authors' released ones (Table 2 is per predicted class)."""
-    from attnkern.experiments.interpret.importance import PAPER_TABLE2, RELEASED_TABLE2, _paper_cells
+    from attnkern.experiments.interpret.importance import PAPER_TABLE2, RELEASED_TABLE2, _fmt, _paper_cells
 
     paths, results = _importance_results()
     if not results:
         return "No full-scale `importance` result is committed yet (`results/experiments/`)."
 
     def cell(c, prefix):
-        mean, lo_hi = c.get(f"{prefix}_tau_mean"), c.get(f"{prefix}_tau_ci")
-        if mean is None or mean != mean:
-            return "–"
-        return (f"{mean:.2f} ± {c[f'{prefix}_tau_std']:.2f} [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}] "
-                f"({c[f'{prefix}_sig_frac']:.2f})")
+        return _fmt(c.get(f"{prefix}_tau_mean"), c.get(f"{prefix}_tau_std"), c.get(f"{prefix}_sig_frac"),
+                    c.get(f"{prefix}_tau_ci"))
 
     header = ("| data | encoder | embeddings | pred. class | n | τ_g ours | τ_g paper | τ_g authors' files | "
               "τ_loo ours | τ_loo paper | τ_loo authors' files |")
