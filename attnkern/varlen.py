@@ -7,6 +7,11 @@ Each document is attended to on its own (its tiles start at its first
 token), so a packed call gives, bitwise, what separate calls on the
 documents give, and its cost is that of the documents' own squares, not of
 a padded batch.
+
+The kernel backends run as one pair of ops, attnkern::attention_varlen_fwd
+and _bwd, which read the cumulative lengths inside: torch.compile sees one
+op with a static output shape, so a packed call compiles with
+fullgraph=True although the document lengths are data.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import math
 import numbers
 
 import torch
+from torch import Tensor
 
-from attnkern import validation
-from attnkern.attention import _check_window, _intersect_windows, attention
+from attnkern import _extension, ops, validation
+from attnkern.attention import _check_window, _intersect_windows, attention, draw_dropout_seed
 from attnkern.backends import registry
-from attnkern.family import Family
+from attnkern.family import Family, acc_dtype, takes_lam
 
 __all__ = ["attention_varlen"]
+
 
 def _pick(name, value, alias_name, alias):
     """One argument under either of its names (ours or torch's varlen_attn's)."""
@@ -30,14 +37,17 @@ def _pick(name, value, alias_name, alias):
     return value if value is not None else alias
 
 
-def _lengths(cu, name, total):
-    """The document lengths from cumulative lengths cu (N + 1,), checked."""
+def _check_lengths_tensor(cu, name):
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.dtype == torch.bool:
         raise TypeError(f"{name} must be a 1-d integer tensor of cumulative lengths, got "
                         + (f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor)
                            else type(cu).__name__))
     if cu.numel() < 1:
         raise ValueError(f"{name} must hold at least one entry (0)")
+
+
+def _lengths(cu, name, total):
+    """The cumulative lengths cu (N + 1,) as a list, checked."""
     c = cu.tolist()
     if c[0] != 0:
         raise ValueError(f"{name} must start at 0, got {c[0]}")
@@ -51,22 +61,232 @@ def _lengths(cu, name, total):
 def _check_max(value, name, lengths):
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
     longest = max((b - a for a, b in zip(lengths, lengths[1:], strict=False)), default=0)
     if value < longest:
         raise ValueError(f"{name} = {value} is shorter than the longest document ({longest})")
 
 
-def _paged_keys(pool, block_table, used):
-    """The documents' keys gathered from a paged cache: pool (pages, page_size,
-    Hk, d), block_table (N, max_pages) int, used (N,): packed (Σ used, Hk, d)."""
-    page = pool.shape[1]
-    parts = []
-    for d, n in enumerate(used):
-        pages = block_table[d, :(n + page - 1) // page].to(torch.int64)
-        parts.append(pool[pages].reshape(-1, *pool.shape[2:])[:n])
-    return torch.cat(parts) if parts else pool.new_empty((0,) + tuple(pool.shape[2:]))
+class _Documents:
+    """Where each document's queries and keys are. Built from the tensor
+    arguments (their values are read here, so it runs inside the ops under
+    torch.compile), with every check on those values.
+
+    q_starts: N + 1 offsets into the packed queries. Keys, packed: k_starts
+    (N + 1 offsets) and n_keys (the keys taking part, seqused_k or all);
+    paged (block_table): pages[d] the pool pages of document d, in order, and
+    n_keys[d] its valid keys."""
+
+    def __init__(self, q, k, cu_q, cu_k, seqused_k, block_table, max_q=None, max_k=None):
+        self.q_starts = _lengths(cu_q, "cu_seqlens_q", q.shape[0])
+        N = len(self.q_starts) - 1
+        used = None
+        if seqused_k is not None:
+            if (seqused_k.shape != (N,) or seqused_k.is_floating_point() or seqused_k.dtype == torch.bool):
+                raise ValueError(f"seqused_k must be an integer tensor of shape ({N},) (one per document)")
+            used = seqused_k.tolist()
+            if any(n < 0 for n in used):
+                raise ValueError(f"seqused_k must not be negative, got {used}")
+        self.paged = block_table is not None
+        if self.paged:
+            if block_table.dim() != 2 or block_table.shape[0] != N or block_table.is_floating_point():
+                raise ValueError(f"block_table must be an integer tensor (N = {N}, max_pages), got "
+                                 f"{block_table.dtype} of shape {tuple(block_table.shape)}")
+            self.page = k.shape[1]
+            if any(n > block_table.shape[1] * self.page for n in used):
+                raise ValueError(f"seqused_k {used} exceeds the block table's {block_table.shape[1]} pages of "
+                                 f"{self.page}")
+            table = block_table.to(torch.int64)
+            self.pages = [table[d, :(n + self.page - 1) // self.page] for d, n in enumerate(used)]
+            if any(bool(((p < 0) | (p >= k.shape[0])).any()) for p in self.pages):
+                raise ValueError(f"block_table names pages outside the pool of {k.shape[0]}")
+            self.n_keys = used
+            k_starts = [0]
+            for n in used:
+                k_starts.append(k_starts[-1] + n)
+        else:
+            if cu_k is None:
+                raise TypeError("attention_varlen needs cu_seqlens_k (or block_table with seqused_k)")
+            k_starts = self.k_starts = _lengths(cu_k, "cu_seqlens_k", k.shape[0])
+            if len(k_starts) != N + 1:
+                raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, "
+                                 f"got {N} and {len(k_starts) - 1}")
+            spans = [b - a for a, b in zip(k_starts, k_starts[1:], strict=False)]
+            if used is not None and any(n > s for n, s in zip(used, spans, strict=False)):
+                raise ValueError("seqused_k must not exceed a document's keys (cu_seqlens_k)")
+            self.n_keys = used if used is not None else spans
+        _check_max(max_q, "max_seqlen_q", self.q_starts)
+        _check_max(max_k, "max_seqlen_k", k_starts)
+
+    def __len__(self):
+        return len(self.q_starts) - 1
+
+    def queries(self, t: Tensor, d: int) -> Tensor:
+        """Document d's rows of a packed (T, H, dim) tensor as (1, H, len, dim)."""
+        return t[self.q_starts[d]:self.q_starts[d + 1]].transpose(0, 1).unsqueeze(0)
+
+    def keys(self, t: Tensor, d: int) -> Tensor:
+        """Document d's keys (or values) as (1, Hk, n_keys, dim): a view of the
+        packed tensor, or its pages gathered from the pool."""
+        n = self.n_keys[d]
+        if self.paged:
+            rows = t[self.pages[d]].reshape(-1, *t.shape[2:])[:n]
+        else:
+            rows = t[self.k_starts[d]:self.k_starts[d] + n]
+        return rows.transpose(0, 1).unsqueeze(0)
+
+    def add_key_grad(self, grad: Tensor, g: Tensor, d: int) -> None:
+        """Adds document d's key (or value) gradient g (1, Hk, n, dim) into grad
+        (packed, or the pool: pages may be shared, so they accumulate)."""
+        n = self.n_keys[d]
+        rows = g[0].transpose(0, 1)
+        if self.paged:
+            index = (self.pages[d][:, None] * self.page
+                     + torch.arange(self.page, device=grad.device)).reshape(-1)[:n]
+            grad.view(-1, *grad.shape[2:]).index_add_(0, index.to(grad.device), rows)
+        else:
+            a = self.k_starts[d]
+            grad[a:a + n] += rows
+
+
+def _attention_ops(impl: str):
+    from attnkern.autograd import _attention_impl
+
+    return _attention_impl(impl)
+
+
+@torch.library.custom_op("attnkern::attention_varlen_fwd", mutates_args=())
+def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor | None, seqused_k: Tensor | None,
+                block_table: Tensor | None, alpha: Tensor | None, scale: float, normalizer: str, impl: str,
+                dropout_p: float, seeds: Tensor | None, window_left: int, window_right: int,
+                max_q: int | None, max_k: int | None) -> tuple[Tensor, Tensor]:
+    """Packed attention: out (T, H, Ev) and each query row's shift (H, T)
+    float32, one attention_fwd call per document."""
+    docs = _Documents(q, k, cu_q, cu_k, seqused_k, block_table, max_q, max_k)
+    fwd, _ = _attention_ops(impl)
+    T, H = q.shape[0], q.shape[1]
+    # (Every query row belongs to one document, so every row is written.)
+    out = q.new_empty((T, H, v.shape[-1]))
+    shift = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    for d in range(len(docs)):
+        a, b = docs.q_starts[d], docs.q_starts[d + 1]
+        if a == b:
+            continue
+        o, s = fwd(docs.queries(q, d), docs.keys(k, d), docs.keys(v, d), None, False, scale, normalizer, alpha,
+                   dropout_p, None if seeds is None else seeds[d], window_left, window_right, None)
+        out[a:b] = o[0].transpose(0, 1)
+        shift[:, a:b] = s[0]
+    return out, shift
+
+
+@_varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_q, cu_k, seqused_k, block_table, alpha, scale, normalizer, impl, dropout_p, seeds,
+                     window_left, window_right, max_q, max_k):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+def _alpha_grad_dtype(alpha):
+    return torch.float64 if alpha is not None and alpha.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("attnkern::attention_varlen_bwd", mutates_args=())
+def _varlen_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, shift: Tensor, cu_q: Tensor,
+                cu_k: Tensor | None, seqused_k: Tensor | None, block_table: Tensor | None,
+                alpha: Tensor | None, alpha_grad: bool, scale: float, normalizer: str, impl: str,
+                dropout_p: float, seeds: Tensor | None, window_left: int,
+                window_right: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (shaped as q, k, v: packed, or the page pools) and dα (H,)
+    (empty without alpha_grad), one attention_bwd call per document."""
+    docs = _Documents(q, k, cu_q, cu_k, seqused_k, block_table)
+    _, bwd = _attention_ops(impl)
+    # (dk, dv accumulate, and keys no query sees keep gradient 0; dq's rows are all written.)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dalpha = torch.zeros((q.shape[1],) if alpha_grad else (0,), dtype=_alpha_grad_dtype(alpha), device=q.device)
+    for d in range(len(docs)):
+        a, b = docs.q_starts[d], docs.q_starts[d + 1]
+        if a == b:
+            continue
+        gq, gk, gv, ga = bwd(docs.queries(grad_out, d), docs.queries(q, d), docs.keys(k, d), docs.keys(v, d), None,
+                             False, scale, normalizer, alpha, docs.queries(out, d).contiguous(),
+                             shift[:, a:b].unsqueeze(0).contiguous(), alpha_grad, dropout_p,
+                             None if seeds is None else seeds[d], window_left, window_right, None)
+        dq[a:b] = gq[0].transpose(0, 1)
+        docs.add_key_grad(dk, gk, d)
+        docs.add_key_grad(dv, gv, d)
+        if alpha_grad:
+            dalpha += ga
+    return dq, dk, dv, dalpha
+
+
+@_varlen_bwd.register_fake
+def _varlen_bwd_fake(grad_out, q, k, v, out, shift, cu_q, cu_k, seqused_k, block_table, alpha, alpha_grad, scale,
+                     normalizer, impl, dropout_p, seeds, window_left, window_right):
+    dalpha = q.new_empty((q.shape[1],) if alpha_grad else (0,), dtype=_alpha_grad_dtype(alpha))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dalpha
+
+
+def _varlen_setup(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, seqused_k, block_table, alpha, scale, normalizer, impl, dropout_p, seeds,
+     window_left, window_right, _, _) = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, seqused_k, block_table, alpha, seeds)
+    ctx.settings = (scale, normalizer, impl, dropout_p, window_left, window_right)
+
+
+def _varlen_backward(ctx, grad_out, _grad_shift):
+    q, k, v, out, shift, cu_q, cu_k, seqused_k, block_table, alpha, seeds = ctx.saved_tensors
+    scale, normalizer, impl, dropout_p, window_left, window_right = ctx.settings
+    want_alpha = alpha is not None and ctx.needs_input_grad[7]
+    dq, dk, dv, dalpha = _varlen_bwd(grad_out, q, k, v, out, shift, cu_q, cu_k, seqused_k, block_table, alpha,
+                                     want_alpha, scale, normalizer, impl, dropout_p, seeds, window_left,
+                                     window_right)
+    return (dq, dk, dv, None, None, None, None, dalpha if want_alpha else None) + (None,) * 9
+
+
+_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def _fused(query, key, value, cu_q, cu_k, seqused_k, block_table, max_q, max_k, window, scale, normalizer, alpha,
+           dropout_p, chosen):
+    """The kernel backends: one attention_varlen_fwd op for all documents."""
+    H = query.shape[1]
+    if not ops._compiling():
+        alpha = validation.check_attention_alpha(alpha, normalizer, (H, 1, 1), H, query.device)
+    elif isinstance(alpha, torch.Tensor):
+        alpha = validation.head_alpha_view(alpha, H)
+    alpha_h = None
+    if alpha is not None:
+        # (As attention(): float64 to the CPU kernels for float64 inputs, else float32.)
+        alpha_dtype = torch.float64 if acc_dtype(query.dtype) == torch.float64 and chosen == "cpu" else torch.float32
+        if isinstance(alpha, torch.Tensor):
+            alpha_h = alpha.to(alpha_dtype).expand(H, 1, 1).reshape(H)
+        else:
+            alpha_h = torch.full((H,), alpha, dtype=alpha_dtype, device=query.device)
+    seeds = torch.stack([draw_dropout_seed() for _ in range(cu_q.shape[0] - 1)]) if dropout_p > 0 else None
+    left, right = window if window is not None else (-1, -1)
+    out, _ = _varlen_fwd(query, key, value, cu_q, cu_k, seqused_k, block_table, alpha_h, scale, normalizer,
+                         "triton" if chosen == "triton" else "ops", dropout_p, seeds, left, right, max_q, max_k)
+    return out
+
+
+def _per_document(query, key, value, docs, window, scale, normalizer, alpha, dropout_p, enable_gqa, chosen):
+    """The reference backend and the calls the kernels do not take as they are
+    (no heads, head dim 0, query heads expanded to the key heads, λ): one
+    attnkern.attention call per document."""
+    H = query.shape[1]
+    outs = []
+    for d in range(len(docs)):
+        q_d, k_d, v_d = docs.queries(query, d), docs.keys(key, d), docs.keys(value, d)
+        if q_d.shape[2] == 0:
+            outs.append(query.new_empty((0, H, value.shape[-1])))
+            continue
+        # (With dropout, each document's call draws its own seed from torch's
+        # generator: independent masks, reproduced by torch.manual_seed.)
+        o = attention(q_d, k_d, v_d, None, dropout_p, False, scale, enable_gqa, normalizer=normalizer,
+                      alpha=alpha, backend=chosen, window=window)
+        outs.append(o.squeeze(0).transpose(0, 1))
+    if not outs:
+        return query.new_empty((0, H, value.shape[-1]))
+    return torch.cat(outs)
 
 
 def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -90,12 +310,15 @@ def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, ma
     block_table (N, pages) int: key and value are a pool of pages (pages,
     page_size, Hk, d) and document d's keys are its pages in order, the first
     seqused_k[d] of them valid (needs seqused_k; cu_seqlens_k may be None).
-    The pages are gathered into one packed copy before the attention.
+    Each document's pages are gathered into one copy before its attention
+    (pages shared between documents get the sum of their gradients).
     Also accepted under the names of torch.nn.attention.varlen.varlen_attn:
     cu_seq_q, cu_seq_k, max_q, max_k, window_size; num_splits is accepted
     and has no effect (the results never depend on a split).
     Returns out (Tq, H, Ev) in query's dtype. Documents of length 0 are
     allowed; a query whose document has no keys gets zeros.
+    With the kernel backends the call is one op whose output shape does not
+    depend on the lengths' values, so torch.compile(fullgraph=True) takes it.
     """
     cu_q = _pick("cu_seqlens_q", cu_seqlens_q, "cu_seq_q", cu_seq_q)
     cu_k = _pick("cu_seqlens_k", cu_seqlens_k, "cu_seq_k", cu_seq_k)
@@ -107,6 +330,9 @@ def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, ma
                          "common shape); call attnkern.attention per document for them")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)):
         raise TypeError(f"num_splits must be None or an int, got {num_splits!r}")
+    for name, value_ in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value_ is not None and (isinstance(value_, bool) or not isinstance(value_, numbers.Integral)):
+            raise TypeError(f"{name} must be an int, got {value_!r}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -115,6 +341,11 @@ def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, ma
         raise ValueError(f"query must be (total_tokens, heads, dim), got shape {tuple(query.shape)}")
     if cu_q is None:
         raise TypeError("attention_varlen needs cu_seqlens_q")
+    _check_lengths_tensor(cu_q, "cu_seqlens_q")
+    if cu_k is not None:
+        _check_lengths_tensor(cu_k, "cu_seqlens_k")
+    if seqused_k is not None and not isinstance(seqused_k, torch.Tensor):
+        raise ValueError(f"seqused_k must be an integer tensor of shape ({cu_q.shape[0] - 1},) (one per document)")
     if block_table is not None:
         if seqused_k is None:
             raise ValueError("block_table needs seqused_k (the valid keys of each document)")
@@ -124,64 +355,21 @@ def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, ma
     elif key.dim() != 3 or value.dim() != 3:
         raise ValueError(f"key and value must be (total_tokens, heads, dim), got shapes {tuple(key.shape)} and "
                          f"{tuple(value.shape)}")
-    lq = _lengths(cu_q, "cu_seqlens_q", query.shape[0])
-    N = len(lq) - 1
-    used = None
-    if seqused_k is not None:
-        if (not isinstance(seqused_k, torch.Tensor) or seqused_k.shape != (N,) or seqused_k.is_floating_point()
-                or seqused_k.dtype == torch.bool):
-            raise ValueError(f"seqused_k must be an integer tensor of shape ({N},) (one per document)")
-        used = seqused_k.tolist()
-        if any(n < 0 for n in used):
-            raise ValueError(f"seqused_k must not be negative, got {used}")
-    if block_table is not None:
-        if block_table.dim() != 2 or block_table.shape[0] != N or block_table.is_floating_point():
-            raise ValueError(f"block_table must be an integer tensor (N = {N}, max_pages), got "
-                             f"{block_table.dtype} of shape {tuple(block_table.shape)}")
-        page = key.shape[1]
-        if any(n > block_table.shape[1] * page for n in used):
-            raise ValueError(f"seqused_k {used} exceeds the block table's {block_table.shape[1]} pages of {page}")
-        key, value = _paged_keys(key, block_table, used), _paged_keys(value, block_table, used)
-        lk = [0]
-        for n in used:
-            lk.append(lk[-1] + n)
-    else:
-        if cu_k is None:
-            raise TypeError("attention_varlen needs cu_seqlens_k (or block_table with seqused_k)")
-        lk = _lengths(cu_k, "cu_seqlens_k", key.shape[0])
-        if len(lk) != N + 1:
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
-                             f"{N} and {len(lk) - 1}")
-        if used is not None and any(n > b - a for n, a, b in zip(used, lk, lk[1:], strict=False)):
-            raise ValueError("seqused_k must not exceed a document's keys (cu_seqlens_k)")
-    _check_max(max_seqlen_q, "max_seqlen_q", lq)
-    _check_max(max_seqlen_k, "max_seqlen_k", lk)
+    elif cu_k is None:
+        raise TypeError("attention_varlen needs cu_seqlens_k (or block_table with seqused_k)")
     Family.of(normalizer)
     if is_causal:
         window = _intersect_windows(window, (-1, 0))
 
-    H, E = query.shape[1], query.shape[2]
+    H, Hk, E = query.shape[1], key.shape[-2], query.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    dropout_p = float(dropout_p)
     chosen = registry.choose(backend, query, "attention")
-    # Document d: (1, heads, length, dim) views of its tokens.
-    qs = torch.split(query, [b - a for a, b in zip(lq, lq[1:], strict=False)])
-    ks = torch.split(key, [b - a for a, b in zip(lk, lk[1:], strict=False)])
-    vs = torch.split(value, [b - a for a, b in zip(lk, lk[1:], strict=False)])
-    outs = []
-    for d in range(N):
-        q_d, k_d, v_d = (t.transpose(0, 1).unsqueeze(0) for t in (qs[d], ks[d], vs[d]))
-        if used is not None:
-            k_d, v_d = k_d[:, :, :used[d]], v_d[:, :, :used[d]]
-        if q_d.shape[2] == 0:
-            outs.append(query.new_empty((0, H, value.shape[-1])))
-            continue
-        # (With dropout, each document's call draws its own seed from torch's
-        # generator: independent masks, reproduced by torch.manual_seed.)
-        o = attention(q_d, k_d, v_d, None, dropout_p, False, scale, enable_gqa, normalizer=normalizer,
-                      alpha=alpha, backend=chosen, window=window)
-        outs.append(o.squeeze(0).transpose(0, 1))
-    if not outs:
-        return query.new_empty((0, H, value.shape[-1]))
-    return torch.cat(outs)
-
+    heads_native = H == Hk or (Hk > 0 and H % Hk == 0 and (enable_gqa or Hk == 1))
+    if (chosen != "reference" and _extension.LOADED and H > 0 and E > 0 and heads_native
+            and not takes_lam(normalizer) and dropout_p < 1):
+        return _fused(query, key, value, cu_q, cu_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k, window,
+                      float(scale), normalizer, alpha, dropout_p, chosen)
+    docs = _Documents(query, key, cu_q, cu_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    return _per_document(query, key, value, docs, window, scale, normalizer, alpha, dropout_p, enable_gqa, chosen)

@@ -169,3 +169,126 @@ def test_bad_varlen_arguments_are_named():
         attnkern.attention_varlen(q, k, v, cu_q, cu_k, block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="seqused_k must not exceed"):
         attnkern.attention_varlen(q, k, v, cu_q, cu_k, seqused_k=torch.tensor([3, 5]))
+    pool = torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError, match="block_table names pages outside the pool of 2"):
+        attnkern.attention_varlen(q, pool, pool, cu_q, None, seqused_k=torch.tensor([3, 4]),
+                                  block_table=torch.tensor([[0], [2]]))
+
+
+def _shared_page_pool(k, v, cu_k, page):
+    """k, v packed as a pool of pages whose first page is shared by every
+    document (a common prompt prefix): pool, block table and key counts."""
+    H, E = k.shape[1], k.shape[2]
+    lk = (cu_k[1:] - cu_k[:-1]).tolist()
+    prefix = k[:page], v[:page]
+    pools_k, pools_v, rows = [prefix[0]], [prefix[1]], []
+    for d, n in enumerate(lk):
+        a = int(cu_k[d])
+        mine = max(0, n - page)
+        pad = (-mine) % page
+        first = 1 + sum(len(r) - 1 for r in rows)  # page 0 is the shared one
+        rows.append([0] + list(range(first, first + (mine + pad) // page)))
+        pools_k.append(torch.cat([k[a + page:a + n], k.new_zeros(pad, H, E)]))
+        pools_v.append(torch.cat([v[a + page:a + n], v.new_zeros(pad, H, v.shape[2])]))
+    table = torch.zeros(len(lk), max(len(r) for r in rows), dtype=torch.int32)
+    for d, r in enumerate(rows):
+        table[d, :len(r)] = torch.tensor(r)
+    pool_k = torch.cat(pools_k).reshape(-1, page, H, E)
+    pool_v = torch.cat(pools_v).reshape(-1, page, H, v.shape[2])
+    return pool_k, pool_v, table, torch.tensor(lk)
+
+
+def test_paged_cache_with_a_shared_page_gradients():
+    """Three documents read the same first page (a shared prefix): the pool's
+    gradient at that page is the sum of the three documents' gradients."""
+    page, H, E = 4, 2, 8
+    lk = [6, 9, 4]
+    q, k, v, cu_q, cu_k = _packed([2, 3, 1], lk, H, H, E, E, seed=11)
+    for d in range(1, 3):  # every document starts with the first document's first page
+        k[int(cu_k[d]):int(cu_k[d]) + page] = k[:page]
+        v[int(cu_k[d]):int(cu_k[d]) + page] = v[:page]
+    pool_k, pool_v, table, used = _shared_page_pool(k, v, cu_k, page)
+    pool_k, pool_v, q = (t.requires_grad_() for t in (pool_k, pool_v, q))
+    out = attnkern.attention_varlen(q, pool_k, pool_v, cu_q, None, seqused_k=used, block_table=table,
+                                    normalizer="entmax15", is_causal=True)
+    kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+    want = attnkern.attention_varlen(q, kk, vv, cu_q, cu_k, normalizer="entmax15", is_causal=True,
+                                     backend="reference")
+    assert_close_tol(out, want, tolerance(torch.float64, "attention", "forward"), "out")
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, pool_k, pool_v), go)
+    exp = torch.autograd.grad(want, (q, kk, vv), go)
+    assert_close_tol(got[0], exp[0], tolerance(torch.float64, "attention", "gradient"), "dq")
+    for g_pool, g_packed, name in ((got[1], exp[1], "dk"), (got[2], exp[2], "dv")):
+        shared = sum(g_packed[int(cu_k[d]):int(cu_k[d]) + page] for d in range(3))
+        assert_close_tol(g_pool[0], shared, tolerance(torch.float64, "attention", "gradient"), name + " shared")
+        # Document 1's own pages (it is the longest) hold its remaining keys' gradients.
+        own = g_pool[table[1, 1:3].long()].reshape(-1, H, E)[:lk[1] - page]
+        assert_close_tol(own, g_packed[int(cu_k[1]) + page:int(cu_k[2])],
+                         tolerance(torch.float64, "attention", "gradient"), name + " own")
+
+
+@pytest.mark.parametrize("normalizer,alpha", [("softmax", None), ("sparsemax", None),
+                                              ("entmax", (1.25, 2.0, 1.5, 1.0))],
+                         ids=["softmax", "sparsemax", "entmax-per-head"])
+def test_varlen_compiles_fullgraph(normalizer, alpha):
+    """One op whose output shape ignores the lengths' values: fullgraph
+    compilation gives the eager values and gradients, also for α."""
+    lq = [5, 0, 33, 1, 20]
+    H, Hk, E = 4, 2, 16
+    q, k, v, cu_q, cu_k = _packed(lq, [7, 2, 33, 0, 25], H, Hk, E, E, dtype=torch.float32, seed=2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    a = alpha_for(normalizer, H, alpha, requires_grad=True, dtype=torch.float32) if alpha else None
+    used = torch.tensor([7, 2, 30, 0, 11])
+
+    def f(q, k, v, a, cu_q, cu_k, used):
+        return attnkern.attention_varlen(q, k, v, cu_q, cu_k, 33, 33, is_causal=True, window=(9, 0), alpha=a,
+                                         normalizer=normalizer, enable_gqa=True, seqused_k=used)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    inputs = [q, k, v] + ([a] if a is not None else [])
+    got, want = compiled(q, k, v, a, cu_q, cu_k, used), f(q, k, v, a, cu_q, cu_k, used)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    go = torch.randn_like(got)
+    for g, w in zip(torch.autograd.grad(got, inputs, go), torch.autograd.grad(want, inputs, go), strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    # Other lengths with the same number of documents: no recompilation needed.
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        cu2 = torch.tensor([0, 10, 20, 40, 50, 59], dtype=torch.int32)
+        torch.testing.assert_close(compiled(q, k, v, a, cu2, cu_k, used), f(q, k, v, a, cu2, cu_k, used),
+                                   atol=0, rtol=0)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
+def test_varlen_ops_pass_opcheck():
+    q, k, v, cu_q, cu_k = _packed([3, 0, 8], [4, 2, 8], 2, 1, 8, 4, dtype=torch.float32, seed=4)
+    alpha = torch.tensor([1.5, 1.2])
+    fwd_args = (q, k, v, cu_q, cu_k, torch.tensor([4, 1, 6]), None, alpha, 0.4, "entmax", "ops", 0.0, None,
+                3, 0, None, None)
+    torch.library.opcheck(torch.ops.attnkern.attention_varlen_fwd.default, fwd_args)
+    out, shift = torch.ops.attnkern.attention_varlen_fwd(*fwd_args)
+    bwd_args = (torch.randn_like(out), q, k, v, out, shift, cu_q, cu_k, torch.tensor([4, 1, 6]), None, alpha,
+                True, 0.4, "entmax", "ops", 0.0, None, 3, 0)
+    torch.library.opcheck(torch.ops.attnkern.attention_varlen_bwd.default, bwd_args)
+
+
+def test_varlen_dropout_is_the_per_document_calls():
+    """Each document draws its own seed from torch's generator, in order:
+    under one manual seed, the packed call is the per-document calls."""
+    lq = [6, 17, 9]
+    q, k, v, cu_q, cu_k = _packed(lq, lq, 2, 2, 8, 8, dtype=torch.float32, seed=8)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.manual_seed(123)
+    out = attnkern.attention_varlen(q, k, v, cu_q, cu_k, dropout_p=0.3, normalizer="sparsemax")
+    torch.manual_seed(123)
+    want = _per_document(q, k, v, cu_q, cu_k, lambda qd, kd, vd: attnkern.attention(
+        qd, kd, vd, dropout_p=0.3, normalizer="sparsemax"))
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    assert (out == 0).any() or not torch.equal(out, attnkern.attention_varlen(q, k, v, cu_q, cu_k,
+                                                                             normalizer="sparsemax"))
+    go = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go),
+                    strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
