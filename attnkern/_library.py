@@ -95,13 +95,14 @@ def _register_compat() -> None:
 def _register_attention() -> None:
     @torch.library.register_fake("attnkern::attention_fwd")
     def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p=0.0, dropout_seed=None,
-                       window_left=-1, window_right=-1, key_lengths=None):
+                       window_left=-1, window_right=-1, key_lengths=None, row_bounds=None):
         B, H, L, _ = q.shape
         return q.new_empty((B, H, L, v.shape[-1])), q.new_empty((B, H, L), dtype=torch.float32)
 
     @torch.library.register_fake("attnkern::attention_bwd")
     def _attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad,
-                       dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None):
+                       dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None,
+                       row_bounds=None):
         # (In α's dtype: float64 for a float64 α, else float32.)
         adt = torch.float64 if alpha is not None and alpha.dtype == torch.float64 else torch.float32
         dalpha = q.new_empty((q.shape[1],) if alpha_grad else (0,), dtype=adt)

@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-from attnkern import _extension, ops, validation
+from attnkern import _extension, block_mask, ops, validation
 from attnkern.backends import reference, registry
 from attnkern.family import (
     ATTENTION_NORMALIZERS,
@@ -227,9 +227,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     compiling = ops._compiling()
     if not compiling:
         window = _check_window(window)
+    bounds = None  # a BlockMask's rows: (Bm, Hm, L, 2) runs of keys
     if attn_mask is not None and type(attn_mask) is not torch.Tensor:
-        attn_mask, is_causal, window = _causal_bias(attn_mask, is_causal, window, query.shape[-2],
-                                                    key.shape[-2])
+        if block_mask.is_block_mask(attn_mask):
+            bounds = block_mask.row_bounds(attn_mask, query.shape[-2], key.shape[-2], check=not compiling)
+            attn_mask = None
+        else:
+            attn_mask, is_causal, window = _causal_bias(attn_mask, is_causal, window, query.shape[-2],
+                                                        key.shape[-2])
     if not compiling:
         _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer,
                       return_weights)
@@ -270,6 +275,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         raise ValueError(f"the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                          f"{tuple(value.shape)} do not broadcast") from exc
     target = batch + (H, L, S)
+    if bounds is not None and (len(batch) > 1 or bounds.shape[0] not in (1,) + batch[:1]
+                               or bounds.shape[1] not in (1, H)):
+        raise ValueError(f"attn_mask is a BlockMask of (B, H) = {tuple(bounds.shape[:2])}, which does not match "
+                         f"the query's batch {batch} and {H} heads (FlexAttention's (B, H, L, E) layout)")
     if attn_mask is not None and not compiling:
         if not validation.broadcasts_to(attn_mask.shape, target):
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target} "
@@ -300,16 +309,25 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     chosen = registry.choose(backend, query, "attention", mask_grad=mask_grad)
     if H == 0 or E == 0:
         chosen = "reference"  # nothing for a kernel to do: no heads, or scores all 0 (E = 0)
+    if bounds is not None and chosen not in ("cpu", "reference"):
+        raise NotImplementedError(
+            f"attn_mask as a FlexAttention BlockMask runs on the CPU kernels and the reference only (got "
+            f"backend={backend!r} on {query.device}); backend='reference' runs it on any device with the mask "
+            f"materialized")
     if takes_lam(normalizer) and chosen not in ("cpu", "reference"):
         raise NotImplementedError(
             f"normalizer={normalizer!r} attention has CPU kernels only (got backend={backend!r} on "
             f"{query.device}); backend='reference' runs the float64 reference (materialized scores) on any device")
-    if (chosen == "reference" or return_weights) and (window is not None or key_lengths is not None):
+    if (chosen == "reference" or return_weights) and (window is not None or key_lengths is not None
+                                                       or bounds is not None):
         # (Unfused: the key band as a dense mask.)
         band = reference.band_mask(L, S, is_causal=is_causal, window=window, cache_seqlens=key_lengths,
                                    device=query.device)
         if key_lengths is not None:
             band = band.reshape(batch + (1, L, S))
+        if bounds is not None:
+            rows = block_mask.bounds_mask(bounds.to(query.device), S)
+            band = band & (rows if batch else rows[0])
         attn_mask = band if attn_mask is None else (
             attn_mask & band if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~band, -math.inf))
         is_causal = False
@@ -363,16 +381,50 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             alpha_h = a.to(alpha_dtype).expand(H, 1, 1).reshape(H)
         else:
             alpha_h = torch.full((H,), alpha, dtype=alpha_dtype, device=query.device)
+    row_bounds = None
+    if bounds is not None:
+        q4, k4, v4, alpha_h, key_lengths, row_bounds = _fold_for_bounds(
+            bounds, q4, k4, v4, alpha_h, key_lengths, head_param, normalizer)
     from attnkern.autograd import AttentionFunction
 
     impl = "triton" if chosen == "triton" else "ops"
     dropout_p = float(dropout_p)
     seed = draw_dropout_seed() if dropout_p > 0 else None
     out = AttentionFunction.apply(q4, k4, v4, mask4, alpha_h, is_causal, scale, normalizer, impl, dropout_p, seed,
-                                  window if window is not None else (-1, -1), key_lengths)
+                                  window if window is not None else (-1, -1), key_lengths, row_bounds)
     if out.shape != batch + (H, L, Ev):
         out = out.reshape(batch + (H, L, Ev))
     return _unpad(out if out.dtype == query.dtype else out.to(query.dtype), added)
+
+
+def _fold_for_bounds(bounds, q4, k4, v4, alpha_h, key_lengths, head_param, normalizer):
+    """The kernels' arguments for a BlockMask's row bounds (Bm, Hm, L, 2),
+    which the kernels take per batch element: (q4, k4, v4, alpha_h,
+    key_lengths, row_bounds). A mask that differs across heads folds the
+    heads into the batch, (B, H) -> (B·H, 1), key and value heads repeated
+    for grouped queries; the dropout counters, (b·H + h)·L + i, stay put."""
+    B, H, L = q4.shape[0], q4.shape[1], q4.shape[2]
+    if bounds.shape[1] == 1:
+        if bounds.shape[0] not in (1, B):  # (B = 1: α per (batch, head) folded the batch into the heads)
+            name = "lam" if takes_lam(normalizer) else "alpha"
+            raise ValueError(f"a BlockMask that differs across the batch with an {name} that differs across the "
+                             f"batch is not supported: give {name} one value per head")
+        return q4, k4, v4, alpha_h, key_lengths, bounds[:, 0].to(torch.int64).expand(B, L, 2).contiguous()
+    if isinstance(head_param, torch.Tensor):
+        name = "lam" if takes_lam(normalizer) else "alpha"
+        raise ValueError(f"a BlockMask that differs across heads folds the heads into the batch, which takes one "
+                         f"{name} for all heads: give {name} as a float, or a BlockMask with H = 1")
+    group = H // k4.shape[1]
+
+    def fold(t):
+        t = t.repeat_interleave(group, dim=1) if group > 1 else t
+        return t.reshape(B * H, 1, *t.shape[2:])
+
+    if key_lengths is not None:
+        key_lengths = key_lengths.repeat_interleave(H)
+    row_bounds = bounds.to(torch.int64).expand(B, H, L, 2).reshape(B * H, L, 2)
+    return (q4.reshape(B * H, 1, L, q4.shape[3]), fold(k4), fold(v4),
+            None if alpha_h is None else alpha_h[:1], key_lengths, row_bounds)
 
 
 def _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha, backend,

@@ -454,37 +454,39 @@ class AttentionFunction(torch.autograd.Function):
     or None (no gradient); alpha: float32 (H,) or None. dropout_p > 0 comes
     with seed, an int64 scalar tensor from which both passes regenerate the
     keep mask. window: (left, right) keys around the bottom-right diagonal
-    (-1 unbounded); key_lengths: int64 (B,) valid keys per batch, or None.
+    (-1 unbounded); key_lengths: int64 (B,) valid keys per batch, or None;
+    row_bounds: int64 (B, L, 2), each row's run of keys [lo, hi) (CPU), or None.
     """
 
     @staticmethod
     def forward_without_graph(q, k, v, mask, alpha, is_causal: bool, scale: float, normalizer: str, impl: str,
-                              dropout_p: float = 0.0, seed=None, window=(-1, -1), key_lengths=None):
+                              dropout_p: float = 0.0, seed=None, window=(-1, -1), key_lengths=None,
+                              row_bounds=None):
         """The output alone, when no input needs a gradient (see _first_order_only)."""
         fwd, _ = _attention_impl(impl)
         return fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, seed, window[0], window[1],
-                   key_lengths)[0]
+                   key_lengths, row_bounds)[0]
 
     @staticmethod
     def forward(ctx, q, k, v, mask, alpha, is_causal: bool, scale: float, normalizer: str, impl: str,
-                dropout_p: float = 0.0, seed=None, window=(-1, -1), key_lengths=None):
+                dropout_p: float = 0.0, seed=None, window=(-1, -1), key_lengths=None, row_bounds=None):
         fwd, _ = _attention_impl(impl)
         out, shift = fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, seed, window[0], window[1],
-                         key_lengths)
-        ctx.save_for_backward(q, k, v, mask, alpha, out, shift, seed, key_lengths)
+                         key_lengths, row_bounds)
+        ctx.save_for_backward(q, k, v, mask, alpha, out, shift, seed, key_lengths, row_bounds)
         ctx.is_causal, ctx.scale, ctx.normalizer, ctx.impl = is_causal, scale, normalizer, impl
         ctx.dropout_p, ctx.window = dropout_p, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, alpha, out, shift, seed, key_lengths = ctx.saved_tensors
+        q, k, v, mask, alpha, out, shift, seed, key_lengths, row_bounds = ctx.saved_tensors
         _, bwd = _attention_impl(ctx.impl)
         want_alpha = alpha is not None and ctx.needs_input_grad[4]
         dq, dk, dv, dalpha = bwd(grad_out, q, k, v, mask, ctx.is_causal, ctx.scale, ctx.normalizer, alpha,
                                  out, shift, want_alpha, ctx.dropout_p, seed, ctx.window[0], ctx.window[1],
-                                 key_lengths)
-        return dq, dk, dv, None, (dalpha if want_alpha else None), None, None, None, None, None, None, None, None
+                                 key_lengths, row_bounds)
+        return (dq, dk, dv, None, (dalpha if want_alpha else None)) + (None,) * 9
 
 
 # --- entmax-package compatibility: normmax and budget-sparsemax (attnkern.compat) ----------------

@@ -17,6 +17,13 @@ Cases (float32, H = 8, E = 64; the baseline is named in the case):
   decode     batch 8, a cache of 8192 with valid lengths uniform in
              [512, 8192] (seed 0), one query, cache_seqlens, against the eight
              calls on exactly-sized caches (target 0.8); H = 8 and GQA 8:2
+  blockmask  a FlexAttention BlockMask, N = 8192, B = 1: sliding window
+             (256 back, causal) and 8 causal documents (lengths uniform in
+             [256, 2048], seed 0, the last cut to fill 8192); forward against
+             FlexAttention's compiled CPU forward given the same BlockMask
+             (softmax, target 1.0; the other normalizers without a target), and
+             our fwd+bwd against our forward (FlexAttention has no CPU
+             backward; backward <= 2.5x forward is a ratio <= 3.5)
 Ratios as in ratios.py (the median over rounds of attnkern's time over the
 baseline's); the result file has ratios.py's format, so `make docs` renders it.
 """
@@ -38,6 +45,7 @@ WINDOW = (256, 0)
 WINDOW_N, WINDOW_SDPA_N = 16384, 8192
 # Targets (issue: packed, windowed and cached attention): the largest passing ratio.
 WINDOW_VS_CAUSAL, WINDOW_VS_SDPA, PACKED_VS_DOCS, PACKED_VS_SDPA, DECODE_VS_CALLS = 0.06, 0.1, 1.2, 0.3, 0.8
+BLOCKMASK_N, BLOCKMASK_VS_FLEX, BLOCKMASK_FWD_BWD_VS_FWD = 8192, 1.0, 3.5
 
 
 def randn(*shape, seed=0):
@@ -139,7 +147,43 @@ def decode_rows(rounds):
     return rows
 
 
-CASES = {"window": window_rows, "packed": packed_rows, "decode": decode_rows}
+def blockmask_rows(rounds):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = BLOCKMASK_N
+    g = torch.Generator().manual_seed(0)
+    lengths = []
+    while sum(lengths) < n:
+        lengths.append(min(int(torch.randint(256, 2049, (1,), generator=g)), n - sum(lengths)))
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    masks = {
+        f"sliding window ({WINDOW[0]} back, causal)": lambda b, h, q, kv: (q >= kv) & (q - kv <= WINDOW[0]),
+        f"{len(lengths)} causal documents": lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv),
+    }
+    q, k, v, do = (randn(1, H, n, E, seed=s) for s in range(4))
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for label, mod in masks.items():
+        bm = create_block_mask(mod, None, None, n, n, device="cpu")
+
+        def theirs(bm=bm):
+            with torch.no_grad():
+                flex(q, k, v, block_mask=bm)
+
+        for name, kw in NORMALIZER_KW.items():
+            def ours(kw=kw, bm=bm):
+                with torch.no_grad():
+                    attnkern.attention(q, k, v, bm, **kw)
+
+            rows.append((f"BlockMask {label}, N = {n}, vs FlexAttention compiled", name, "fwd",
+                         BLOCKMASK_VS_FLEX if name == "softmax" else None, interleaved(ours, theirs, rounds)))
+            both = fwd_bwd(lambda a, b, c, kw=kw, bm=bm: attnkern.attention(a, b, c, bm, **kw), (q, k, v), do)
+            rows.append((f"BlockMask {label}, N = {n}, fwd+bwd vs our fwd", name, "fwd+bwd",
+                         BLOCKMASK_FWD_BWD_VS_FWD, interleaved(both, ours, rounds)))
+    return rows
+
+
+CASES = {"window": window_rows, "packed": packed_rows, "decode": decode_rows, "blockmask": blockmask_rows}
 
 
 def main() -> None:

@@ -18,7 +18,10 @@
 //       -inf = not allowed), causal: key j <= query i; window_left/_right
 //       (-1: unbounded): key j within [i + S_b - L - left, i + S_b - L + right]
 //       (bottom-right); key_lengths (int64 (B,), optional): batch b's keys
-//       [0, S_b) valid, S_b = S without it. p = φ_b(s - shift);
+//       [0, S_b) valid, S_b = S without it; row_bounds (int64 (B, L, 2),
+//       optional): row i of batch b sees only keys [row_bounds[b,i,0],
+//       row_bounds[b,i,1]) (a FlexAttention BlockMask whose rows are each one run
+//       of keys). p = φ_b(s - shift);
 //       a row with no allowed key has shift +inf and output 0.
 //       normalizer: softmax | sparsemax | entmax15 | entmax (alpha: float32 (H,))
 //       | fusedmax | oscarmax (alpha: their λ >= 0 per head, float32 (H,);
@@ -92,10 +95,11 @@ TORCH_LIBRARY(attnkern, m) {
 
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, str normalizer, "
         "Tensor? alpha, float dropout_p=0., Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "
-        "Tensor? key_lengths=None) -> (Tensor out, Tensor shift)");
+        "Tensor? key_lengths=None, Tensor? row_bounds=None) -> (Tensor out, Tensor shift)");
   m.def("attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, "
         "str normalizer, Tensor? alpha, Tensor out, Tensor shift, bool alpha_grad, float dropout_p=0., "
-        "Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, Tensor? key_lengths=None) "
+        "Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, Tensor? key_lengths=None, "
+        "Tensor? row_bounds=None) "
         "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dalpha)");
   // attention_dropout_mask(B, H, L, S, dropout_p, dropout_seed) -> keep (B, H, L, S) bool: the mask that
   //     attention_fwd/_bwd with these arguments apply (for tests; csrc/cpu/dropout.h).

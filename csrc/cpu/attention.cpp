@@ -363,10 +363,11 @@ Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
 struct Band {
   int64_t left = -1, right = -1;
   Tensor key_lengths;
+  Tensor row_bounds;
 };
 
 Band prepare_band(int64_t window_left, int64_t window_right, const c10::optional<Tensor>& key_lengths,
-                  const Checked& c) {
+                  const c10::optional<Tensor>& row_bounds, const Checked& c) {
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
                     "attnkern.attention: window sides must be >= 0, or -1 for unbounded; got (", window_left, ", ",
                     window_right, ")");
@@ -381,6 +382,18 @@ Band prepare_band(int64_t window_left, int64_t window_right, const c10::optional
     for (int64_t b = 0; b < c.B; ++b)
       TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= c.S, "attnkern.attention: key_lengths[", b, "] = ", p[b],
                         " lies outside [0, S = ", c.S, "]");
+  }
+  if (row_bounds.has_value() && row_bounds->defined()) {
+    const Tensor& rk = *row_bounds;
+    TORCH_CHECK_VALUE(rk.device().is_cpu() && rk.scalar_type() == at::kLong &&
+                          rk.sizes() == at::IntArrayRef({c.B, c.L, 2}),
+                      "attnkern.attention: row_bounds must be a CPU int64 tensor of shape (", c.B, ", ", c.L,
+                      ", 2), got ", rk.scalar_type(), " ", rk.sizes(), " on ", rk.device());
+    band.row_bounds = rk.contiguous();
+    const int64_t* p = band.row_bounds.const_data_ptr<int64_t>();
+    for (int64_t r = 0; r < c.B * c.L; ++r)
+      TORCH_CHECK_VALUE(p[2 * r] >= 0 && p[2 * r + 1] <= c.S, "attnkern.attention: row_bounds of row ", r,
+                        " = [", p[2 * r], ", ", p[2 * r + 1], ") lies outside [0, S = ", c.S, "]");
   }
   return band;
 }
@@ -401,6 +414,7 @@ Problem<acc_t> make_problem(const Checked& c, const Tensor& q, const Tensor& k, 
   P.causal = is_causal;
   P.win_left = band.left, P.win_right = band.right;
   P.key_len = band.key_lengths.defined() ? band.key_lengths.const_data_ptr<int64_t>() : nullptr;
+  P.row_bounds = band.row_bounds.defined() ? band.row_bounds.const_data_ptr<int64_t>() : nullptr;
   if (mask.defined()) {
     P.mask = mask.const_data_ptr<acc_t>();
     P.msb = mask.stride(0), P.msh = mask.stride(1), P.msl = mask.stride(2), P.mss = mask.stride(3);
@@ -605,9 +619,10 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
                                          c10::string_view normalizer, const c10::optional<Tensor>& alpha_in,
                                          double dropout_p, const c10::optional<Tensor>& dropout_seed,
                                          int64_t window_left, int64_t window_right,
-                                         const c10::optional<Tensor>& key_lengths) {
+                                         const c10::optional<Tensor>& key_lengths,
+                                         const c10::optional<Tensor>& row_bounds) {
   Checked c = check_inputs(q_in, k_in, v_in);
-  const Band band = prepare_band(window_left, window_right, key_lengths, c);
+  const Band band = prepare_band(window_left, window_right, key_lengths, row_bounds, c);
   const Family fam = normalizer_family(normalizer);
   const Prox prox = normalizer_prox(normalizer);
   const Dropout drop = prepare_dropout(dropout_p, dropout_seed, c.S);
@@ -704,9 +719,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     const c10::optional<Tensor>& mask_in, bool is_causal, double scale, c10::string_view normalizer,
     const c10::optional<Tensor>& alpha_in, const Tensor& out, const Tensor& shift_in, bool alpha_grad,
     double dropout_p, const c10::optional<Tensor>& dropout_seed, int64_t window_left, int64_t window_right,
-    const c10::optional<Tensor>& key_lengths) {
+    const c10::optional<Tensor>& key_lengths, const c10::optional<Tensor>& row_bounds) {
   Checked c = check_inputs(q_in, k_in, v_in);
-  const Band band = prepare_band(window_left, window_right, key_lengths, c);
+  const Band band = prepare_band(window_left, window_right, key_lengths, row_bounds, c);
   const Family fam = normalizer_family(normalizer);
   const Dropout drop = prepare_dropout(dropout_p, dropout_seed, c.S);
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef({c.B, c.H, c.L, c.Ev}),

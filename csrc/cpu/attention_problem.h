@@ -110,9 +110,13 @@ struct Problem {
   // unbounded) around i + S_b - L (bottom-right alignment, as
   // FlashAttention's window_size). key_len: per batch the valid keys
   // [0, S_b) (a padded cache: cache_seqlens), null for S_b = S.
+  // row_bounds: per (batch, row) [lo, hi) of the keys the row may see besides
+  // the above (B x L pairs, a BlockMask's rows), null when unused; its ends
+  // need not grow with i.
   bool causal;
   int64_t win_left = -1, win_right = -1;
   const int64_t* key_len = nullptr;
+  const int64_t* row_bounds = nullptr;
   // The key the block functions' key 0 is: the first of the block's range
   // (a multiple of kBlockN), set in the schedulers' per-thread copies. Key
   // indices inside the block functions are relative to it; the head accessors
@@ -190,19 +194,24 @@ struct Problem {
   int64_t group() const { return H / Hk; }
   // The global index of query row i of (batch bi, head h): the dropout counter.
   int64_t row_id(int64_t bi, int64_t h, int64_t i) const { return (bi * H + h) * L + i; }
-  bool banded() const { return causal || win_left >= 0 || win_right >= 0 || key_len != nullptr; }
+  bool banded() const {
+    return causal || win_left >= 0 || win_right >= 0 || key_len != nullptr || row_bounds != nullptr;
+  }
   int64_t keys_valid(int64_t bi) const { return key_len ? key_len[bi] : S; }
-  // The band of query row i of batch bi, in absolute keys; both ends are
-  // non-decreasing in i, so a block's rows see keys within [lo(first), hi(last)).
+  // The band of query row i of batch bi, in absolute keys. Without row_bounds
+  // both ends are non-decreasing in i, so a block's rows see keys within
+  // [lo(first), hi(last)); block_keys takes the extremes over the rows.
   int64_t key_lo(int64_t bi, int64_t i) const {
     const int64_t sb = keys_valid(bi);
-    return win_left < 0 ? 0 : std::clamp<int64_t>(i + sb - L - win_left, 0, sb);
+    const int64_t lo = win_left < 0 ? 0 : std::clamp<int64_t>(i + sb - L - win_left, 0, sb);
+    return row_bounds ? std::max(lo, row_bounds[2 * (bi * L + i)]) : lo;
   }
   int64_t key_hi(int64_t bi, int64_t i) const {
     const int64_t sb = keys_valid(bi);
     int64_t hi = sb;
     if (causal) hi = std::min(hi, i + 1);
     if (win_right >= 0) hi = std::min(hi, std::max<int64_t>(0, i + sb - L + win_right + 1));
+    if (row_bounds) hi = std::min(hi, row_bounds[2 * (bi * L + i) + 1]);
     return hi;
   }
   // The keys a block of rows [i0, i0 + m) of batch bi runs over: from the
@@ -237,7 +246,14 @@ struct Problem {
 template <typename acc_t>
 std::pair<int64_t, int64_t> Problem<acc_t>::block_keys(int64_t bi, int64_t i0, int64_t m) const {
   if (!banded()) return {0, S};
-  const int64_t lo = key_lo(bi, i0), hi = key_hi(bi, i0 + m - 1);
+  int64_t lo = key_lo(bi, i0), hi = key_hi(bi, i0 + m - 1);
+  if (row_bounds) {  // (rows with no key take no part)
+    lo = S, hi = 0;
+    for (int64_t i = i0; i < i0 + m; ++i) {
+      const int64_t a = key_lo(bi, i), b = key_hi(bi, i);
+      if (a < b) lo = std::min(lo, a), hi = std::max(hi, b);
+    }
+  }
   if (hi <= lo) return {0, 0};
   const int64_t first = lo - lo % kBlockN;
   return {first, hi - first};
@@ -282,7 +298,7 @@ inline void mask_scores(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t 
 template <typename acc_t>
 inline void mask_band_start(const Problem<acc_t>& P, int64_t bi, int64_t i0, int64_t m, int64_t j0, int64_t w,
                             acc_t* y, int64_t ldy) {
-  if (P.win_left < 0) return;
+  if (P.win_left < 0 && !P.row_bounds) return;  // (the band then starts at key 0)
   const int64_t a0 = P.key0 + j0;
   for (int64_t r = 0; r < m; ++r) {
     const int64_t lo = std::clamp<int64_t>(P.key_lo(bi, i0 + r) - a0, 0, w);

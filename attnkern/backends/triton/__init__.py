@@ -6,11 +6,12 @@ tensors the kernels run only under the Triton interpreter (TRITON_INTERPRET=1),
 which is how the tests exercise them without a GPU.
 
     attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p,
-                  dropout_seed, window_left, window_right, key_lengths) -> (out, shift)
+                  dropout_seed, window_left, window_right, key_lengths, row_bounds) -> (out, shift)
     attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha,
                   out, shift, alpha_grad, dropout_p, dropout_seed, window_left,
-                  window_right, key_lengths) -> (dq, dk, dv, dalpha)
+                  window_right, key_lengths, row_bounds) -> (dq, dk, dv, dalpha)
 
+row_bounds (a BlockMask's rows) is refused: the CPU kernels take it.
 Shapes and conventions are those of the C++ ops attnkern::attention_fwd/_bwd;
 see `attention.attention_fwd` and `attention.attention_bwd`.
 """
@@ -50,17 +51,28 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def _refuse_row_bounds(row_bounds):
+    if row_bounds is not None:
+        raise NotImplementedError("triton attention: row_bounds (an attn_mask given as a FlexAttention BlockMask) "
+                                  "runs on the CPU kernels and the reference backend only")
+
+
 def attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p=0.0, dropout_seed=None,
-                  window_left=-1, window_right=-1, key_lengths=None):
+                  window_left=-1, window_right=-1, key_lengths=None, row_bounds=None):
     from attnkern.backends.triton import attention
+
+    _refuse_row_bounds(row_bounds)
 
     return attention.attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed,
                                    window_left, window_right, key_lengths)
 
 
 def attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad,
-                  dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None):
+                  dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, key_lengths=None,
+                  row_bounds=None):
     from attnkern.backends.triton import attention
+
+    _refuse_row_bounds(row_bounds)
 
     return attention.attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift,
                                    alpha_grad, dropout_p, dropout_seed, window_left, window_right, key_lengths)

@@ -59,12 +59,14 @@ struct KernelTable {
                                               bool is_causal, double scale, c10::string_view normalizer,
                                               const OptTensor& alpha, double dropout_p,
                                               const OptTensor& dropout_seed, int64_t window_left,
-                                              int64_t window_right, const OptTensor& key_lengths);
+                                              int64_t window_right, const OptTensor& key_lengths,
+      const OptTensor& row_bounds);
   std::tuple<Tensor, Tensor, Tensor, Tensor> (*attention_bwd)(
       const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& mask,
       bool is_causal, double scale, c10::string_view normalizer, const OptTensor& alpha, const Tensor& out,
       const Tensor& shift, bool alpha_grad, double dropout_p, const OptTensor& dropout_seed, int64_t window_left,
-      int64_t window_right, const OptTensor& key_lengths);
+      int64_t window_right, const OptTensor& key_lengths,
+      const OptTensor& row_bounds);
   Tensor (*attention_dropout_mask)(int64_t B, int64_t H, int64_t L, int64_t S, double dropout_p,
                                    const Tensor& dropout_seed);
   // Whether attention in dtype (bfloat16 or float16) runs its GEMMs in that
