@@ -116,8 +116,10 @@ def row_bounds(block_mask, L: int, S: int, check: bool = True):
         part = blocks[c0:c0 + _BLOCKS_PER_CALL]
         allowed = _evaluate(block_mask.mask_mod, part, QB, KB, L, S)
         n = allowed.sum(-1)
-        first = allowed.long().argmax(-1)
-        last = KB - 1 - allowed.flip(-1).long().argmax(-1)
+        # (Key offsets in a narrow type: these (blocks, rows, keys) tensors are the pass's traffic.)
+        offsets = torch.arange(KB, device=device, dtype=torch.int16 if KB < 2**15 else torch.int32)
+        first = torch.where(allowed, offsets, KB).amin(-1).long()
+        last = torch.where(allowed, offsets, -1).amax(-1).long()
         k0 = part[:, 3:4] * KB
         row = (((part[:, 0] * Hm + part[:, 1]) * n_q + part[:, 2]) * QB)[:, None] + r
         has = n > 0

@@ -593,7 +593,9 @@ def _check_softmax_vs_sdpa(ctx: Ctx, dev: str) -> int:
 def timing_cases(dry: bool) -> list[dict]:
     if dry:
         return [dict(normalizer=nz, alpha=a, dtype="bfloat16", E=16, N=32, causal=False, tokens=64)
-                for nz, a in (("softmax", None), ("entmax", 1.3))]
+                for nz, a in (("softmax", None), ("entmax", 1.3))] + [
+            dict(normalizer="sparsemax", alpha=2.0, dtype="bfloat16", E=16, N=32, causal=False, tokens=64,
+                 window=(8, 0))]
     alphas = {"softmax": None, "entmax15": 1.5, "sparsemax": 2.0, "entmax": 1.3}
 
     def case(nz, E, N, causal, dtype="bfloat16"):
@@ -602,6 +604,8 @@ def timing_cases(dry: bool) -> list[dict]:
     first = [case(nz, 64, N, False) for N in (4096, 16384) for nz in ("softmax", "entmax15")]
     first += [case(nz, 64, 4096, False) for nz in ("sparsemax", "entmax")]
     first += [case(nz, 64, 16384, True) for nz in ("softmax", "entmax15")]
+    # Sliding windows (the key band), against our own causal call at the same N.
+    first += [dict(case(nz, 64, 16384, False), window=(256, 0)) for nz in ("softmax", "entmax15", "sparsemax")]
     grid = [case(nz, E, N, causal) for E in (64, 128) for N in (4096, 16384, 1024) for causal in (False, True)
             for nz in alphas]
     grid += [dict(c, dtype="float16") for c in grid if c["E"] == 64 and c["N"] != 1024]
@@ -643,6 +647,8 @@ def _time_case(ctx: Ctx, case: dict, H: int, ada) -> dict:
     scale = 1 / math.sqrt(E)
     row = dict(normalizer=nz if nz != "entmax" else f"entmax α={alpha_v}", dtype=case["dtype"], E=E, N=N, B=B,
                causal=causal)
+    if "window" in case:
+        return _time_window_case(ctx, row, case["window"], q, k, v, do, scale, nz, alpha)
 
     def ours_fwd():
         return tb.attention_fwd(q, k, v, None, causal, scale, nz, alpha)
@@ -677,6 +683,26 @@ def _time_case(ctx: Ctx, case: dict, H: int, ada) -> dict:
         row["sdpa error"] = f"{type(exc).__name__}: {exc}"[:300]
     if ada is not None and nz != "softmax" and not ctx.dry:
         _time_adasplash(ctx, ada, row, qg, kg, vg, do, float(alpha_v), causal, nz, alpha, scale)
+    return row
+
+
+def _time_window_case(ctx: Ctx, row: dict, window, q, k, v, do, scale, nz, alpha) -> dict:
+    """A sliding window through the launchers' key band, and the same call
+    causal instead (the band's cost against the square it cuts)."""
+    from attnkern.backends import triton as tb
+
+    row["window"] = str(tuple(window))
+
+    def both(causal, win):
+        out, shift = tb.attention_fwd(q, k, v, None, causal, scale, nz, alpha, 0.0, None, *win)
+        return tb.attention_bwd(do, q, k, v, None, causal, scale, nz, alpha, out, shift, False, 0.0, None, *win)
+
+    try:
+        row["attnkern fwd+bwd"] = bench_ms(lambda: both(False, window), ctx)
+        row["attnkern causal fwd+bwd"] = bench_ms(lambda: both(True, (-1, -1)), ctx)
+        row["× own causal fwd+bwd"] = row["attnkern fwd+bwd"] / row["attnkern causal fwd+bwd"]
+    except Exception as exc:  # one case's failure is a result, not the end of the phase
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return row
 
 

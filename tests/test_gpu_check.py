@@ -47,8 +47,10 @@ def test_every_phase_runs_and_reports(first_run):
                                               "memory", "passes")}, status
     assert data["meta"]["dry_run"] is True and data["meta"]["env"]["torch"]
     md = (first_run / "report.md").read_text()
-    for title in ("## tests", "## correctness", "## timing", "## passes", "× sdpa fwd+bwd"):
+    for title in ("## tests", "## correctness", "## timing", "## passes", "× sdpa fwd+bwd", "× own causal fwd+bwd"):
         assert title in md
+    windows = [r["row"] for r in data["phases"]["timing"]["items"] if "window" in r["row"]]
+    assert windows and all("error" not in r and r["× own causal fwd+bwd"] > 0 for r in windows), windows
     tests = data["phases"]["tests"]["data"]
     assert tests["collected"] and all(o in ("passed", "skipped") for o in tests["outcomes"].values())
     assert any(o == "passed" for o in tests["outcomes"].values())
