@@ -87,8 +87,8 @@ def cpu_section(folder: Path) -> str:
     files = {p: d for p, d in files.items() if kind(d)}
     if not files:
         return ""
-    main = [folder / "suites.json", folder / "ratios.json", folder / "bands.json", folder / "structured.json",
-            folder / "transformers.json"]
+    main = [folder / "suites.json", folder / "ratios.json", folder / "bands.json", folder / "blockmask.json",
+            folder / "structured.json", folder / "transformers.json"]
     newest = max(files.values(), key=lambda d: d["machine"].get("date", ""))
     out = [f"### {newest['machine']['cpu']}", "", f"Result files: `{folder.relative_to(ROOT).as_posix()}/`.", ""]
     for path in main:
@@ -101,6 +101,9 @@ def cpu_section(folder: Path) -> str:
                 out += [f"![every suite's medians]({link(path.with_suffix('.png'))})", ""]
         elif path.name == "bands.json":
             out += ["#### Windows, packed documents and cache lengths (benchmarks/bands.py)", "",
+                    demote(ratios.render(data), 2).rstrip(), ""]
+        elif path.name == "blockmask.json":
+            out += ["#### FlexAttention BlockMask (benchmarks/bands.py --cases blockmask)", "",
                     demote(ratios.render(data), 2).rstrip(), ""]
         elif path.name == "structured.json":
             out += ["#### Structured normalizers against sparsemax (benchmarks/structured.py)", "",
