@@ -309,11 +309,6 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     chosen = registry.choose(backend, query, "attention", mask_grad=mask_grad)
     if H == 0 or E == 0:
         chosen = "reference"  # nothing for a kernel to do: no heads, or scores all 0 (E = 0)
-    if bounds is not None and chosen not in ("cpu", "reference"):
-        raise NotImplementedError(
-            f"attn_mask as a FlexAttention BlockMask runs on the CPU kernels and the reference only (got "
-            f"backend={backend!r} on {query.device}); backend='reference' runs it on any device with the mask "
-            f"materialized")
     if takes_lam(normalizer) and chosen not in ("cpu", "reference"):
         raise NotImplementedError(
             f"normalizer={normalizer!r} attention has CPU kernels only (got backend={backend!r} on "
@@ -409,7 +404,8 @@ def _fold_for_bounds(bounds, q4, k4, v4, alpha_h, key_lengths, head_param, norma
             name = "lam" if takes_lam(normalizer) else "alpha"
             raise ValueError(f"a BlockMask that differs across the batch with an {name} that differs across the "
                              f"batch is not supported: give {name} one value per head")
-        return q4, k4, v4, alpha_h, key_lengths, bounds[:, 0].to(torch.int64).expand(B, L, 2).contiguous()
+        return (q4, k4, v4, alpha_h, key_lengths,
+                bounds[:, 0].to(device=q4.device, dtype=torch.int64).expand(B, L, 2).contiguous())
     if isinstance(head_param, torch.Tensor):
         name = "lam" if takes_lam(normalizer) else "alpha"
         raise ValueError(f"a BlockMask that differs across heads folds the heads into the batch, which takes one "
@@ -422,7 +418,7 @@ def _fold_for_bounds(bounds, q4, k4, v4, alpha_h, key_lengths, head_param, norma
 
     if key_lengths is not None:
         key_lengths = key_lengths.repeat_interleave(H)
-    row_bounds = bounds.to(torch.int64).expand(B, H, L, 2).reshape(B * H, L, 2)
+    row_bounds = bounds.to(device=q4.device, dtype=torch.int64).expand(B, H, L, 2).reshape(B * H, L, 2)
     return (q4.reshape(B * H, 1, L, q4.shape[3]), fold(k4), fold(v4),
             None if alpha_h is None else alpha_h[:1], key_lengths, row_bounds)
 

@@ -499,6 +499,7 @@ def run_correctness(ctx: Ctx) -> None:
     failures += _check_dropout_mask(ctx, dev)
     failures += _check_softmax_vs_sdpa(ctx, dev)
     failures += _check_band(ctx, dev)
+    failures += _check_row_bounds(ctx, dev)
     if failures:
         raise SystemExit(1)
 
@@ -537,6 +538,47 @@ def _check_band(ctx: Ctx, dev: str) -> int:
         ctx.add(f"Triton key band vs float64 reference: B={B} H={H} L=S={N} E={E}, window {window}, cache "
                 f"lengths {lengths.tolist()}, float32; relative max error", normalizer=normalizer,
                 **errs, bound_out=bound_out, bound_grad=bound_grad, ok=ok)
+    return failures
+
+
+def _check_row_bounds(ctx: Ctx, dev: str) -> int:
+    """Causal documents given as one run of keys per row (row_bounds, what a
+    FlexAttention BlockMask becomes) against the reference given the dense
+    mask, float32."""
+    import torch
+
+    from attnkern.backends import reference
+    from attnkern.backends import triton as tb
+
+    H, E, lengths = (2, 16, [20, 1, 49]) if ctx.dry else (4, 64, [300, 1, 500, 224])
+    N = sum(lengths)
+    starts = torch.repeat_interleave(torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()]),
+                                     torch.tensor(lengths))
+    bounds = torch.stack([starts, torch.arange(N) + 1], -1)[None]  # (1, N, 2)
+    dense = (torch.arange(N) >= bounds[..., :1]) & (torch.arange(N) < bounds[..., 1:])
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, H, N, E, generator=g).to(dev) for _ in range(4))
+    failures = 0
+    for normalizer in ("softmax", "sparsemax"):
+        if ctx.left() < 10:
+            ctx.note("stopped at the phase's time limit")
+            break
+        scale = 1 / math.sqrt(E)
+        out, shift = tb.attention_fwd(q, k, v, None, False, scale, normalizer, None, 0.0, None, -1, -1, None,
+                                      bounds.to(dev))
+        dq, dk, dv, _ = tb.attention_bwd(do, q, k, v, None, False, scale, normalizer, None, out, shift, False,
+                                         0.0, None, -1, -1, None, bounds.to(dev))
+        q64, k64, v64 = (t.cpu().double().requires_grad_() for t in (q, k, v))
+        ref = reference.attention(q64, k64, v64, dense[:, None], False, scale, normalizer=normalizer)
+        rq, rk, rv = torch.autograd.grad(ref, (q64, k64, v64), do.cpu().double())
+        errs = {"out": _rel_err(out.cpu(), ref), "dq": _rel_err(dq.cpu(), rq), "dk": _rel_err(dk.cpu(), rk),
+                "dv": _rel_err(dv.cpu(), rv)}
+        bound_out, bound_grad = ERR_BOUNDS["float32"]
+        ok = errs["out"] <= bound_out and max(errs["dq"], errs["dk"], errs["dv"]) <= bound_grad
+        failures += not ok
+        ctx.add(f"Triton row bounds (a BlockMask's runs: causal documents {lengths}) vs float64 reference: H={H} "
+                f"E={E}, float32; relative max error", normalizer=normalizer, **errs, bound_out=bound_out,
+                bound_grad=bound_grad, ok=ok)
     return failures
 
 

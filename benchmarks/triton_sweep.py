@@ -51,7 +51,8 @@ def _compile_one(job: dict) -> dict:
     dt = job["dtype"]
     acc = tl.float64 if dt == "fp64" else tl.float32
     heavy = job["flags"] == "mask+causal+dropout"
-    base = dict(FAMILY=job["family"], HAS_MASK=heavy, BAND=heavy, HAS_KEYLEN=heavy, HEAD_DIM=job["head_dim"],
+    base = dict(FAMILY=job["family"], HAS_MASK=heavy, BAND=heavy, HAS_KEYLEN=heavy, HAS_ROWB=False,
+                HEAD_DIM=job["head_dim"],
                 HEAD_DIM_V=job["head_dim"], BLOCK_M=job["block_m"], BLOCK_N=job["block_n"], ACC=acc, DROPOUT=heavy,
                 EDGE=job["edge"], DOT="ieee")
     fn, const = {

@@ -460,8 +460,10 @@ dt = sys.argv[1]
 acc = tl.float64 if dt == "fp64" else tl.float32
 # (family, EDGE): every family, and α-entmax with heads at α > 2.
 for family, edge in ((0, False), (1, False), (2, False), (3, False), (3, True)):
-    base = dict(FAMILY=family, HAS_MASK=True, BAND=True, HAS_KEYLEN=True, HEAD_DIM=64, HEAD_DIM_V=32, BLOCK_M=64,
-                BLOCK_N=32, ACC=acc, DROPOUT=True, EDGE=edge, DOT="tf32" if dt == "fp32" else "ieee")
+    # (Row bounds, a BlockMask's runs, on every other family.)
+    base = dict(FAMILY=family, HAS_MASK=True, BAND=True, HAS_KEYLEN=True, HAS_ROWB=family % 2 == 1, HEAD_DIM=64,
+                HEAD_DIM_V=32, BLOCK_M=64, BLOCK_N=32, ACC=acc, DROPOUT=True, EDGE=edge,
+                DOT="tf32" if dt == "fp32" else "ieee")
     for fn, const in (
         (K._attn_fwd_kernel, dict(base, MAX_ITER=64, N_WORDS=4, NSETS=_NSETS, COUNT=True)),
         (K._attn_bwd_dq_kernel, dict(base, STATS=family != 0, ALPHA_GRAD=family == 3)),
@@ -470,9 +472,9 @@ for family, edge in ((0, False), (1, False), (2, False), (3, False), (3, True)):
         triton.compile(ASTSource(fn, K.aot_signature(fn, const, dt), constexprs=const),
                        target=GPUTarget("cuda", 80, 32))
 # An int argument equal to 1 reaches the compiler as a constant: the key band's.
-const = dict(FAMILY=1, HAS_MASK=False, BAND=True, HAS_KEYLEN=False, HEAD_DIM=64, HEAD_DIM_V=64, BLOCK_M=64,
-             BLOCK_N=32, ACC=acc, DROPOUT=False, EDGE=False, DOT="ieee", causal=1, win_left=1, win_right=1, L=1,
-             S=1)
+const = dict(FAMILY=1, HAS_MASK=False, BAND=True, HAS_KEYLEN=False, HAS_ROWB=False, HEAD_DIM=64, HEAD_DIM_V=64,
+             BLOCK_M=64, BLOCK_N=32, ACC=acc, DROPOUT=False, EDGE=False, DOT="ieee", causal=1, win_left=1,
+             win_right=1, L=1, S=1)
 for fn, extra in ((K._attn_fwd_kernel, dict(MAX_ITER=64, N_WORDS=4, NSETS=_NSETS, COUNT=False)),
                   (K._attn_bwd_dq_kernel, dict(STATS=True, ALPHA_GRAD=False)), (K._attn_bwd_dkdv_kernel, {})):
     c = dict(const, **extra)

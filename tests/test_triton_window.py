@@ -136,3 +136,65 @@ def test_key_blocks_read_follow_the_band():
     q2, k2, v2 = (torch.cat([t, t]) for t in (q[:, :, :3], k, v))
     _, shift, _, blocks = forward_pass_counts(q2, k2, v2, None, False, 0.5, "softmax", None, key_lengths=lens)
     assert blocks[0].flatten().tolist() == [1] and blocks[1].flatten().tolist() == [(S + bn - 1) // bn]
+
+
+def _intervals(L, S, seed=0):
+    """One run of keys per row, [lo, hi), near the diagonal i·S/L but drawn at
+    random: the ends do not grow with the row and some rows are empty, as in
+    no window or document mask."""
+    g = torch.Generator().manual_seed(seed)
+    lo = (torch.arange(L) * S // L + torch.randint(-12, 12, (L,), generator=g)).clamp(0, S)
+    hi = torch.minimum(lo + torch.randint(0, 30, (L,), generator=g), torch.tensor(S))
+    return lo, hi
+
+
+BLOCK_MASKS = {
+    "documents": (lambda: (lambda d: lambda b, h, q, kv: (d[q] == d[kv]) & (q >= kv))(
+        torch.repeat_interleave(torch.arange(4), torch.tensor([30, 1, 80, 39]))), 150, 150, None),
+    "random-runs": (lambda: (lambda r: lambda b, h, q, kv: (kv >= r[0][q]) & (kv < r[1][q]))(_intervals(97, 150)),
+                    97, 150, None),
+    "per-head": (lambda: lambda b, h, q, kv: (q >= kv) & (q - kv <= 5 + 40 * h), 150, 150, 2),
+}
+
+
+@pytest.mark.parametrize("mask", list(BLOCK_MASKS))
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_block_mask_matches_reference(normalizer, mask):
+    """A FlexAttention BlockMask reaches the kernels as one run of keys per row
+    (row_bounds): forward, dQ and the dK/dV kernel's scan for the query rows
+    that see a key block, against the reference given torch's dense mask."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    make_mod, L, S, Hm = BLOCK_MASKS[mask]
+    mod = make_mod()
+    if Hm is not None and normalizer == "entmax":
+        pytest.skip("a mask that differs across heads takes one α for all heads (tested on the CPU)")
+    bm = flex.create_block_mask(mod, None, Hm, L, S, device="cpu", BLOCK_SIZE=64)
+    dense = flex.create_mask(mod, 1, Hm or 1, L, S, device="cpu").to(DEVICE)
+    q, k, v, do = make_inputs(1, 2, 1, L, S, 16, 16, seed=6)
+    alpha = alpha_for(normalizer, 2, KERNEL_ALPHAS)
+    kw = dict(scale=0.5, normalizer=normalizer, enable_gqa=True)
+    got = run("triton", q, k, v, do, alpha, attn_mask=bm, **kw)
+    want = run("reference", q, k, v, do, alpha, attn_mask=dense, **kw)
+    tol = tolerance(q.dtype, "attention", "forward")
+    for name, g, w in zip(["out", "dq", "dk", "dv", "dalpha"][:len(got)], got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_key_blocks_read_follow_the_row_bounds():
+    """Each query block reads the key blocks from that of its rows' least first
+    key to that of their greatest last key, no more; a block whose rows see
+    nothing reads none."""
+    from attnkern.backends.triton.attention import _kernels, forward_pass_counts
+
+    L, S = 97, 150
+    lo, hi = _intervals(L, S, seed=1)
+    q, k, v = (t.float() for t in make_inputs(1, 1, 1, L, S, 16, 16)[:3])
+    bounds = torch.stack([lo, hi], -1)[None].to(DEVICE)
+    _, _, _, blocks = forward_pass_counts(q, k, v, None, False, 0.5, "softmax", None, row_bounds=bounds)
+    bm = _kernels().attn_fwd.best_config.kwargs["BLOCK_M"]
+    bn = _kernels().attn_fwd.best_config.kwargs["BLOCK_N"]
+    expect = []
+    for i0 in range(0, L, bm):
+        runs = [(int(lo[i]), int(hi[i])) for i in range(i0, min(i0 + bm, L)) if hi[i] > lo[i]]
+        expect.append((max(b for _, b in runs) - 1) // bn - min(a for a, _ in runs) // bn + 1 if runs else 0)
+    assert blocks.flatten().tolist() == expect and max(expect) < (S + bn - 1) // bn

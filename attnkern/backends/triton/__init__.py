@@ -11,7 +11,6 @@ which is how the tests exercise them without a GPU.
                   out, shift, alpha_grad, dropout_p, dropout_seed, window_left,
                   window_right, key_lengths, row_bounds) -> (dq, dk, dv, dalpha)
 
-row_bounds (a BlockMask's rows) is refused: the CPU kernels take it.
 Shapes and conventions are those of the C++ ops attnkern::attention_fwd/_bwd;
 see `attention.attention_fwd` and `attention.attention_bwd`.
 """
@@ -51,20 +50,12 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _refuse_row_bounds(row_bounds):
-    if row_bounds is not None:
-        raise NotImplementedError("triton attention: row_bounds (an attn_mask given as a FlexAttention BlockMask) "
-                                  "runs on the CPU kernels and the reference backend only")
-
-
 def attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p=0.0, dropout_seed=None,
                   window_left=-1, window_right=-1, key_lengths=None, row_bounds=None):
     from attnkern.backends.triton import attention
 
-    _refuse_row_bounds(row_bounds)
-
     return attention.attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed,
-                                   window_left, window_right, key_lengths)
+                                   window_left, window_right, key_lengths, row_bounds)
 
 
 def attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift, alpha_grad,
@@ -72,10 +63,9 @@ def attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, 
                   row_bounds=None):
     from attnkern.backends.triton import attention
 
-    _refuse_row_bounds(row_bounds)
-
     return attention.attention_bwd(grad_out, q, k, v, mask, is_causal, scale, normalizer, alpha, out, shift,
-                                   alpha_grad, dropout_p, dropout_seed, window_left, window_right, key_lengths)
+                                   alpha_grad, dropout_p, dropout_seed, window_left, window_right, key_lengths,
+                                   row_bounds)
 
 
 attention_fwd.__doc__ = "See attnkern.backends.triton.attention.attention_fwd."

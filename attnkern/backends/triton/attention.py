@@ -185,6 +185,19 @@ def _band_args(q, is_causal, window_left, window_right, key_lengths):
             band, key_lengths is not None)
 
 
+def _row_bounds_arg(q, row_bounds):
+    """(RowB, HAS_ROWB): a BlockMask's per-row runs of keys, int64 (B, L, 2)
+    on q's device, or a placeholder pointer, never read."""
+    if row_bounds is None:
+        return q, False
+    B, L = q.shape[0], q.shape[2]
+    if row_bounds.dtype != torch.int64 or tuple(row_bounds.shape) != (B, L, 2):
+        raise ValueError(f"triton attention: row_bounds must be int64 of shape ({B}, {L}, 2), got "
+                         f"{row_bounds.dtype} {tuple(row_bounds.shape)}")
+    _check_device(q, row_bounds)
+    return row_bounds.contiguous(), True
+
+
 def _mask_args(mask, q):
     if mask is None:
         return q, (0, 0, 0, 0)  # a placeholder pointer, never read
@@ -206,7 +219,8 @@ def _dropout_args(dropout_p: float, dropout_seed, S: int):
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   is_causal: bool, scale: float, normalizer: str, alpha: torch.Tensor | None,
                   dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None, window_left: int = -1,
-                  window_right: int = -1, key_lengths: torch.Tensor | None = None):
+                  window_right: int = -1, key_lengths: torch.Tensor | None = None,
+                  row_bounds: torch.Tensor | None = None):
     """Fused attention forward: out = p·v with p = normalizer(scale·q·kᵀ + mask) per query row.
 
     q: (B, H, L, E); k: (B, Hk, S, E); v: (B, Hk, S, Ev), H a multiple of Hk
@@ -224,17 +238,20 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     window_left, window_right (-1: unbounded): query i sees keys j within
     [i + S_b - L - window_left, i + S_b - L + window_right] (bottom-right);
     key_lengths (int64 (B,) or None): batch b's keys [0, S_b) are valid, S_b = S
-    without it. Only the key blocks some row of a query block may see are read.
+    without it. row_bounds (int64 (B, L, 2) or None): query i of batch b sees
+    only keys [row_bounds[b, i, 0], row_bounds[b, i, 1]) (a BlockMask's rows).
+    Only the key blocks some row of a query block may see are read.
     Besides out and shift it allocates nothing that grows with L·S.
     """
     out, shift, _ = _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed,
-                                   (window_left, window_right, key_lengths), count=False)
+                                   (window_left, window_right, key_lengths), count=False, row_bounds=row_bounds)
     return out, shift
 
 
 def forward_pass_counts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                         is_causal: bool, scale: float, normalizer: str, alpha: torch.Tensor | None, *,
-                        window: tuple[int, int] = (-1, -1), key_lengths: torch.Tensor | None = None):
+                        window: tuple[int, int] = (-1, -1), key_lengths: torch.Tensor | None = None,
+                        row_bounds: torch.Tensor | None = None):
     """`attention_fwd` (without dropout) instrumented: (out, shift, passes, blocks).
 
     passes (B, H, ⌈L/BLOCK_M⌉) int32: the passes over the keys each query block
@@ -243,13 +260,15 @@ def forward_pass_counts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     over all passes. BLOCK_M is the one the launcher picked.
     """
     out, shift, counts = _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, 0.0, None,
-                                        (*window, key_lengths), count=True)
+                                        (*window, key_lengths), count=True, row_bounds=row_bounds)
     return out, shift, counts[..., 0], counts[..., 1]
 
 
-def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed, band, count):
+def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p, dropout_seed, band, count,
+                   row_bounds=None):
     mask, family = _validate(q, k, v, mask, normalizer, alpha)
     key_len, band_ints, band_on, has_keylen = _band_args(q, is_causal, *band)
+    row_b, has_rowb = _row_bounds_arg(q, row_bounds)
     seed, threshold, drop_scale, groups, dropout = _dropout_args(float(dropout_p), dropout_seed, k.shape[2])
     kern = _kernels()
     B, H, L, E = q.shape
@@ -273,12 +292,12 @@ def _attention_fwd(q, k, v, mask, is_causal, scale, normalizer, alpha, dropout_p
         counts = torch.zeros((B, H, triton.cdiv(L, _MIN_BLOCK_N), 2), dtype=torch.int32, device=q.device)
     n_words = triton.next_power_of_2(triton.cdiv(triton.cdiv(S, _MIN_BLOCK_N), 32))
     kern.attn_fwd[grid](
-        q, k, v, mask_t, _alpha_arg(family, alpha, q), out, shift, counts, key_len,
+        q, k, v, mask_t, _alpha_arg(family, alpha, q), out, shift, counts, key_len, row_b,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *out.stride(),
         H, H // Hk, L, S, E, Ev, *_split(scale), _eps(q), seed, threshold, *_split(drop_scale), groups,
         _tune_length(L), _tune_length(S), *band_ints,
-        FAMILY=int(family), HAS_MASK=mask is not None, BAND=band_on, HAS_KEYLEN=has_keylen,
-        HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q), DROPOUT=dropout,
+        FAMILY=int(family), HAS_MASK=mask is not None, BAND=band_on or has_rowb, HAS_KEYLEN=has_keylen,
+        HAS_ROWB=has_rowb, HEAD_DIM=hd, HEAD_DIM_V=hdv, MAX_ITER=_MAX_ITER, ACC=_acc_dtype(q), DROPOUT=dropout,
         N_WORDS=n_words, NSETS=_NSETS, COUNT=count, EDGE=_has_edge_heads(family, alpha),
         DOT=dot_precision(q),
     )
@@ -293,7 +312,8 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   mask: torch.Tensor | None, is_causal: bool, scale: float, normalizer: str,
                   alpha: torch.Tensor | None, out: torch.Tensor, shift: torch.Tensor, alpha_grad: bool,
                   dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None, window_left: int = -1,
-                  window_right: int = -1, key_lengths: torch.Tensor | None = None):
+                  window_right: int = -1, key_lengths: torch.Tensor | None = None,
+                  row_bounds: torch.Tensor | None = None):
     """Fused attention backward, recomputing the scores from q, k and the saved shift.
 
     Arguments as `attention_fwd`, plus grad_out (B, H, L, Ev), the forward's
@@ -305,6 +325,7 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     """
     mask, family = _validate(q, k, v, mask, normalizer, alpha)
     key_len, band_ints, band_on, has_keylen = _band_args(q, is_causal, window_left, window_right, key_lengths)
+    row_b, has_rowb = _row_bounds_arg(q, row_bounds)
     if alpha_grad and not family.takes_alpha:
         raise ValueError(f"triton attention: alpha_grad needs normalizer 'entmax', got {normalizer!r}")
     _check_device(q, grad_out, out, shift)
@@ -341,18 +362,18 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     hd, hdv = _head_dim(E), _head_dim(Ev)
     alpha_t = _alpha_arg(family, alpha, q)
     q, k, v, grad_out = _interpreter_inputs(q, k, v, grad_out)
-    common = dict(FAMILY=int(family), HAS_MASK=mask is not None, BAND=band_on, HAS_KEYLEN=has_keylen,
-                  HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout, EDGE=edge,
+    common = dict(FAMILY=int(family), HAS_MASK=mask is not None, BAND=band_on or has_rowb, HAS_KEYLEN=has_keylen,
+                  HAS_ROWB=has_rowb, HEAD_DIM=hd, HEAD_DIM_V=hdv, ACC=_acc_dtype(q), DROPOUT=dropout, EDGE=edge,
                   DOT=dot_precision(q))
     drop = (seed, threshold, *_split(drop_scale), groups, _tune_length(L), _tune_length(S), *band_ints)
     kern.attn_bwd_dq[lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), B * H)](
-        q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, edge_rows, dq, key_len,
+        q, k, v, mask_t, alpha_t, grad_out, shift, delta, dalpha_rows, edge_rows, dq, key_len, row_b,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dq.stride(),
         H, H // Hk, L, S, E, Ev, *_split(scale), _eps(q), ALPHA_GRAD_SERIES_BAND, *drop,
         STATS=stats, ALPHA_GRAD=bool(alpha_grad), **common,
     )
     kern.attn_bwd_dkdv[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hk)](
-        q, k, v, mask_t, alpha_t, grad_out, shift, delta, edge_rows, dk, dv, key_len,
+        q, k, v, mask_t, alpha_t, grad_out, shift, delta, edge_rows, dk, dv, key_len, row_b,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *grad_out.stride(), *dk.stride(), *dv.stride(),
         H, H // Hk, L, S, E, Ev, *_split(scale), *drop, **common,
     )

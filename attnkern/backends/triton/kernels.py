@@ -298,6 +298,51 @@ def _query_range(n0, L, S_b, band_lo, band_hi, BAND: tl.constexpr, BLOCK_M: tl.c
     return m_start, m_end
 
 
+# Row bounds (a BlockMask's rows, csrc Problem::row_bounds): query i of batch b
+# also needs RowB[b, i, 0] <= j < RowB[b, i, 1]. They enter the band as per-row
+# offsets, (BLOCK_M, 1) tensors that _scores broadcasts as it does the scalars.
+@triton.jit
+def _row_band(RowB, bi, offs_m, L, band_lo, band_hi):
+    """(band_lo, band_hi) of the rows offs_m with their own bounds, (BLOCK_M, 1)."""
+    ok = offs_m < L
+    at = RowB + (bi.to(tl.int64) * L + offs_m) * 2
+    lo = tl.load(at, mask=ok, other=0).to(tl.int32)
+    hi = tl.load(at + 1, mask=ok, other=0).to(tl.int32)
+    return (tl.maximum(band_lo, lo - offs_m)[:, None], tl.minimum(band_hi, hi - 1 - offs_m)[:, None])
+
+
+@triton.jit
+def _key_range_rows(offs_m, L, S_b, band_lo, band_hi, BLOCK_N: tl.constexpr):
+    """_key_range for rows with their own bounds (band_lo, band_hi (BLOCK_M, 1)):
+    from the least first key to the greatest last one over the rows that see any."""
+    first = offs_m[:, None] + band_lo
+    last = tl.minimum(offs_m[:, None] + band_hi, S_b - 1)
+    live = (offs_m[:, None] < L) & (tl.maximum(first, 0) <= last)
+    lo = tl.min(tl.min(tl.where(live, tl.maximum(first, 0), _FAR), 1), 0)
+    hi = tl.max(tl.max(tl.where(live, last + 1, 0), 1), 0)
+    n_start = tl.where(hi > 0, (lo // BLOCK_N) * BLOCK_N, 0)
+    return n_start, hi
+
+
+@triton.jit
+def _query_range_rows(RowB, bi, n0, L, S_b, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_query_range for rows with their own bounds: a scan of every row's bounds
+    for those that see a key of [n0, n0 + BLOCK_N) (their ends need not grow
+    with the row, so the rows are not found from the block's keys)."""
+    last = tl.minimum(n0 + BLOCK_N, S_b) - 1
+    m_lo = tl.zeros((), tl.int32) + L
+    m_hi = tl.zeros((), tl.int32)
+    for r0 in range(0, L, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        lo, hi = _row_band(RowB, bi, rows, L, band_lo, band_hi)
+        first = tl.maximum(rows[:, None] + lo, n0)
+        end = tl.minimum(rows[:, None] + hi, last)
+        hit = (rows[:, None] < L) & (first <= end)
+        m_lo = tl.minimum(m_lo, tl.min(tl.min(tl.where(hit, rows[:, None], L), 1), 0))
+        m_hi = tl.maximum(m_hi, tl.max(tl.max(tl.where(hit, rows[:, None] + 1, 0), 1), 0))
+    return (m_lo // BLOCK_M) * BLOCK_M, tl.where(last >= n0, m_hi, 0)
+
+
 @triton.jit
 def _scores(q, kt, Mask, stride_mm, stride_mn, offs_m, offs_n, L, S, scale, band_lo, band_hi,
             HAS_MASK: tl.constexpr, BAND: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
@@ -541,7 +586,7 @@ def _edge_ds(p, dp, qv, dp_r, scaled, b):
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Alpha, Out, Shift, Counts, KeyLen,
+    Q, K, V, Mask, Alpha, Out, Shift, Counts, KeyLen, RowB,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -550,6 +595,7 @@ def _attn_fwd_kernel(
     H, GROUP, L, S, E, EV, scale, scale_lo, eps, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
     causal, win_left, win_right,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, BAND: tl.constexpr, HAS_KEYLEN: tl.constexpr,
+    HAS_ROWB: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MAX_ITER: tl.constexpr, ACC: tl.constexpr, DROPOUT: tl.constexpr,
     N_WORDS: tl.constexpr, NSETS: tl.constexpr, COUNT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
@@ -574,7 +620,11 @@ def _attn_fwd_kernel(
     q = _load_rows(Q, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
     S_b = _keys_valid(KeyLen, bi, S, HAS_KEYLEN)
     band_lo, band_hi = _band_offsets(L, S_b, causal, win_left, win_right)
-    n_start, n_end = _key_range(pid_m * BLOCK_M, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
+    if HAS_ROWB:
+        band_lo, band_hi = _row_band(RowB, bi, offs_m, L, band_lo, band_hi)
+        n_start, n_end = _key_range_rows(offs_m, L, S_b, band_lo, band_hi, BLOCK_N)
+    else:
+        n_start, n_end = _key_range(pid_m * BLOCK_M, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
     b = _load_b(Alpha, h, FAMILY, ACC)
     neg_inf = -float("inf")
 
@@ -826,7 +876,7 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, Mask, Alpha, DO, Shift, Delta, DAlphaRow, EdgeRows, DQ, KeyLen,
+    Q, K, V, Mask, Alpha, DO, Shift, Delta, DAlphaRow, EdgeRows, DQ, KeyLen, RowB,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -836,6 +886,7 @@ def _attn_bwd_dq_kernel(
     H, GROUP, L, S, E, EV, scale, scale_lo, eps, alpha_band, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
     causal, win_left, win_right,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, BAND: tl.constexpr, HAS_KEYLEN: tl.constexpr,
+    HAS_ROWB: tl.constexpr,
     STATS: tl.constexpr, ALPHA_GRAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
@@ -868,7 +919,11 @@ def _attn_bwd_dq_kernel(
     c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
     S_b = _keys_valid(KeyLen, bi, S, HAS_KEYLEN)
     band_lo, band_hi = _band_offsets(L, S_b, causal, win_left, win_right)
-    n_start, n_end = _key_range(pid_m * BLOCK_M, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
+    if HAS_ROWB:
+        band_lo, band_hi = _row_band(RowB, bi, offs_m, L, band_lo, band_hi)
+        n_start, n_end = _key_range_rows(offs_m, L, S_b, band_lo, band_hi, BLOCK_N)
+    else:
+        n_start, n_end = _key_range(pid_m * BLOCK_M, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
     b = _load_b(Alpha, h, FAMILY, ACC)
     if EDGE:
         b_edge = _edge_load_b(Alpha, h)
@@ -1044,7 +1099,7 @@ def _attn_bwd_dq_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, Alpha, DO, Shift, Delta, EdgeRows, DK, DV, KeyLen,
+    Q, K, V, Mask, Alpha, DO, Shift, Delta, EdgeRows, DK, DV, KeyLen, RowB,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -1055,6 +1110,7 @@ def _attn_bwd_dkdv_kernel(
     H, GROUP, L, S, E, EV, scale, scale_lo, seed, threshold, drop_scale, drop_lo, G, L_TUNE, S_TUNE,
     causal, win_left, win_right,
     FAMILY: tl.constexpr, HAS_MASK: tl.constexpr, BAND: tl.constexpr, HAS_KEYLEN: tl.constexpr,
+    HAS_ROWB: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACC: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -1076,7 +1132,10 @@ def _attn_bwd_dkdv_kernel(
     band_lo, band_hi = _band_offsets(L, S_b, causal, win_left, win_right)
     start_n = pid_n * BLOCK_N
     # Earlier and later query rows see none of these keys.
-    m_start, m_end = _query_range(start_n, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
+    if HAS_ROWB:
+        m_start, m_end = _query_range_rows(RowB, bi, start_n, L, S_b, band_lo, band_hi, BLOCK_M, BLOCK_N)
+    else:
+        m_start, m_end = _query_range(start_n, L, S_b, band_lo, band_hi, BAND, BLOCK_M, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kt = _load_t(K, stride_kn, stride_kd, offs_n, S_b, E, HEAD_DIM)
     vt = _load_t(V, stride_vn, stride_vd, offs_n, S_b, EV, HEAD_DIM_V)
@@ -1097,7 +1156,10 @@ def _attn_bwd_dkdv_kernel(
             row_ok = offs_m < L
             q = _load_rows(Qh, stride_qm, stride_qd, offs_m, L, E, HEAD_DIM)
             c = tl.load(Shift + row_base + offs_m, mask=row_ok, other=float("inf")).to(ACC)
-            s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, band_lo, band_hi,
+            row_lo, row_hi = band_lo, band_hi
+            if HAS_ROWB:
+                row_lo, row_hi = _row_band(RowB, bi, offs_m, L, band_lo, band_hi)
+            s = _scores(q, kt, Mh, stride_mm, stride_mn, offs_m, offs_n, L, S_b, scale, row_lo, row_hi,
                         HAS_MASK, BAND, ACC, DOT)
             p, g = _probs(s, c[:, None], b, FAMILY)
             if EDGE:
@@ -1167,8 +1229,8 @@ _KEY_CANDIDATES = {
     "small": [(32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)],
     "one": [(32, 64, 4, 2)],
 }
-_TUNE_KEY = ["L_TUNE", "S_TUNE", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "BAND", "HAS_KEYLEN", "EDGE",
-             "DOT"]
+_TUNE_KEY = ["L_TUNE", "S_TUNE", "HEAD_DIM", "HEAD_DIM_V", "FAMILY", "HAS_MASK", "BAND", "HAS_KEYLEN", "HAS_ROWB",
+             "EDGE", "DOT"]
 
 
 def autotune_mode() -> str:
@@ -1235,7 +1297,7 @@ def _prune(configs, nargs, kw, streamed_is_keys):
 _FLOAT_ARGS = frozenset({"scale", "scale_lo", "eps", "alpha_band", "drop_scale", "drop_lo"})
 _INT64_ARGS = frozenset({"seed", "threshold"})
 _BUFFER_DTYPES = {"Alpha": "fp32", "Shift": "fp32", "Counts": "i32", "DAlphaRow": "fp64", "EdgeRows": "fp64",
-                  "KeyLen": "i64"}
+                  "KeyLen": "i64", "RowB": "i64"}
 _DATA_POINTERS = frozenset({"Q", "K", "V", "Mask", "Out", "DO", "DQ", "DK", "DV"})
 
 
