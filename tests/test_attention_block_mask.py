@@ -194,3 +194,13 @@ def test_whole_grid_bounds_equal_partial_block_bounds(name):
                                  device="cpu")
     with pytest.raises(RuntimeError, match="not one run"):
         block_mask.row_bounds(bad, 300, 300, check=False)
+
+
+def test_block_mask_return_weights():
+    """return_weights materializes the weights: zero outside each row's run."""
+    bm, dense, q, k, v, go = _case("documents", dtype=torch.float32)
+    out, w = attnkern.attention(q, k, v, bm, normalizer="entmax15", enable_gqa=True, return_weights=True)
+    want, w_want = attnkern.attention(q, k, v, dense, normalizer="entmax15", enable_gqa=True, return_weights=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(w, w_want)
+    assert (w[..., ~dense[0, 0]] == 0).all()
