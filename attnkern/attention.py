@@ -220,10 +220,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         return AttentionFunction.apply(query, key, value, None, None, is_causal, scale, normalizer, "ops", 0.0, None)
     if query.is_nested or key.is_nested or value.is_nested:
-        if lam is not None or takes_lam(normalizer):
-            raise ValueError(f"normalizer={normalizer!r} (lam) is not supported with nested tensors yet")
         return _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha,
-                       backend, return_weights, window, cache_seqlens)
+                       backend, return_weights, window, cache_seqlens, lam)
     compiling = ops._compiling()
     if not compiling:
         window = _check_window(window)
@@ -424,7 +422,7 @@ def _fold_for_bounds(bounds, q4, k4, v4, alpha_h, key_lengths, head_param, norma
 
 
 def _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha, backend,
-            return_weights, window, cache_seqlens):
+            return_weights, window, cache_seqlens, lam):
     """Nested tensors with the jagged layout, (B, H, j, E) as SDPA takes them:
     attnkern.attention_varlen on their values and offsets, the result nested
     the same way."""
@@ -446,7 +444,7 @@ def _nested(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
                          "attention_varlen(is_causal=True) or window=(-1, 0)")
     out = attention_varlen(q.values(), k.values(), v.values(), q.offsets(), k.offsets(),
                            is_causal=is_causal, window=window, scale=scale, normalizer=normalizer, alpha=alpha,
-                           dropout_p=dropout_p, enable_gqa=enable_gqa, backend=backend)
+                           dropout_p=dropout_p, enable_gqa=enable_gqa, backend=backend, lam=lam)
     return torch.nested.nested_tensor_from_jagged(out, q.offsets()).transpose(1, 2)
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from attnkern import _extension, ops, validation
 from attnkern.attention import _check_window, _intersect_windows, attention, draw_dropout_seed
 from attnkern.backends import registry
-from attnkern.family import Family, acc_dtype, takes_lam
+from attnkern.family import acc_dtype, check_attention_normalizer, takes_lam
 
 __all__ = ["attention_varlen"]
 
@@ -268,7 +268,7 @@ def _fused(query, key, value, cu_q, cu_k, seqused_k, block_table, max_q, max_k, 
     return out
 
 
-def _per_document(query, key, value, docs, window, scale, normalizer, alpha, dropout_p, enable_gqa, chosen):
+def _per_document(query, key, value, docs, window, scale, normalizer, alpha, lam, dropout_p, enable_gqa, chosen):
     """The reference backend and the calls the kernels do not take as they are
     (no heads, head dim 0, query heads expanded to the key heads, λ): one
     attnkern.attention call per document."""
@@ -282,7 +282,7 @@ def _per_document(query, key, value, docs, window, scale, normalizer, alpha, dro
         # (With dropout, each document's call draws its own seed from torch's
         # generator: independent masks, reproduced by torch.manual_seed.)
         o = attention(q_d, k_d, v_d, None, dropout_p, False, scale, enable_gqa, normalizer=normalizer,
-                      alpha=alpha, backend=chosen, window=window)
+                      alpha=alpha, lam=lam, backend=chosen, window=window)
         outs.append(o.squeeze(0).transpose(0, 1))
     if not outs:
         return query.new_empty((0, H, value.shape[-1]))
@@ -291,8 +291,9 @@ def _per_document(query, key, value, docs, window, scale, normalizer, alpha, dro
 
 def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                      max_seqlen_k=None, *, is_causal: bool = False, window=None, scale=None,
-                     normalizer: str = "softmax", alpha=None, dropout_p: float = 0.0, enable_gqa: bool = False,
-                     backend: str = "auto", return_weights: bool = False, seqused_k=None, block_table=None,
+                     normalizer: str = "softmax", alpha=None, lam=None, dropout_p: float = 0.0,
+                     enable_gqa: bool = False, backend: str = "auto", return_weights: bool = False, seqused_k=None,
+                     block_table=None,
                      num_splits=None, cu_seq_q=None, cu_seq_k=None, max_q=None, max_k=None, window_size=None):
     """Attention within each of N packed documents.
 
@@ -304,8 +305,10 @@ def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, ma
     is_causal: causal within each document, aligned to its bottom-right corner
     when its query and key lengths differ (FlashAttention's convention; the
     same as window (-1, 0)). window: (left, right) as attnkern.attention's,
-    within each document. scale, normalizer, alpha, dropout_p, enable_gqa,
-    backend: as attnkern.attention's (alpha: a float or one value per head).
+    within each document. scale, normalizer, alpha, lam, dropout_p,
+    enable_gqa, backend: as attnkern.attention's (alpha, lam: a float or one
+    value per head; lam for fusedmax and oscarmax, whose neighbours are the
+    keys of the same document).
     seqused_k (N,): only the first seqused_k[d] keys of document d take part.
     block_table (N, pages) int: key and value are a pool of pages (pages,
     page_size, Hk, d) and document d's keys are its pages in order, the first
@@ -357,11 +360,13 @@ def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, ma
                          f"{tuple(value.shape)}")
     elif cu_k is None:
         raise TypeError("attention_varlen needs cu_seqlens_k (or block_table with seqused_k)")
-    Family.of(normalizer)
+    check_attention_normalizer(normalizer)
     if is_causal:
         window = _intersect_windows(window, (-1, 0))
 
     H, Hk, E = query.shape[1], key.shape[-2], query.shape[2]
+    if not ops._compiling():
+        validation.check_attention_lam(lam, normalizer, (H, 1, 1), H, query.device)
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
     dropout_p = float(dropout_p)
@@ -372,4 +377,5 @@ def attention_varlen(query, key, value, cu_seqlens_q=None, cu_seqlens_k=None, ma
         return _fused(query, key, value, cu_q, cu_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k, window,
                       float(scale), normalizer, alpha, dropout_p, chosen)
     docs = _Documents(query, key, cu_q, cu_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
-    return _per_document(query, key, value, docs, window, scale, normalizer, alpha, dropout_p, enable_gqa, chosen)
+    return _per_document(query, key, value, docs, window, scale, normalizer, alpha, lam, dropout_p, enable_gqa,
+                         chosen)

@@ -292,3 +292,31 @@ def test_varlen_dropout_is_the_per_document_calls():
     for g, w in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go),
                     strict=True):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("normalizer", ["fusedmax", "oscarmax"])
+def test_structured_normalizers_per_document(normalizer):
+    """fusedmax and oscarmax with λ per head (learnable): each document's keys
+    are its own row, so the packed call is the per-document calls; nested
+    tensors take λ too."""
+    lq = [9, 1, 30]
+    H = 2
+    q, k, v, cu_q, cu_k = _packed(lq, lq, H, H, 8, 8, seed=13)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    lam = torch.tensor([0.05, 0.4], dtype=torch.float64, requires_grad=True)
+    out = attnkern.attention_varlen(q, k, v, cu_q, cu_k, is_causal=True, normalizer=normalizer, lam=lam)
+    want = _per_document(q, k, v, cu_q, cu_k, lambda qd, kd, vd: attnkern.attention(
+        qd, kd, vd, is_causal=True, normalizer=normalizer, lam=lam, backend="reference"))
+    assert_close_tol(out, want, tolerance(torch.float64, "attention", "forward"), "out")
+    go = torch.randn_like(out)
+    for name, g, w in zip(("dq", "dk", "dv", "dlam"), torch.autograd.grad(out, (q, k, v, lam), go),
+                          torch.autograd.grad(want, (q, k, v, lam), go), strict=True):
+        assert_close_tol(g, w, tolerance(torch.float64, "attention", "gradient", scale=4.0), name)
+
+    def nest(t):
+        return torch.nested.nested_tensor_from_jagged(t, cu_q.to(torch.int64)).transpose(1, 2)
+
+    nested = attnkern.attention(nest(q), nest(k), nest(v), is_causal=True, normalizer=normalizer, lam=lam)
+    torch.testing.assert_close(nested.transpose(1, 2).values(), out, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="lam is only used with normalizer"):
+        attnkern.attention_varlen(q, k, v, cu_q, cu_k, normalizer="softmax", lam=0.5)
