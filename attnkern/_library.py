@@ -67,6 +67,16 @@ def _register() -> None:
                 del rows[dim]
             return _like(unary), unary.new_empty(rows + [2, 2], dtype=torch.float64)
 
+    @torch.library.register_fake("attnkern::sparsemap_chain_active")
+    def _sparsemap_chain_active(unary, pairwise, dim):
+        rows = list(unary.shape)
+        n = 1
+        if rows:
+            n = rows.pop(dim)
+        k = torch.library.get_ctx().new_dynamic_size()  # the largest support: known after the solve
+        return (unary.new_empty(rows + [k, n], dtype=torch.bool), unary.new_empty(rows + [k], dtype=torch.float64),
+                unary.new_empty(rows, dtype=torch.int64))
+
     _register_compat()
 
 

@@ -9,8 +9,11 @@ Signatures follow the `entmax` package so that
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from attnkern import _extension
 from attnkern.backends import reference, registry
 from attnkern.family import acc_dtype
 from attnkern.validation import (
@@ -27,7 +30,7 @@ from attnkern.validation import (
 BACKENDS = registry.BACKENDS
 
 __all__ = ["softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "fusedmax", "oscarmax", "crf_marginals",
-           "sparsemap_chain", "BACKENDS",
+           "sparsemap_chain", "SparsemapChain", "BACKENDS",
            "DimensionError"]
 
 
@@ -256,7 +259,19 @@ def crf_marginals(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str 
     return _structured("crf_marginals", unary, dim, pairwise, backend)
 
 
-def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str = "auto") -> torch.Tensor:
+class SparsemapChain(NamedTuple):
+    """sparsemap_chain(..., return_active=True): the marginals and the active
+    set that gives them, marginals = Σ_k weights[..., k] · structures[..., k, :]
+    (along the last dim; moved back to `dim` in marginals only)."""
+
+    marginals: torch.Tensor  # as sparsemap_chain returns it (differentiable)
+    structures: torch.Tensor  # bool (rows..., K, n): the active labelings, K the largest support of any row
+    weights: torch.Tensor  # float64 (rows..., K): their weights, 0 past a row's support
+    oracle_calls: torch.Tensor  # int64 (rows...): the Viterbi calls of each row's solve
+
+
+def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str = "auto",
+                    return_active: bool = False):
     """SparseMAP over the binary linear chain of crf_marginals (Niculae,
     Martins, Blondel & Cardie, 2018): the unary marginals μ of
 
@@ -270,6 +285,21 @@ def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: st
     labelings, so μ often holds exact 0s and 1s; with pairwise = 0 it is
     clamp(unary, 0, 1). Arguments, masks and derivatives as crf_marginals;
     solved exactly by the active-set method with Viterbi as the oracle.
+    return_active=True returns a SparsemapChain: the marginals, and per row
+    (unary's shape without `dim`) the active labelings, their weights and the
+    solve's Viterbi calls, from the CPU kernel (no derivatives: the active set
+    is piecewise constant). Rows with no finite entry, NaN or no feasible
+    labeling have an empty support and 0 calls.
     """
-    return _structured("sparsemap_chain", unary, dim, pairwise, backend)
+    marginals = _structured("sparsemap_chain", unary, dim, pairwise, backend)
+    if not return_active:
+        return marginals
+    if backend not in ("auto", "cpu") or unary.device.type != "cpu" or not _extension.LOADED:
+        raise NotImplementedError("sparsemap_chain(return_active=True) reads the active set from the CPU kernel: "
+                                  f"it needs a CPU tensor, the compiled extension and backend 'auto' or 'cpu' (got "
+                                  f"backend={backend!r} on {unary.device})")
+    d = dim % unary.dim() if unary.dim() else 0
+    pw = pairwise if isinstance(pairwise, torch.Tensor) else torch.as_tensor(pairwise, dtype=torch.float64)
+    structures, weights, calls = torch.ops.attnkern.sparsemap_chain_active(unary.detach(), pw.detach(), d)
+    return SparsemapChain(marginals, structures, weights, calls)
 

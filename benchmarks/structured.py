@@ -30,6 +30,7 @@ LAMS = (0.1, 1.0)
 # crf_marginals: fwd+bwd at most this multiple of torch.softmax's.
 CRF_TARGET_VS_SOFTMAX = 4.0
 SPARSEMAP_SHAPE = (512, 128)
+PAIRWISE = ((0.5, -1.0), (-0.5, 1.0))
 # Fused attention (B, H, N, E) and its target: fwd and fwd+bwd at most this
 # multiple of the unfused path's time (fusedmax; oscarmax reported).
 ATTENTION_SHAPE = (1, 8, 2048, 64)
@@ -62,7 +63,7 @@ def cases(rounds):
             yield label, f"{name} λ={lam}", "fwd", None, interleaved(fwd(op), fwd(attnkern.sparsemax), rounds)
             yield (label, f"{name} λ={lam}", "fwd+bwd", target,
                    interleaved(fwdbwd(op), fwdbwd(attnkern.sparsemax), rounds))
-    pairwise = torch.tensor([[0.5, -1.0], [-0.5, 1.0]])
+    pairwise = torch.tensor(PAIRWISE)
 
     def crf(t):
         return attnkern.crf_marginals(t, pairwise)
@@ -75,7 +76,7 @@ def cases(rounds):
     yield label, "crf_marginals", "fwd+bwd", CRF_TARGET_VS_SOFTMAX, interleaved(fwdbwd(crf), fwdbwd(softmax), rounds)
     # SparseMAP's active set costs grow with the support (a KKT solve per step),
     # so it is timed on shorter rows, without a target.
-    xs = torch.randn(*SPARSEMAP_SHAPE, generator=torch.Generator().manual_seed(3))
+    xs = sparsemap_rows()
     gs = torch.randn(*SPARSEMAP_SHAPE, generator=torch.Generator().manual_seed(4))
 
     def sparsemap(t):
@@ -86,6 +87,19 @@ def cases(rounds):
     yield (label, "sparsemap_chain", "fwd+bwd", None,
            interleaved(fwdbwd(sparsemap, xs, gs), fwdbwd(softmax, xs, gs), rounds))
     yield from attention_cases(rounds)
+
+
+def sparsemap_rows():
+    return torch.randn(*SPARSEMAP_SHAPE, generator=torch.Generator().manual_seed(3))
+
+
+def sparsemap_work() -> str:
+    """SparseMAP's work on the timed rows: Viterbi calls and active labelings per row."""
+    res = attnkern.sparsemap_chain(sparsemap_rows(), torch.tensor(PAIRWISE), return_active=True)
+    calls, support = res.oracle_calls.double(), (res.weights > 0).sum(-1).double()
+    return (f"sparsemap_chain on the timed {list(SPARSEMAP_SHAPE)} rows: Viterbi calls per row mean "
+            f"{calls.mean():.1f} (max {int(calls.max())}), active labelings per row mean {support.mean():.1f} "
+            f"(max {int(support.max())}).")
 
 
 def attention_cases(rounds):
@@ -130,7 +144,7 @@ def main() -> None:
     args = ap.parse_args()
     note = ("Ratio = the structured normalizer's time / attnkern.sparsemax's on the same rows (crf_marginals, "
             "sparsemap_chain: / torch.softmax's; attention: fused / unfused; the \"baseline ms\" column holds the "
-            "baseline's time)")
+            "baseline's time). " + sparsemap_work())
     record_float32_cases("benchmarks/structured.py", note, args.threads, lambda: cases(args.rounds), Path(args.out))
 
 

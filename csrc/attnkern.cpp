@@ -92,6 +92,10 @@ TORCH_LIBRARY(attnkern, m) {
   m.def("sparsemap_chain_fwd(Tensor unary, Tensor pairwise, int dim) -> Tensor");
   m.def("sparsemap_chain_bwd(Tensor unary, Tensor grad, Tensor pairwise, int dim, bool pairwise_grad) -> "
         "(Tensor, Tensor)");
+  // sparsemap_chain_active(unary, pairwise, dim) -> (structures (..., K, n) bool, weights (..., K) float64,
+  //     oracle_calls (...) int64): the active set of each row (unary's shape without dim), padded to the
+  //     largest support K with weight 0, and the Viterbi calls of its solve
+  m.def("sparsemap_chain_active(Tensor unary, Tensor pairwise, int dim) -> (Tensor, Tensor, Tensor)");
 
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, float scale, str normalizer, "
         "Tensor? alpha, float dropout_p=0., Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, "

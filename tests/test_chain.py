@@ -449,3 +449,58 @@ def test_sparsemap_long_rows_match_the_reference():
     u[0, 100:140] = -math.inf
     torch.testing.assert_close(attnkern.sparsemap_chain(u, w), attnkern.sparsemap_chain(u, w, backend="reference"),
                                rtol=0, atol=1e-10)
+
+
+def test_sparsemap_active_set_gives_the_marginals():
+    """return_active: the active labelings are labelings of the finite entries
+    (0 at removed ones), their weights a distribution, and Σ_k ξ_k z_k the
+    marginals; the support is at most n + 1 labelings (affinely independent)."""
+    u, w = random_case(12, rows=30, seed=24, per_row=True)
+    u[3, 2:5] = -math.inf
+    u[4] = -math.inf  # no finite entry: no support
+    u[5, 7] = math.nan  # NaN: no support either
+    res = attnkern.sparsemap_chain(u, w, return_active=True)
+    assert isinstance(res, attnkern.ops.SparsemapChain)
+    torch.testing.assert_close(res.marginals, attnkern.sparsemap_chain(u, w), rtol=0, atol=0, equal_nan=True)
+    K = res.weights.shape[-1]
+    assert res.structures.shape == (30, K, 12) and res.structures.dtype == torch.bool and 1 <= K <= 13
+    support = (res.weights > 0).sum(-1)
+    assert support.max() == K
+    for r in range(30):
+        if r in (4, 5):
+            assert support[r] == 0 and res.oracle_calls[r] == 0 and not res.structures[r].any()
+            continue
+        k = int(support[r])
+        assert (res.weights[r, k:] == 0).all() and not res.structures[r, k:].any()
+        torch.testing.assert_close(res.weights[r, :k].sum(), torch.tensor(1.0, dtype=torch.float64))
+        mixed = (res.weights[r, :k, None] * res.structures[r, :k].double()).sum(0)
+        torch.testing.assert_close(mixed, res.marginals[r], rtol=0, atol=1e-12)
+        assert res.oracle_calls[r] >= k
+    assert not res.structures[3, :, 2:5].any()
+
+
+def test_sparsemap_active_set_along_another_dim_and_refusals():
+    u, w = random_case(6, rows=5, seed=25)
+    moved = attnkern.sparsemap_chain(u.T.contiguous(), w, dim=0, return_active=True)
+    direct = attnkern.sparsemap_chain(u, w, return_active=True)
+    for a, b in zip(moved[1:], direct[1:], strict=True):
+        assert torch.equal(a, b)
+    # Without pairwise scores each label is on its own: one labeling per distinct threshold of clamp(u, 0, 1).
+    zero = attnkern.sparsemap_chain(u, torch.zeros(2, 2, dtype=torch.float64), return_active=True)
+    mixed = (zero.weights[..., None] * zero.structures.double()).sum(-2)
+    torch.testing.assert_close(mixed, u.clamp(0, 1), rtol=0, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="return_active"):
+        attnkern.sparsemap_chain(u, w, backend="reference", return_active=True)
+
+
+def test_sparsemap_active_set_op_passes_opcheck_and_compiles():
+    u, w = random_case(7, rows=4, seed=26)
+    torch.library.opcheck(torch.ops.attnkern.sparsemap_chain_active.default, (u, w, 1))
+
+    def f(u, w):
+        res = attnkern.sparsemap_chain(u, w, return_active=True)
+        return res.weights.sum(-1), res.marginals
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(u, w)
+    for a, b in zip(got, f(u, w), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -434,6 +434,7 @@ struct Sparsemap {
   // support grows (raw arrays: see ChainScratch).
   struct Workspace {
     int64_t n, cap = 0, k = 0;
+    int64_t oracle_calls = 0;  // Viterbi calls of the last solve
     std::unique_ptr<uint8_t[]> labels;  // cap labelings of n entries
     std::unique_ptr<double[]> theta, xi, counts, gram, kkt, rhs;
     std::unique_ptr<uint8_t[]> cand, back;
@@ -646,9 +647,11 @@ struct Sparsemap {
     }
     const double tol = 64.0 * std::numeric_limits<double>::epsilon() * double(m + 1) * scale;
     double* mu = s.mu;
+    ws.oracle_calls = 1;
     for (int64_t iter = 0;; ++iter) {
       TORCH_CHECK(iter <= 100 + 20 * m, "attnkern: sparsemap_chain's active set did not converge in ", iter,
                   " steps");
+      ++ws.oracle_calls;
       std::fill(mu, mu + m, 0.0);
       for (int64_t t = 0; t < ws.k; ++t) {
         const uint8_t* z = ws.label(t);
@@ -719,6 +722,68 @@ struct Sparsemap {
   }
 };
 
+// SparseMAP's solution as its active set: per row the labelings (at the
+// row's positions, 0 at removed ones) and their weights, padded to the
+// largest support K of any row, and the Viterbi calls the solve made (0 for a
+// row with no finite entry, NaN or no feasible labeling, which has no support).
+std::tuple<Tensor, Tensor, Tensor> sparsemap_chain_active(const Tensor& x_in, const Tensor& pairwise, int64_t dim) {
+  check_cpu_float(x_in, "unary");
+  dim = x_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, x_in.dim());
+  check_row_length(x_in, dim);
+  const Tensor x = x_in.contiguous();
+  const Tensor w = checked_pairwise(pairwise, x, dim, Sparsemap::kName);
+  const RowLayout lay = RowLayout::of(x, dim);
+  auto shape = x.sizes().vec();  // the rows' shape: unary's without dim
+  if (!shape.empty()) shape.erase(shape.begin() + dim);
+  int64_t rows = 1;
+  for (int64_t d : shape) rows *= d;
+  const int64_t n = x.dim() == 0 ? 1 : x.size(dim);
+  std::vector<std::vector<uint8_t>> labels(rows);
+  std::vector<std::vector<double>> weights(rows);
+  std::vector<int64_t> calls(rows, 0);
+  const double* wp = w.const_data_ptr<double>();
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_sparsemap_active", [&] {
+      const scalar_t* xp = x.const_data_ptr<scalar_t>();
+      at::parallel_for(0, rows, lay.grain(), [&](int64_t begin, int64_t end) {
+        ChainScratch s(n);
+        Sparsemap::Workspace ws(n);
+        for (int64_t r = begin; r < end; ++r) {
+          lay.load(xp + lay.base(r), s.row);
+          int64_t m = 0;
+          if (!chain_entries(s, n, m) || m == 0 || !Sparsemap::solve(s, ws, m, wp + 4 * r)) continue;
+          calls[r] = ws.oracle_calls;
+          labels[r].assign(ws.k * n, 0);
+          weights[r].assign(ws.xi.get(), ws.xi.get() + ws.k);
+          for (int64_t t = 0; t < ws.k; ++t) {
+            for (int64_t i = 0; i < m; ++i) labels[r][t * n + s.pos[i]] = ws.label(t)[i];
+          }
+        }
+      });
+    });
+  }
+  int64_t K = 0;
+  for (const auto& wr : weights) K = std::max<int64_t>(K, static_cast<int64_t>(wr.size()));
+  Tensor structures = at::zeros({rows, K, n}, x.options().dtype(at::kBool));
+  Tensor xi = at::zeros({rows, K}, x.options().dtype(at::kDouble));
+  Tensor oracle = at::empty({rows}, x.options().dtype(at::kLong));
+  bool* sp = structures.mutable_data_ptr<bool>();
+  double* wt = xi.mutable_data_ptr<double>();
+  int64_t* op = oracle.mutable_data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t k = static_cast<int64_t>(weights[r].size());
+    for (int64_t j = 0; j < k * n; ++j) sp[r * K * n + j] = labels[r][j] != 0;
+    std::copy(weights[r].begin(), weights[r].end(), wt + r * K);
+    op[r] = calls[r];
+  }
+  auto with = [&](std::initializer_list<int64_t> tail) {
+    auto s = shape;
+    s.insert(s.end(), tail);
+    return s;
+  };
+  return {structures.view(with({K, n})), xi.view(with({K})), oracle.view(shape)};
+}
+
 }  // namespace
 
 void add_chain_kernels(KernelTable& t) {
@@ -726,6 +791,7 @@ void add_chain_kernels(KernelTable& t) {
   t.crf_marginals_bwd = &chain_bwd<CrfMarginals>;
   t.sparsemap_chain_fwd = &chain_fwd<Sparsemap>;
   t.sparsemap_chain_bwd = &chain_bwd<Sparsemap>;
+  t.sparsemap_chain_active = &sparsemap_chain_active;
 }
 
 }  // namespace CPU_CAPABILITY

@@ -163,6 +163,7 @@ TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
   m.impl("crf_marginals_bwd", &Forward<&KernelTable::crf_marginals_bwd>::call);
   m.impl("sparsemap_chain_fwd", &Forward<&KernelTable::sparsemap_chain_fwd>::call);
   m.impl("sparsemap_chain_bwd", &Forward<&KernelTable::sparsemap_chain_bwd>::call);
+  m.impl("sparsemap_chain_active", &Forward<&KernelTable::sparsemap_chain_active>::call);
   m.impl("attention_fwd", &Forward<&KernelTable::attention_fwd>::call);
   m.impl("attention_bwd", &Forward<&KernelTable::attention_bwd>::call);
   m.impl("attention_dropout_mask", &Forward<&KernelTable::attention_dropout_mask>::call);

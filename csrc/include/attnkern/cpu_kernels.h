@@ -54,6 +54,8 @@ struct KernelTable {
   Tensor (*sparsemap_chain_fwd)(const Tensor& unary, const Tensor& pairwise, int64_t dim);
   std::tuple<Tensor, Tensor> (*sparsemap_chain_bwd)(const Tensor& unary, const Tensor& grad, const Tensor& pairwise,
                                                     int64_t dim, bool pairwise_grad);
+  std::tuple<Tensor, Tensor, Tensor> (*sparsemap_chain_active)(const Tensor& unary, const Tensor& pairwise,
+                                                               int64_t dim);
   // Fused attention (csrc/cpu/attention.cpp).
   std::tuple<Tensor, Tensor> (*attention_fwd)(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& mask,
                                               bool is_causal, double scale, c10::string_view normalizer,
