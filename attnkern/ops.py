@@ -30,7 +30,7 @@ from attnkern.validation import (
 BACKENDS = registry.BACKENDS
 
 __all__ = ["softmax", "sparsemax", "entmax15", "entmax", "entmax_bisect", "fusedmax", "oscarmax", "crf_marginals",
-           "sparsemap_chain", "SparsemapChain", "BACKENDS",
+           "sparsemap_chain", "SparsemapActiveSet", "BACKENDS",
            "DimensionError"]
 
 
@@ -259,7 +259,7 @@ def crf_marginals(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str 
     return _structured("crf_marginals", unary, dim, pairwise, backend)
 
 
-class SparsemapChain(NamedTuple):
+class SparsemapActiveSet(NamedTuple):
     """sparsemap_chain(..., return_active=True): the marginals and the active
     set that gives them, marginals = Σ_k weights[..., k] · structures[..., k, :]
     (along the last dim; moved back to `dim` in marginals only)."""
@@ -285,7 +285,7 @@ def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: st
     labelings, so μ often holds exact 0s and 1s; with pairwise = 0 it is
     clamp(unary, 0, 1). Arguments, masks and derivatives as crf_marginals;
     solved exactly by the active-set method with Viterbi as the oracle.
-    return_active=True returns a SparsemapChain: the marginals, and per row
+    return_active=True returns a SparsemapActiveSet: the marginals, and per row
     (unary's shape without `dim`) the active labelings, their weights and the
     solve's Viterbi calls, from the CPU kernel (no derivatives: the active set
     is piecewise constant). Rows with no finite entry, NaN or no feasible
@@ -301,5 +301,5 @@ def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: st
     d = dim % unary.dim() if unary.dim() else 0
     pw = pairwise if isinstance(pairwise, torch.Tensor) else torch.as_tensor(pairwise, dtype=torch.float64)
     structures, weights, calls = torch.ops.attnkern.sparsemap_chain_active(unary.detach(), pw.detach(), d)
-    return SparsemapChain(marginals, structures, weights, calls)
+    return SparsemapActiveSet(marginals, structures, weights, calls)
 

@@ -460,7 +460,7 @@ def test_sparsemap_active_set_gives_the_marginals():
     u[4] = -math.inf  # no finite entry: no support
     u[5, 7] = math.nan  # NaN: no support either
     res = attnkern.sparsemap_chain(u, w, return_active=True)
-    assert isinstance(res, attnkern.ops.SparsemapChain)
+    assert isinstance(res, attnkern.ops.SparsemapActiveSet)
     torch.testing.assert_close(res.marginals, attnkern.sparsemap_chain(u, w), rtol=0, atol=0, equal_nan=True)
     K = res.weights.shape[-1]
     assert res.structures.shape == (30, K, 12) and res.structures.dtype == torch.bool and 1 <= K <= 13

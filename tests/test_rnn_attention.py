@@ -206,13 +206,15 @@ def test_chain_marginals_as_attention(normalizer, steps):
     scores = att.scores(q, k)
     m = mask if steps is None else mask.unsqueeze(1)
     op = attnkern.crf_marginals if normalizer == "crf" else attnkern.sparsemap_chain
-    torch.testing.assert_close(w, op(scores.masked_fill(~m, float("-inf")), att.pairwise))
+    assert att.unary_bias == (0.5 if normalizer == "sparsemap" else 0.0)
+    torch.testing.assert_close(w, op(scores.masked_fill(~m, float("-inf")) + att.unary_bias, att.pairwise))
     wm = w if steps is not None else w.unsqueeze(1)
     assert torch.all(wm[1, :, 4:] == 0) and torch.all(wm[2, :, 1:] == 0)
     assert torch.all((w >= 0) & (w <= 1))
     torch.testing.assert_close(ctx, (w.unsqueeze(-1) * (v if steps is None else v.unsqueeze(1))).sum(-2))
     (ctx.sum() + (w * torch.randn_like(w)).sum()).backward()
     assert att.pairwise.grad is not None and att.pairwise.grad.abs().sum() > 0
+    assert att.unary_bias.grad is not None and att.unary_bias.grad != 0
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
     with pytest.raises(ValueError, match="takes neither alpha nor lam"):
         make("dot", normalizer, alpha=1.5)

@@ -49,6 +49,11 @@ def uniform_weights(mask: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tens
     return w
 
 
+# The start of the chain normalizers' learnable unary bias (RNNAttention):
+# the middle of SparseMAP's range with a gradient, (0, 1); none for the CRF.
+CHAIN_UNARY_BIAS = {"crf": 0.0, "sparsemap": 0.5}
+
+
 class RNNAttention(nn.Module, abc.ABC):
     """Base class: normalization, masks and modes. Subclasses define `scores`.
 
@@ -63,7 +68,13 @@ class RNNAttention(nn.Module, abc.ABC):
       positions with unary scores = the scores and learnable 2×2 pairwise
       scores (the `pairwise` parameter, from zeros), by attnkern.crf_marginals
       or attnkern.sparsemap_chain; context = Σ_i μ_i v_i. Marginals in [0, 1],
-      not a distribution (they need not sum to 1).
+      not a distribution (they need not sum to 1). The unary scores get a
+      learnable bias, `unary_bias`, starting at 0.5 for sparsemap and 0 for
+      crf: SparseMAP's marginals are clamp(score, 0, 1) at the pairwise
+      scores' start, whose gradient vanishes outside (0, 1), and from scores
+      near 0 training can push every position below 0, the all-zero labeling,
+      where no gradient reaches the scores again; the bias starts the scores
+      in the middle of the range where they have a gradient.
     mode: "learned", "uniform" or "fixed" (see the module docstring).
     backend: attnkern backend of the normalizer ("auto" runs the compiled
       kernel on CPU tensors; "reference" the float64 oracle).
@@ -92,10 +103,13 @@ class RNNAttention(nn.Module, abc.ABC):
         # starting at zeros (independent positions: P(z_i = 1) = sigmoid(score_i)
         # for crf); in the accumulation dtype of `dtype`, as θ.
         if normalizer in CHAIN_NORMALIZERS:
-            self.pairwise = nn.Parameter(torch.zeros(2, 2, device=device, dtype=acc_dtype(
-                dtype if dtype is not None else torch.get_default_dtype())))
+            chain_dtype = acc_dtype(dtype if dtype is not None else torch.get_default_dtype())
+            self.pairwise = nn.Parameter(torch.zeros(2, 2, device=device, dtype=chain_dtype))
+            self.unary_bias = nn.Parameter(torch.full((), CHAIN_UNARY_BIAS[normalizer], device=device,
+                                                      dtype=chain_dtype))
         else:
             self.register_parameter("pairwise", None)
+            self.register_parameter("unary_bias", None)
         if alpha == "learnable":
             self.alpha_theta = nn.Parameter(learnable_alpha_theta(alpha_init, device=device, dtype=dtype))
         elif alpha is not None:
@@ -137,7 +151,8 @@ class RNNAttention(nn.Module, abc.ABC):
             return getattr(ops, self.normalizer)(scores, dim=-1, lam=self.lam, backend=self.backend)
         if self.normalizer in CHAIN_NORMALIZERS:
             op = getattr(ops, CHAIN_NORMALIZERS[self.normalizer])
-            return op(scores, self.pairwise.to(acc_dtype(scores.dtype)), dim=-1, backend=self.backend)
+            return op(scores + self.unary_bias.to(scores.dtype), self.pairwise.to(acc_dtype(scores.dtype)), dim=-1,
+                      backend=self.backend)
         alpha = self.alpha
         if isinstance(alpha, torch.Tensor):
             alpha = alpha.to(acc_dtype(scores.dtype))
