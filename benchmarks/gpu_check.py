@@ -504,41 +504,52 @@ def run_correctness(ctx: Ctx) -> None:
         raise SystemExit(1)
 
 
-def _check_band(ctx: Ctx, dev: str) -> int:
-    """A sliding window with per-batch cache lengths (the kernels' key band)
-    against the float64 reference given the band as a mask, float32."""
+def _check_against_dense(ctx: Ctx, title: str, q, k, v, do, allowed, band_args, normalizers) -> int:
+    """The Triton launchers, forward and backward, with the key band arguments
+    band_args (window_left, window_right, key_lengths[, row_bounds]) against
+    the float64 reference given `allowed`, the dense mask they stand for
+    (float32 inputs); one row of `title`'s table per normalizer."""
     import torch
 
     from attnkern.backends import reference
     from attnkern.backends import triton as tb
 
-    B, H, N, E, window = (2, 2, 70, 16, (9, 2)) if ctx.dry else (2, 4, 1025, 64, (128, 0))
-    lengths = torch.tensor([N, N // 2 + 3])
-    g = torch.Generator().manual_seed(2)
-    q, k, v, do = (torch.randn(B, H, N, E, generator=g).to(dev) for _ in range(4))
-    band = reference.band_mask(N, N, window=window, cache_seqlens=lengths)
     failures = 0
-    for normalizer in ("softmax", "entmax15"):
+    scale = 1 / math.sqrt(q.shape[-1])
+    for normalizer in normalizers:
         if ctx.left() < 10:
             ctx.note("stopped at the phase's time limit")
             break
-        scale = 1 / math.sqrt(E)
-        out, shift = tb.attention_fwd(q, k, v, None, False, scale, normalizer, None, 0.0, None, *window,
-                                      lengths.to(dev))
+        out, shift = tb.attention_fwd(q, k, v, None, False, scale, normalizer, None, 0.0, None, *band_args)
         dq, dk, dv, _ = tb.attention_bwd(do, q, k, v, None, False, scale, normalizer, None, out, shift, False,
-                                         0.0, None, *window, lengths.to(dev))
+                                         0.0, None, *band_args)
         q64, k64, v64 = (t.cpu().double().requires_grad_() for t in (q, k, v))
-        ref = reference.attention(q64, k64, v64, band, False, scale, normalizer=normalizer)
+        ref = reference.attention(q64, k64, v64, allowed, False, scale, normalizer=normalizer)
         rq, rk, rv = torch.autograd.grad(ref, (q64, k64, v64), do.cpu().double())
         errs = {"out": _rel_err(out.cpu(), ref), "dq": _rel_err(dq.cpu(), rq), "dk": _rel_err(dk.cpu(), rk),
                 "dv": _rel_err(dv.cpu(), rv)}
         bound_out, bound_grad = ERR_BOUNDS["float32"]
         ok = errs["out"] <= bound_out and max(errs["dq"], errs["dk"], errs["dv"]) <= bound_grad
         failures += not ok
-        ctx.add(f"Triton key band vs float64 reference: B={B} H={H} L=S={N} E={E}, window {window}, cache "
-                f"lengths {lengths.tolist()}, float32; relative max error", normalizer=normalizer,
-                **errs, bound_out=bound_out, bound_grad=bound_grad, ok=ok)
+        ctx.add(title, normalizer=normalizer, **errs, bound_out=bound_out, bound_grad=bound_grad, ok=ok)
     return failures
+
+
+def _check_band(ctx: Ctx, dev: str) -> int:
+    """A sliding window with per-batch cache lengths (the kernels' key band)
+    against the float64 reference given the band as a mask, float32."""
+    import torch
+
+    from attnkern.backends import reference
+
+    B, H, N, E, window = (2, 2, 70, 16, (9, 2)) if ctx.dry else (2, 4, 1025, 64, (128, 0))
+    lengths = torch.tensor([N, N // 2 + 3])
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(B, H, N, E, generator=g).to(dev) for _ in range(4))
+    band = reference.band_mask(N, N, window=window, cache_seqlens=lengths)
+    title = (f"Triton key band vs float64 reference: B={B} H={H} L=S={N} E={E}, window {window}, cache lengths "
+             f"{lengths.tolist()}, float32; relative max error")
+    return _check_against_dense(ctx, title, q, k, v, do, band, (*window, lengths.to(dev)), ("softmax", "entmax15"))
 
 
 def _check_row_bounds(ctx: Ctx, dev: str) -> int:
@@ -546,9 +557,6 @@ def _check_row_bounds(ctx: Ctx, dev: str) -> int:
     FlexAttention BlockMask becomes) against the reference given the dense
     mask, float32."""
     import torch
-
-    from attnkern.backends import reference
-    from attnkern.backends import triton as tb
 
     H, E, lengths = (2, 16, [20, 1, 49]) if ctx.dry else (4, 64, [300, 1, 500, 224])
     N = sum(lengths)
@@ -558,28 +566,10 @@ def _check_row_bounds(ctx: Ctx, dev: str) -> int:
     dense = (torch.arange(N) >= bounds[..., :1]) & (torch.arange(N) < bounds[..., 1:])
     g = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(1, H, N, E, generator=g).to(dev) for _ in range(4))
-    failures = 0
-    for normalizer in ("softmax", "sparsemax"):
-        if ctx.left() < 10:
-            ctx.note("stopped at the phase's time limit")
-            break
-        scale = 1 / math.sqrt(E)
-        out, shift = tb.attention_fwd(q, k, v, None, False, scale, normalizer, None, 0.0, None, -1, -1, None,
-                                      bounds.to(dev))
-        dq, dk, dv, _ = tb.attention_bwd(do, q, k, v, None, False, scale, normalizer, None, out, shift, False,
-                                         0.0, None, -1, -1, None, bounds.to(dev))
-        q64, k64, v64 = (t.cpu().double().requires_grad_() for t in (q, k, v))
-        ref = reference.attention(q64, k64, v64, dense[:, None], False, scale, normalizer=normalizer)
-        rq, rk, rv = torch.autograd.grad(ref, (q64, k64, v64), do.cpu().double())
-        errs = {"out": _rel_err(out.cpu(), ref), "dq": _rel_err(dq.cpu(), rq), "dk": _rel_err(dk.cpu(), rk),
-                "dv": _rel_err(dv.cpu(), rv)}
-        bound_out, bound_grad = ERR_BOUNDS["float32"]
-        ok = errs["out"] <= bound_out and max(errs["dq"], errs["dk"], errs["dv"]) <= bound_grad
-        failures += not ok
-        ctx.add(f"Triton row bounds (a BlockMask's runs: causal documents {lengths}) vs float64 reference: H={H} "
-                f"E={E}, float32; relative max error", normalizer=normalizer, **errs, bound_out=bound_out,
-                bound_grad=bound_grad, ok=ok)
-    return failures
+    title = (f"Triton row bounds (a BlockMask's runs: causal documents {lengths}) vs float64 reference: H={H} "
+             f"E={E}, float32; relative max error")
+    return _check_against_dense(ctx, title, q, k, v, do, dense[:, None], (-1, -1, None, bounds.to(dev)),
+                                ("softmax", "sparsemax"))
 
 
 def _check_dropout_mask(ctx: Ctx, dev: str) -> int:
