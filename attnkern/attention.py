@@ -307,12 +307,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     chosen = registry.choose(backend, query, "attention", mask_grad=mask_grad)
     if H == 0 or E == 0:
         chosen = "reference"  # nothing for a kernel to do: no heads, or scores all 0 (E = 0)
+    # fusedmax on CUDA: unfused, the row kernel on materialized scores (no fused GPU kernel yet).
+    rows_on_gpu = False
     if takes_lam(normalizer) and chosen not in ("cpu", "reference"):
-        raise NotImplementedError(
-            f"normalizer={normalizer!r} attention has CPU kernels only (got backend={backend!r} on "
-            f"{query.device}); backend='reference' runs the float64 reference (materialized scores) on any device")
-    if (chosen == "reference" or return_weights) and (window is not None or key_lengths is not None
-                                                       or bounds is not None):
+        rows_on_gpu = (normalizer == "fusedmax" and query.device.type == "cuda"
+                       and registry.why_not("cuda", query, "fusedmax") is None)
+        if not rows_on_gpu:
+            raise NotImplementedError(
+                f"normalizer={normalizer!r} attention has CPU kernels only, and for fusedmax on CUDA tensors the "
+                f"row kernel (got backend={backend!r} on {query.device}); backend='reference' runs the float64 "
+                f"reference (materialized scores) on any device")
+    unfused = return_weights or rows_on_gpu
+    if (chosen == "reference" or unfused) and (window is not None or key_lengths is not None
+                                               or bounds is not None):
         # (Unfused: the key band as a dense mask.)
         band = reference.band_mask(L, S, is_causal=is_causal, window=window, cache_seqlens=key_lengths,
                                    device=query.device)
@@ -328,9 +335,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         res = reference.attention(q, k, v, attn_mask, is_causal, scale, normalizer=normalizer, alpha=alpha,
                                   lam=lam, dropout_p=float(dropout_p), return_weights=return_weights)
         return _unpad(res, added)
-    if return_weights:
-        return _unpad(_unfused(q, k, v, attn_mask, is_causal, scale, normalizer, head_param,
-                               "auto" if chosen == "triton" else chosen, float(dropout_p)), added)
+    if unfused:
+        res = _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, head_param,
+                       "cuda" if rows_on_gpu else "auto" if chosen == "triton" else chosen, float(dropout_p))
+        return _unpad(res if return_weights else res[0], added)
 
     B = math.prod(batch)
     acc = acc_dtype(query.dtype)
@@ -458,8 +466,9 @@ def _unpad(res, added: int):
 
 
 def _unfused(q, k, v, attn_mask, is_causal, scale, normalizer, param, backend, dropout_p: float):
-    """Materialized weights through the row-wise normalizers (return_weights=True;
-    param: α of α-entmax, λ of fusedmax and oscarmax, else None):
+    """Materialized weights through the row-wise normalizers (return_weights=True,
+    and fusedmax on CUDA tensors; param: α of α-entmax, λ of fusedmax and
+    oscarmax, else None):
     the reference's scores, in the accumulation dtype (float32 but for float64).
     With dropout_p > 0 the weights are dropped out (torch's generator) before
     p·v and returned so, as torch's MultiheadAttention returns them."""

@@ -255,3 +255,27 @@ def test_cuda_fusedmax_public_api_autograd_and_opcheck():
     torch.library.opcheck(torch.ops.attnkern.fusedmax_bwd, (xc, xc, lc, -1, True))
     with pytest.raises(NotImplementedError, match="CPU"):
         attnkern.oscarmax(x.cuda())
+
+
+@gpu
+@needs_cuda_kernels
+def test_cuda_fusedmax_attention_runs_the_row_kernel_unfused():
+    """fusedmax attention on CUDA tensors: materialized scores, the CUDA row
+    kernel, P·V; values and gradients (q, k, v, λ per head) as the CPU fused
+    kernel's, with a window, GQA and a bool mask; oscarmax is refused."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 37, 16, generator=g)
+    k, v = torch.randn(2, 2, 45, 16, generator=g), torch.randn(2, 2, 45, 8, generator=g)
+    mask = torch.rand(2, 1, 37, 45, generator=g) > 0.2
+    lam = torch.tensor([0.05, 0.2, 0.5, 1.0])
+    outs = []
+    for dev in ("cpu", "cuda"):
+        xs = [t.to(dev).requires_grad_() for t in (q, k, v, lam)]
+        out = attnkern.attention(xs[0], xs[1], xs[2], mask.to(dev), normalizer="fusedmax", lam=xs[3],
+                                 enable_gqa=True, window=(20, 3))
+        grads = torch.autograd.grad((out * torch.arange(8.0, device=dev)).sum(), xs)
+        outs.append([out.detach().cpu()] + [t.cpu() for t in grads])
+    for a, b in zip(outs[1], outs[0], strict=True):
+        assert_close(a, b, scale=10.0)
+    with pytest.raises(NotImplementedError, match="CPU kernels only"):
+        attnkern.attention(q.cuda(), k.cuda(), v.cuda(), normalizer="oscarmax", enable_gqa=True)
