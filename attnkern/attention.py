@@ -364,24 +364,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             m = torch.zeros(m.shape, dtype=acc, device=m.device).masked_fill_(~m, -math.inf)
         mask4 = m.to(acc).expand(target).reshape(B, H, L, S)
     alpha_h = None
-    # α goes to the CPU kernels in float64 for float64 inputs (unrounded), else
-    # (and to the CUDA and Triton kernels) in float32.
-    alpha_dtype = torch.float64 if acc == torch.float64 and chosen == "cpu" else torch.float32
     if has_head_param:
         alpha = head_param
         if isinstance(alpha, torch.Tensor) and alpha_batched:
             # One α per (batch, head): the kernels take one α per head, so the
             # batch is folded into the heads, (B, H) -> (1, B·H); query head
             # b·H + h still meets key/value head b·Hk + h // (H // Hk).
-            alpha_h = alpha.to(alpha_dtype).expand(batch + (H, 1, 1)).reshape(B * H)
+            alpha_h = alpha.to(head_param_dtype(query.dtype, chosen)).expand(batch + (H, 1, 1)).reshape(B * H)
             q4, k4, v4 = (t.reshape(1, B * t.shape[1], *t.shape[2:]) for t in (q4, k4, v4))
             if mask4 is not None:
                 mask4 = mask4.reshape(1, B * H, L, S)
-        elif isinstance(alpha, torch.Tensor):
-            a = alpha.reshape(alpha.shape[-3:]) if alpha.dim() > 3 else alpha
-            alpha_h = a.to(alpha_dtype).expand(H, 1, 1).reshape(H)
         else:
-            alpha_h = torch.full((H,), alpha, dtype=alpha_dtype, device=query.device)
+            alpha_h = head_param_vector(alpha, H, query, chosen)
     row_bounds = None
     if bounds is not None:
         q4, k4, v4, alpha_h, key_lengths, row_bounds = _fold_for_bounds(
@@ -396,6 +390,22 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if out.shape != batch + (H, L, Ev):
         out = out.reshape(batch + (H, L, Ev))
     return _unpad(out if out.dtype == query.dtype else out.to(query.dtype), added)
+
+
+def head_param_dtype(query_dtype: torch.dtype, chosen: str) -> torch.dtype:
+    """The dtype of the kernels' per-head α / λ: float64 to the CPU kernels for
+    float64 inputs (unrounded), else (and to the CUDA and Triton kernels) float32."""
+    return torch.float64 if acc_dtype(query_dtype) == torch.float64 and chosen == "cpu" else torch.float32
+
+
+def head_param_vector(param, H: int, query: torch.Tensor, chosen: str) -> torch.Tensor:
+    """α / λ as the kernels take it, one value per head (H,): from a float, or a
+    tensor broadcastable to (H, 1, 1) (leading unit batch dims allowed)."""
+    dtype = head_param_dtype(query.dtype, chosen)
+    if not isinstance(param, torch.Tensor):
+        return torch.full((H,), param, dtype=dtype, device=query.device)
+    p = param.reshape(param.shape[-3:]) if param.dim() > 3 else param
+    return p.to(dtype).expand(H, 1, 1).reshape(H)
 
 
 def _fold_for_bounds(bounds, q4, k4, v4, alpha_h, key_lengths, head_param, normalizer):

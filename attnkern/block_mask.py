@@ -36,12 +36,20 @@ def _listed(num, idx, n_kv: int):
     return out.scatter_(-1, target.clamp(0, n_kv), True)[..., :n_kv]
 
 
+def _vmapped(mask_mod, *batched):
+    """mask_mod(b, h, q, kv) over index tensors: vmapped over kv, then q, then
+    each of `batched` in turn (tuples of which arguments carry that dim)."""
+    fn = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
+    fn = torch.vmap(fn, in_dims=(None, None, 0, None))
+    for args in batched:
+        fn = torch.vmap(fn, in_dims=tuple(0 if i in args else None for i in range(4)))
+    return fn
+
+
 def _evaluate(mask_mod, blocks, QB: int, KB: int, L: int, S: int):
     """mask_mod on the partial blocks (P, 4: b, h, q block, kv block):
     (P, QB, KB) bool, False outside the sequences."""
-    fn = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
-    fn = torch.vmap(fn, in_dims=(None, None, 0, None))
-    fn = torch.vmap(fn, in_dims=(0, 0, 0, 0))
+    fn = _vmapped(mask_mod, (0, 1, 2, 3))  # (a partial block's batch, head, rows and keys)
     rows = blocks[:, 2:3] * QB + torch.arange(QB, device=blocks.device)
     keys = blocks[:, 3:4] * KB + torch.arange(KB, device=blocks.device)
     inside = (rows < L)[:, :, None] & (keys < S)[:, None, :]
@@ -57,10 +65,7 @@ def _dense_row_stats(mask_mod, full, partial, QB: int, KB: int, L: int, S: int):
     partial blocks would give shapes that depend on data."""
     Bm, Hm = full.shape[:2]
     i, j = torch.arange(L, device=full.device), torch.arange(S, device=full.device)
-    fn = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
-    fn = torch.vmap(fn, in_dims=(None, None, 0, None))
-    fn = torch.vmap(fn, in_dims=(None, 0, None, None))
-    fn = torch.vmap(fn, in_dims=(0, None, None, None))
+    fn = _vmapped(mask_mod, (1,), (0,))  # (heads, then batch)
     mod = fn(torch.arange(Bm, device=full.device), torch.arange(Hm, device=full.device), i, j).to(torch.bool)
     qb, kb = i // QB, j // KB
     allowed = full[:, :, qb][:, :, :, kb] | (partial[:, :, qb][:, :, :, kb] & mod)

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from attnkern import _extension, ops, validation
-from attnkern.attention import _check_window, _intersect_windows, attention, draw_dropout_seed
+from attnkern.attention import _check_window, _intersect_windows, attention, draw_dropout_seed, head_param_vector
 from attnkern.backends import registry
-from attnkern.family import acc_dtype, check_attention_normalizer, takes_lam
+from attnkern.family import check_attention_normalizer, takes_lam
 
 __all__ = ["attention_varlen"]
 
@@ -253,14 +253,7 @@ def _fused(query, key, value, cu_q, cu_k, seqused_k, block_table, max_q, max_k, 
         alpha = validation.check_attention_alpha(alpha, normalizer, (H, 1, 1), H, query.device)
     elif isinstance(alpha, torch.Tensor):
         alpha = validation.head_alpha_view(alpha, H)
-    alpha_h = None
-    if alpha is not None:
-        # (As attention(): float64 to the CPU kernels for float64 inputs, else float32.)
-        alpha_dtype = torch.float64 if acc_dtype(query.dtype) == torch.float64 and chosen == "cpu" else torch.float32
-        if isinstance(alpha, torch.Tensor):
-            alpha_h = alpha.to(alpha_dtype).expand(H, 1, 1).reshape(H)
-        else:
-            alpha_h = torch.full((H,), alpha, dtype=alpha_dtype, device=query.device)
+    alpha_h = None if alpha is None else head_param_vector(alpha, H, query, chosen)
     seeds = torch.stack([draw_dropout_seed() for _ in range(cu_q.shape[0] - 1)]) if dropout_p > 0 else None
     left, right = window if window is not None else (-1, -1)
     out, _ = _varlen_fwd(query, key, value, cu_q, cu_k, seqused_k, block_table, alpha_h, scale, normalizer,
