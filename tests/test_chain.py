@@ -228,6 +228,40 @@ def test_dtypes(dtype, tol, name):
     torch.testing.assert_close(dw.double(), want_dw, rtol=tol, atol=tol * max(1.0, float(want_dw.abs().max())))
 
 
+@pytest.mark.parametrize("n", [1, 2, 9, 97, 1025])
+def test_crf_rows_side_by_side_match_rows_one_at_a_time(n):
+    # The kernel runs rows whose entries are all finite and of moderate size side by side, one row per
+    # vector lane; a row holding -inf (or entries too large for the linear sweep) goes alone. Appending a
+    # -inf entry sends the same finite entries down the per-row path: both must agree, in every group
+    # position (19 rows: full groups and a partial one at any vector width), with rows of every kind mixed.
+    g = torch.Generator().manual_seed(40 + n)
+    u = torch.randn(19, n, generator=g, dtype=torch.float64) * 3
+    u[4] *= 100  # beyond the linear sweep's range: per-row path
+    u[7, n // 2] = -math.inf  # a masked entry: per-row path
+    w = torch.randn(19, 2, 2, generator=g, dtype=torch.float64)
+    grad = torch.randn(19, n, generator=g, dtype=torch.float64)
+    alone = torch.cat([u, torch.full((19, 1), -math.inf, dtype=torch.float64)], 1)
+    a = u.clone().requires_grad_()
+    wa = w.clone().requires_grad_()
+    mu = attnkern.crf_marginals(a, wa)
+    mu.backward(grad)
+    b = alone.clone().requires_grad_()
+    wb = w.clone().requires_grad_()
+    mu_alone = attnkern.crf_marginals(b, wb)
+    mu_alone.backward(torch.cat([grad, torch.zeros(19, 1, dtype=torch.float64)], 1))
+    torch.testing.assert_close(mu, mu_alone[:, :n], rtol=0, atol=1e-12)
+    torch.testing.assert_close(a.grad, b.grad[:, :n], rtol=0, atol=1e-11)
+    torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-10, atol=1e-10)
+    # A row's result does not depend on the rows that share its group.
+    for r in (0, 5, 18):
+        one = u[r:r + 1].clone().requires_grad_()
+        w1 = w[r:r + 1].clone().requires_grad_()
+        mu1 = attnkern.crf_marginals(one, w1)
+        mu1.backward(grad[r:r + 1])
+        assert torch.equal(mu1[0], mu[r]) and torch.equal(one.grad[0], a.grad[r])
+        assert torch.equal(w1.grad[0], wa.grad[r])
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_any_dim_strides_empty_and_threads(name):
     op = getattr(attnkern, name)

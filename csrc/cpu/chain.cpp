@@ -12,6 +12,10 @@
 // forward). The same tangents give ∂(g·μ)/∂W, by the Hessian's symmetry
 // between u and W.
 //
+// The recurrences are sequential along a row, so the CRF runs rows side by
+// side, one per vector lane (struct CrfLanes), whenever their entries allow
+// the linear sweep and none is masked; other rows go one at a time.
+//
 // sparsemap_chain (Niculae, Martins, Blondel & Cardie, 2018): the active-set
 // method with Viterbi as the oracle (struct Sparsemap below; section 12).
 //
@@ -26,6 +30,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 #include "attnkern/cpu_kernels.h"
 #include "attnkern/row_layout.h"
@@ -301,6 +306,209 @@ struct CrfMarginals {
   }
 };
 
+// The CRF on rows side by side: lane l of every vector holds row l of a group
+// of up to kLanes rows (entry i of the group's rows in one vector, the rows
+// transposed into arrays of kLanes·n), so the forward-backward recurrences,
+// sequential along a row, advance kLanes rows per instruction. It runs the
+// linear sweep's arithmetic, so it takes the rows whose entries are all finite
+// and within kLinearRange (ready()); the others go one at a time as above.
+// Lanes never mix: a row's result does not depend on the rows that share its
+// group, and unused lanes repeat lane 0. The backward computes the shares where
+// they are used instead of storing them, and the forward tangents in the pass
+// that consumes them, so that the arrays of a group of rows stay in L2.
+struct CrfLanes {
+  using Vec = at::vec::Vectorized<double>;
+  static constexpr int kLanes = Vec::size();
+  static constexpr int kAllLanes = (1 << kLanes) - 1;
+
+  int64_t n;
+  int count = 0;
+  int64_t rows[kLanes];
+  std::unique_ptr<double[]> buf;
+  // The group's rows as loaded (kLanes rows of n, then their incoming
+  // gradients); then per entry, lanes side by side: the label factors, the
+  // forward and backward messages, μ, the incoming gradient (then the gradient
+  // out) and the backward tangents.
+  double *in_rows, *in_grads, *f0, *f1, *fa0, *fa1, *bb0, *bb1, *mu, *g, *tb0, *tb1;
+  double* out;
+  alignas(64) double w[4][kLanes];   // each lane's transition scores
+  alignas(64) double e[4][kLanes];   // e^{w - max w}
+  alignas(64) double dw[4][kLanes];  // the gradient in w (backward)
+  at::vec::Vectorized<int64_t> lane_offsets;  // l·n: where lane l's row starts
+
+  explicit CrfLanes(int64_t n_) : n(n_), buf(new double[12 * n_ * kLanes]) {
+    double* b = buf.get();
+    for (double** a : {&in_rows, &in_grads, &f0, &f1, &fa0, &fa1, &bb0, &bb1, &mu, &g, &tb0, &tb1}) {
+      *a = b;
+      b += n * kLanes;
+    }
+    out = g;
+    alignas(64) int64_t offsets[kLanes];
+    for (int l = 0; l < kLanes; ++l) offsets[l] = l * n;
+    lane_offsets = at::vec::Vectorized<int64_t>::loadu(offsets);
+  }
+
+  // Whether a row (n entries) can run in a lane: every entry finite and the
+  // linear sweep's range condition (linear_range) met.
+  static bool ready(const double* row, int64_t n, const double* wr) {
+    // The largest |entry|, NaN if any entry is NaN (at::vec::maximum keeps NaN).
+    Vec big(0.0);
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) big = at::vec::maximum(big, Vec::loadu(row + j).abs());
+    double largest = at::vec::vec_reduce_all<double>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, big);
+    for (; j < n; ++j) {
+      const double a = std::abs(row[j]);
+      largest = std::isnan(a) || a > largest ? a : largest;
+    }
+    return std::isfinite(largest) && linear_range(&largest, 1, wr);
+  }
+
+  bool full() const { return count == kLanes; }
+
+  // Where the next row and its gradient are to be loaded.
+  double* next_row() const { return in_rows + count * n; }
+  double* next_grad() const { return in_grads + count * n; }
+
+  // Takes the row just loaded at next_row() (and next_grad()), row r of the
+  // tensor with transition scores wr, as the next lane.
+  void add(int64_t r, const double* wr) {
+    rows[count] = r;
+    for (int k = 0; k < 4; ++k) w[k][count] = wr[k];
+    ++count;
+  }
+
+  // Fills the unused lanes with lane 0's row.
+  void pad(bool with_grad) {
+    for (int l = count; l < kLanes; ++l) {
+      std::copy(in_rows, in_rows + n, in_rows + l * n);
+      if (with_grad) std::copy(in_grads, in_grads + n, in_grads + l * n);
+      for (int k = 0; k < 4; ++k) w[k][l] = w[k][0];
+    }
+  }
+
+  // Entry i of every lane's row of `from` (kLanes rows of n).
+  Vec across(const double* from, int64_t i) const {
+    return at::vec::gather<sizeof(double)>(from + i, lane_offsets);
+  }
+
+  // Lane l of an array into dst (n entries).
+  void column(const double* soa, int l, double* dst) const {
+    for (int64_t i = 0; i < n; ++i) dst[i] = soa[i * kLanes + l];
+  }
+
+  static Vec at(const double* soa, int64_t i) { return Vec::loadu(soa + i * kLanes); }
+
+  // Scales each lane's pair back into [2^-200, 2^200], as rescale_pair does.
+  static void rescale(Vec& a, Vec& b) {
+    const Vec sum = a + b;
+    const Vec high = sum > Vec(kPairCeiling), low = sum < Vec(kPairFloor);
+    if ((high | low).zero_mask() != kAllLanes) [[unlikely]] {
+      const Vec by = Vec::blendv(Vec::blendv(Vec(1.0), Vec(kPairFloor), high), Vec(kPairCeiling), low);
+      a = a * by;
+      b = b * by;
+    }
+  }
+
+  // chain_sweeps_linear's messages and μ on every lane.
+  void sweeps() {
+    for (int l = 0; l < kLanes; ++l) {
+      const double top = std::max(std::max(w[0][l], w[1][l]), std::max(w[2][l], w[3][l]));
+      for (int k = 0; k < 4; ++k) e[k][l] = std::exp(w[k][l] - top);
+    }
+    const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
+    // One of an entry's two factors is 1: f0 = e^{-max(u, 0)}, f1 = e^{min(u, 0)}.
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec x = across(in_rows, i);
+      const Vec small = x.abs().neg().exp(), nonneg = x >= Vec(0.0);
+      Vec::blendv(Vec(1.0), small, nonneg).store(f0 + i * kLanes);
+      Vec::blendv(small, Vec(1.0), nonneg).store(f1 + i * kLanes);
+    }
+    Vec a0 = at(f0, 0), a1 = at(f1, 0), b0(1.0), b1(1.0);
+    a0.store(fa0);
+    a1.store(fa1);
+    b0.store(bb0 + (n - 1) * kLanes);
+    b1.store(bb1 + (n - 1) * kLanes);
+    for (int64_t i = 1, j = n - 2; i < n; ++i, --j) {
+      const Vec p0 = at(f0, i), p1 = at(f1, i), q0 = at(f0, j + 1), q1 = at(f1, j + 1);
+      Vec n0 = (p0 * e00) * a0 + (p0 * e10) * a1, n1 = (p1 * e01) * a0 + (p1 * e11) * a1;
+      Vec m0 = (e00 * q0) * b0 + (e01 * q1) * b1, m1 = (e10 * q0) * b0 + (e11 * q1) * b1;
+      rescale(n0, n1);
+      rescale(m0, m1);
+      a0 = n0;
+      a1 = n1;
+      b0 = m0;
+      b1 = m1;
+      a0.store(fa0 + i * kLanes);
+      a1.store(fa1 + i * kLanes);
+      b0.store(bb0 + j * kLanes);
+      b1.store(bb1 + j * kLanes);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec one = at(fa1, i) * at(bb1, i);
+      (one / (at(fa0, i) * at(bb0, i) + one)).store(mu + i * kLanes);
+    }
+  }
+
+  // chain_backward on every lane, after sweeps(): the gradient in u into out,
+  // in w into dw. The pairwise part Σ_i share·(tangent + rest - d log Z) is
+  // summed as Σ share·(tangent + rest) - d log Z·Σ share, as d log Z = g·μ is
+  // known only at the end of the pass that also forms the tangents.
+  void backward() {
+    for (int64_t i = 0; i < n; ++i) across(in_grads, i).store(g + i * kLanes);
+    const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
+    const Vec one(1.0);
+    // Backward tangents, last entry first.
+    Vec r0(0.0), r1(0.0);
+    r0.store(tb0 + (n - 1) * kLanes);
+    r1.store(tb1 + (n - 1) * kLanes);
+    for (int64_t j = n - 2; j >= 0; --j) {
+      const Vec to0 = at(f0, j + 1) * at(bb0, j + 1), to1 = at(f1, j + 1) * at(bb1, j + 1);
+      const Vec share0 = e01 * to1 / (e00 * to0 + e01 * to1), share1 = e11 * to1 / (e10 * to0 + e11 * to1);
+      const Vec back_step = at(g, j + 1) + r1 - r0;
+      r1 = r0 + share1 * back_step;
+      r0 = r0 + share0 * back_step;
+      r0.store(tb0 + j * kLanes);
+      r1.store(tb1 + j * kLanes);
+    }
+    // Forward tangents (t0, t1 at entry i; p0, p1 at entry i - 1), the
+    // gradient in u, and the sums of the pairwise part over (i - 1, i).
+    Vec t0(0.0), t1 = at(g, 0), log_z_tangent(0.0);
+    Vec d00(0.0), d01(0.0), d10(0.0), d11(0.0), s00(0.0), s01(0.0), s10(0.0), s11(0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec gi = at(g, i), m = at(mu, i), back0 = at(tb0, i), back1 = at(tb1, i);
+      if (i > 0) {
+        const Vec prev0 = at(fa0, i - 1), prev1 = at(fa1, i - 1);
+        const Vec from1_to0 = prev1 * e10, from1_to1 = prev1 * e11;
+        const Vec share0 = from1_to0 / (prev0 * e00 + from1_to0), share1 = from1_to1 / (prev0 * e01 + from1_to1);
+        const Vec p0 = t0, p1 = t1, step = t1 - t0;
+        t1 = gi + t0 + share1 * step;
+        t0 = t0 + share0 * step;
+        // ξ_{i-1}(a, b) = P(z_i = b)·P(z_{i-1} = a | z_i = b).
+        const Vec next0 = one - m, rest0 = back0, rest1 = gi + back1;
+        const Vec w00 = next0 * (one - share0), w10 = next0 * share0, w01 = m * (one - share1), w11 = m * share1;
+        d00 = d00 + w00 * (p0 + rest0);
+        d10 = d10 + w10 * (p1 + rest0);
+        d01 = d01 + w01 * (p0 + rest1);
+        d11 = d11 + w11 * (p1 + rest1);
+        s00 = s00 + w00;
+        s10 = s10 + w10;
+        s01 = s01 + w01;
+        s11 = s11 + w11;
+      }
+      log_z_tangent = log_z_tangent + gi * m;
+      (m * (one - m) * (t1 + back1 - t0 - back0)).store(out + i * kLanes);
+    }
+    (d00 - log_z_tangent * s00).store(dw[0]);
+    (d01 - log_z_tangent * s01).store(dw[1]);
+    (d10 - log_z_tangent * s10).store(dw[2]);
+    (d11 - log_z_tangent * s11).store(dw[3]);
+  }
+};
+
+// Whether an op's rows may run side by side (CrfLanes).
+template <typename Op>
+constexpr bool kSideBySide = std::is_same_v<Op, CrfMarginals>;
+
 // The row loops of the chain ops (CrfMarginals, Sparsemap): rows gathered
 // along dim, -inf entries removed, NaN for a row with NaN or +inf or without
 // a feasible labeling. Op::forward writes s.mu; Op::backward, given the
@@ -316,9 +524,31 @@ void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) 
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ChainScratch s(n);
     typename Op::Workspace ws(n);
+    std::unique_ptr<CrfLanes> lanes;
+    if constexpr (kSideBySide<Op>) lanes = std::make_unique<CrfLanes>(n);
+    auto run_lanes = [&] {
+      lanes->pad(/*with_grad=*/false);
+      lanes->sweeps();
+      for (int l = 0; l < lanes->count; ++l) {
+        lanes->column(lanes->mu, l, s.out);
+        lay.store(s.out, op + lay.base(lanes->rows[l]));
+      }
+      lanes->count = 0;
+    };
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      lay.load(xp + base, s.row);
+      if constexpr (kSideBySide<Op>) {
+        double* row = lanes->next_row();
+        lay.load(xp + base, row);
+        if (CrfLanes::ready(row, n, wp + 4 * r)) {
+          lanes->add(r, wp + 4 * r);
+          if (lanes->full()) run_lanes();
+          continue;
+        }
+        std::copy(row, row + n, s.row);
+      } else {
+        lay.load(xp + base, s.row);
+      }
       int64_t m = 0;
       if (!chain_entries(s, n, m)) {
         std::fill(s.out, s.out + n, nan);
@@ -331,6 +561,7 @@ void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) 
       }
       lay.store(s.out, op + base);
     }
+    if (lanes && lanes->count > 0) run_lanes();
   });
 }
 
@@ -362,9 +593,37 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ChainScratch s(n);
     typename Op::Workspace ws(n);
+    std::unique_ptr<CrfLanes> lanes;
+    if constexpr (kSideBySide<Op>) lanes = std::make_unique<CrfLanes>(n);
+    auto run_lanes = [&] {
+      lanes->pad(/*with_grad=*/true);
+      lanes->sweeps();
+      lanes->backward();
+      for (int l = 0; l < lanes->count; ++l) {
+        const int64_t r = lanes->rows[l];
+        lanes->column(lanes->out, l, s.out);
+        lay.store(s.out, dp + lay.base(r));
+        if (dwp) {
+          for (int k = 0; k < 4; ++k) dwp[4 * r + k] = lanes->dw[k][l];
+        }
+      }
+      lanes->count = 0;
+    };
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      lay.load(xp + base, s.row);
+      if constexpr (kSideBySide<Op>) {
+        double* row = lanes->next_row();
+        lay.load(xp + base, row);
+        if (CrfLanes::ready(row, n, wp + 4 * r)) {
+          lay.load(gp + base, lanes->next_grad());
+          lanes->add(r, wp + 4 * r);
+          if (lanes->full()) run_lanes();
+          continue;
+        }
+        std::copy(row, row + n, s.row);
+      } else {
+        lay.load(xp + base, s.row);
+      }
       lay.load(gp + base, s.grad);
       double* dw_row = dwp ? dwp + 4 * r : nullptr;
       if (dw_row) std::fill(dw_row, dw_row + 4, 0.0);
@@ -383,6 +642,7 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
       }
       lay.store(s.out, dp + base);
     }
+    if (lanes && lanes->count > 0) run_lanes();
   });
 }
 
