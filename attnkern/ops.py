@@ -173,6 +173,8 @@ def entmax_bisect(X: torch.Tensor, alpha=1.5, dim: int = -1, n_iter: int = 50, e
 # The structured ops whose parameter is the chain's 2×2 transition scores
 # (the others take λ).
 _CHAIN_OPS = ("crf_marginals", "sparsemap_chain")
+# The structured ops with a CUDA row kernel (csrc/cuda).
+_CUDA_ROW_KERNELS = ("fusedmax", "crf_marginals")
 
 
 def _structured(name: str, X: torch.Tensor, dim: int, param, backend: str) -> torch.Tensor:
@@ -187,11 +189,12 @@ def _structured(name: str, X: torch.Tensor, dim: int, param, backend: str) -> to
     oracle = getattr(reference, name)
     if backend == "reference":
         return oracle(X, param, dim)
-    # (CUDA: fusedmax has a row kernel; the others raise rather than fall back to the slow reference.)
+    # (CUDA: the ops of _CUDA_ROW_KERNELS have row kernels; the others raise rather than fall back to the slow
+    # reference.)
     on_cuda = X.device.type == "cuda" and backend in ("auto", "cuda") and registry.why_not("cuda", X, name) is None
     if not on_cuda and (X.device.type != "cpu" or backend not in ("auto", "cpu")):
         raise NotImplementedError(
-            f"attnkern.{name} has kernels for CPU tensors{' and CUDA' if name == 'fusedmax' else ''} only "
+            f"attnkern.{name} has kernels for CPU tensors{' and CUDA' if name in _CUDA_ROW_KERNELS else ''} only "
             f"(got backend={backend!r} on {X.device}); backend='reference' runs the float64 reference on any "
             "device")
     if registry.choose(backend, X) == "reference":  # auto without the compiled extension (warned)
@@ -252,9 +255,11 @@ def crf_marginals(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str 
     Entries of `unary` at -inf are removed first: the finite entries on either
     side become neighbours, and they get 0 (a row of only -inf gives zeros). A
     row with NaN or +inf gives NaN, as does a row that no labeling can score.
-    Exact forward-backward in log space (float64 inside). First derivatives
-    only (in unary and pairwise). Kernels: CPU; on other devices pass
-    backend="reference" (float64, slow: an oracle).
+    Exact forward-backward in float64. First derivatives only (in unary and
+    pairwise). Kernels: CPU, and CUDA (one thread per row, the CPU kernel's
+    log-space math, scratch of 120 bytes per entry for up to 256 MiB of rows
+    at a time); on other devices pass backend="reference" (float64, slow: an
+    oracle).
     """
     return _structured("crf_marginals", unary, dim, pairwise, backend)
 

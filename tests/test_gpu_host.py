@@ -7,7 +7,8 @@
 - The Triton tests make their tensors on the device the kernels run on: CUDA
   with a GPU, CPU under the interpreter. Simulated in subprocesses that import
   triton before attnkern, with and without the patched GPU check.
-- The CUDA normalizer kernels against the CPU kernels (marked `gpu`: they run
+- The CUDA normalizer kernels (and the fusedmax and crf_marginals row kernels)
+  against the CPU kernels (marked `gpu`: they run
   with `make test` on a machine with a GPU and a CUDA build, and skip here).
 - Rows of 2³¹ entries or more are refused by the backward ops as by the
   forward ones (the kernels index rows with int32).
@@ -255,6 +256,52 @@ def test_cuda_fusedmax_public_api_autograd_and_opcheck():
     torch.library.opcheck(torch.ops.attnkern.fusedmax_bwd, (xc, xc, lc, -1, True))
     with pytest.raises(NotImplementedError, match="CPU"):
         attnkern.oscarmax(x.cuda())
+
+
+@gpu
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,dim", [((7, 33), -1), ((3, 1031), -1), ((3, 4, 70), 1), ((6, 1), 1), ((0, 9), -1)])
+def test_cuda_crf_marginals_matches_cpu(dtype, shape, dim):
+    """The CUDA crf_marginals row kernel (one thread per row, the CPU kernel's
+    log-space math) against the CPU kernel: values, the gradients in unary and
+    in the per-row pairwise scores, masked entries, a fully masked row, a NaN
+    row and a row whose forbidden transitions leave no labeling."""
+    x = mask_some(make_scores(shape, torch.float64, scale=2.0, seed=8), frac=0.2, full_rows=1).to(dtype)
+    if x.numel() > 8:
+        x.view(-1)[5] = math.nan
+    g = make_scores(shape, torch.float64, seed=9).to(dtype)
+    rows_shape = list(x.movedim(dim, -1).shape[:-1])
+    w = torch.randn(rows_shape + [2, 2], generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    if w.numel() >= 8:
+        w.view(-1, 2, 2)[1] = torch.tensor([[-math.inf, -math.inf], [-math.inf, -math.inf]])
+    ops = torch.ops.attnkern
+    assert_close(ops.crf_marginals_fwd(x.cuda(), w.cuda(), dim).cpu(), ops.crf_marginals_fwd(x, w, dim), scale=10.0)
+    dx_cpu, dw_cpu = ops.crf_marginals_bwd(x, g, w, dim, True)
+    dx_gpu, dw_gpu = ops.crf_marginals_bwd(x.cuda(), g.cuda(), w.cuda(), dim, True)
+    assert_close(dx_gpu.cpu(), dx_cpu, scale=10.0)
+    assert dw_gpu.shape == dw_cpu.shape
+    assert_close(dw_gpu.cpu(), dw_cpu, dtype=torch.float64, scale=100.0)
+
+
+@gpu
+@needs_cuda_kernels
+def test_cuda_crf_marginals_public_api_autograd_and_opcheck():
+    x = make_scores((4, 300), torch.float32, scale=2.0, seed=11)
+    w = torch.tensor([[0.5, -1.0], [-0.5, 1.0]])
+    outs = []
+    for dev in ("cpu", "cuda"):
+        xr, wr = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        mu = attnkern.crf_marginals(xr, wr)
+        gx, gw = torch.autograd.grad((mu * torch.arange(300.0, device=dev)).sum(), (xr, wr))
+        outs.append((mu.detach().cpu(), gx.cpu(), gw.cpu()))
+    for a, b in zip(outs[1], outs[0], strict=True):
+        assert_close(a, b, scale=10.0)
+    xc, wc = x.cuda(), w.cuda()
+    torch.library.opcheck(torch.ops.attnkern.crf_marginals_fwd, (xc, wc, -1))
+    torch.library.opcheck(torch.ops.attnkern.crf_marginals_bwd, (xc, xc, wc, -1, True))
+    with pytest.raises(NotImplementedError, match="CPU"):
+        attnkern.sparsemap_chain(x.cuda(), w.cuda())
 
 
 @gpu

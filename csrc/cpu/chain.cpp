@@ -32,6 +32,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "attnkern/chain_math.h"
 #include "attnkern/cpu_kernels.h"
 #include "attnkern/row_layout.h"
 
@@ -43,21 +44,6 @@ namespace {
 using at::Tensor;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-// log(e^a + e^b); -inf when both are.
-inline double log_add(double a, double b) {
-  const double hi = std::max(a, b), lo = std::min(a, b);
-  if (lo == kNegInf) return hi;
-  return hi + std::log1p(std::exp(lo - hi));
-}
-
-// The share of e^b in e^a + e^b (the weight of b's tangent in log_add's);
-// 0 when both are -inf (an unreachable state: its tangent is never used).
-inline double share_of_second(double a, double b) {
-  if (b == kNegInf) return 0.0;
-  if (a == kNegInf) return 1.0;
-  return 1.0 / (1.0 + std::exp(a - b));
-}
 
 // Scratch of one row of n entries: the row as loaded, the gradient, the
 // output, the finite entries u and their gradients g (compacted), their
@@ -140,32 +126,8 @@ inline void rescale_pair(double& a, double& b) {
 }
 
 bool chain_sweeps_log(ChainScratch& s, int64_t m, const double* w) {
-  const double* u = s.u;
-  double *fa0 = s.fwd[0], *fa1 = s.fwd[1];  // log-sums over labelings of entries 0..i ending in z_i = t
-  fa0[0] = 0.0;
-  fa1[0] = u[0];
-  for (int64_t i = 1; i < m; ++i) {
-    for (int t = 0; t < 2; ++t) {
-      const double from0 = fa0[i - 1] + w[t], from1 = fa1[i - 1] + w[2 + t];
-      s.fshare[t][i] = share_of_second(from0, from1);
-      s.fwd[t][i] = (t ? u[i] : 0.0) + log_add(from0, from1);
-    }
-  }
-  if (!(log_add(fa0[m - 1], fa1[m - 1]) > kNegInf)) return false;
-  double back0 = 0.0, back1 = 0.0;  // log-sums over entries i+1..m-1 given z_i = 0, 1
-  s.mu[m - 1] = share_of_second(fa0[m - 1], fa1[m - 1]);
-  for (int64_t i = m - 2; i >= 0; --i) {
-    double next[2];
-    for (int a = 0; a < 2; ++a) {
-      const double to0 = w[2 * a] + back0, to1 = w[2 * a + 1] + u[i + 1] + back1;
-      s.bshare[a][i] = share_of_second(to0, to1);
-      next[a] = log_add(to0, to1);
-    }
-    back0 = next[0];
-    back1 = next[1];
-    s.mu[i] = share_of_second(fa0[i] + back0, fa1[i] + back1);
-  }
-  return true;
+  return math::crf_sweeps_log(s.u, m, w, s.fwd[0], s.fwd[1], s.mu, s.fshare[0], s.fshare[1], s.bshare[0],
+                              s.bshare[1]);
 }
 
 void chain_sweeps_linear(ChainScratch& s, int64_t m, const double* w, bool shares) {
@@ -247,47 +209,13 @@ Tensor checked_pairwise(const Tensor& pairwise, const Tensor& x, int64_t dim, co
 }
 
 // The backward of one row after chain_sweeps with shares (feasible, m >= 1),
-// with the incoming gradient compacted in s.g: du into s.out's places, and
-// Σ_i dξ_i(a, b) added into dw (2×2) when it is not null. The tangent of each
-// message along g is the share-weighted mean of its terms' tangents; the
-// pairwise marginal is ξ_i(a, b) = P(z_{i+1} = b)·P(z_i = a | z_{i+1} = b).
+// with the incoming gradient compacted in s.g: du into s.out's places (by way
+// of s.grad, free once s.g is filled), Σ_i dξ_i(a, b) added into dw (2×2)
+// when it is not null.
 void chain_backward(ChainScratch& s, int64_t m, double* dw) {
-  const double *g = s.g, *mu = s.mu, *fs0 = s.fshare[0], *fs1 = s.fshare[1], *bs0 = s.bshare[0],
-               *bs1 = s.bshare[1];
-  double *ta0 = s.ta[0], *ta1 = s.ta[1], *tb0 = s.tb[0], *tb1 = s.tb[1];
-  // Forward tangents at entry i and backward ones at entry j = m-1-i in one
-  // loop (independent recurrences), the last of each carried in registers.
-  double t0 = 0.0, t1 = g[0], r0 = 0.0, r1 = 0.0;
-  ta0[0] = t0;
-  ta1[0] = t1;
-  tb0[m - 1] = tb1[m - 1] = 0.0;
-  for (int64_t i = 1, j = m - 2; i < m; ++i, --j) {
-    const double step = t1 - t0;
-    t1 = g[i] + t0 + fs1[i] * step;
-    t0 = t0 + fs0[i] * step;
-    ta0[i] = t0;
-    ta1[i] = t1;
-    const double back_step = g[j + 1] + r1 - r0;
-    r1 = r0 + bs1[j] * back_step;
-    r0 = r0 + bs0[j] * back_step;
-    tb0[j] = r0;
-    tb1[j] = r1;
-  }
-  double log_z_tangent = 0.0;  // d log Z along g = g·μ
-  for (int64_t i = 0; i < m; ++i) {
-    log_z_tangent += g[i] * mu[i];
-    s.out[s.pos[i]] = mu[i] * (1.0 - mu[i]) * (ta1[i] + tb1[i] - ta0[i] - tb0[i]);
-  }
-  if (!dw) return;
-  for (int64_t i = 0; i + 1 < m; ++i) {
-    for (int b = 0; b < 2; ++b) {
-      const double next = b ? mu[i + 1] : 1.0 - mu[i + 1];
-      const double from1 = s.fshare[b][i + 1];
-      const double rest = (b ? g[i + 1] : 0.0) + s.tb[b][i + 1] - log_z_tangent;
-      dw[b] += next * (1.0 - from1) * (ta0[i] + rest);
-      dw[2 + b] += next * from1 * (ta1[i] + rest);
-    }
-  }
+  math::crf_backward(s.g, s.mu, s.fshare[0], s.fshare[1], s.bshare[0], s.bshare[1], m, s.ta[0], s.ta[1], s.tb[0],
+                     s.tb[1], s.grad, dw);
+  for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = s.grad[i];
 }
 
 // The CRF's per-row steps for the drivers below.

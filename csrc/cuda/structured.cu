@@ -21,6 +21,7 @@
 
 #include "attnkern/row_layout.h"
 #include "attnkern/structured_math.h"
+#include "row_chunks.cuh"
 
 namespace attnkern {
 namespace cuda {
@@ -28,9 +29,8 @@ namespace {
 
 using at::Tensor;
 
-constexpr int kThreads = 128;
-// Scratch per chunk of rows, in bytes (each entry takes 32).
-constexpr int64_t kScratchBytes = int64_t(256) << 20;
+// Scratch per entry, in bytes: three doubles and an index.
+constexpr int64_t kScratchPerEntry = 32;
 
 // One row's finite entries compacted into xs, their positions into pos;
 // false if the row holds a NaN or +inf.
@@ -124,45 +124,33 @@ Rows prepare(const Tensor& x_in, const Tensor& lam_in, int64_t dim) {
   r.lam = cpu::per_row(lam_in, x_in, r.dim, at::kDouble);
   TORCH_CHECK_VALUE(r.lam.numel() == 0 || (r.lam >= 0).logical_and(r.lam.isfinite()).all().item<bool>(),
                     "attnkern: fusedmax lam must be finite and >= 0");
-  Tensor x = x_in.dim() == 0 ? x_in.reshape({1}) : x_in.movedim(r.dim, -1);
-  r.n = x.size(-1);
-  r.x = x.contiguous().reshape({-1, r.n});
+  r.x = rows_along(x_in, r.dim);
   r.rows = r.x.size(0);
+  r.n = r.x.size(1);
   r.lam = (x_in.dim() == 0 ? r.lam.reshape({1}) : r.lam.movedim(r.dim, -1)).contiguous().reshape({-1});
   return r;
 }
-
-// out (rows x n, dim last) back to x's layout, contiguous.
-Tensor restore(const Tensor& out2d, const Tensor& x_in, int64_t dim) {
-  if (x_in.dim() == 0) return out2d.reshape({});
-  auto shape = x_in.movedim(dim, -1).sizes().vec();
-  return out2d.reshape(shape).movedim(-1, dim).contiguous();
-}
-
-int64_t chunk_rows(int64_t n) { return std::max<int64_t>(1, kScratchBytes / (32 * std::max<int64_t>(n, 1))); }
 
 Tensor fusedmax_forward(const Tensor& x_in, const Tensor& lam_in, int64_t dim) {
   c10::cuda::CUDAGuard guard(x_in.device());
   Rows r = prepare(x_in, lam_in, dim);
   Tensor out = at::empty_like(r.x);
-  if (r.x.numel() == 0) return restore(out, x_in, r.dim);
-  const int64_t chunk = std::min(chunk_rows(r.n), r.rows);
+  if (r.x.numel() == 0) return restore_rows(out, x_in, r.dim);
+  const int64_t chunk = chunk_rows(r.rows, kScratchPerEntry * r.n);
   auto dopt = r.x.options().dtype(at::kDouble);
   Tensor xs = at::empty({chunk, r.n}, dopt), y = at::empty({chunk, r.n}, dopt);
   Tensor pos = at::empty({chunk, r.n}, r.x.options().dtype(at::kLong));
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.x.scalar_type(), "attnkern_fusedmax_fwd_cuda", [&] {
-    for (int64_t r0 = 0; r0 < r.rows; r0 += chunk) {
-      const int64_t rows = std::min(chunk, r.rows - r0);
-      const int blocks = static_cast<int>((rows + kThreads - 1) / kThreads);
-      fusedmax_fwd_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+    for_row_chunks(r.rows, chunk, [&](int64_t r0, int64_t rows, int blocks) {
+      fusedmax_fwd_kernel<scalar_t><<<blocks, kRowThreads, 0, stream>>>(
           r.x.const_data_ptr<scalar_t>() + r0 * r.n, r.lam.const_data_ptr<double>() + r0,
           out.mutable_data_ptr<scalar_t>() + r0 * r.n, xs.mutable_data_ptr<double>(), y.mutable_data_ptr<double>(),
           pos.mutable_data_ptr<int64_t>(), rows, r.n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    });
   });
-  return restore(out, x_in, r.dim);
+  return restore_rows(out, x_in, r.dim);
 }
 
 std::tuple<Tensor, Tensor> fusedmax_backward(const Tensor& x_in, const Tensor& grad_in, const Tensor& lam_in,
@@ -173,27 +161,25 @@ std::tuple<Tensor, Tensor> fusedmax_backward(const Tensor& x_in, const Tensor& g
                     " does not match x of shape ", x_in.sizes());
   Rows r = prepare(x_in, lam_in, dim);
   Tensor g = grad_in.to(x_in.scalar_type());
-  g = (g.dim() == 0 ? g.reshape({1}) : g.movedim(r.dim, -1)).contiguous().reshape({-1, r.n});
+  g = rows_along(g, r.dim);
   Tensor dx = at::empty_like(r.x);
   Tensor dl = lam_grad ? at::empty({r.rows}, r.x.options().dtype(at::kDouble)) : Tensor();
   if (r.x.numel() > 0) {
-    const int64_t chunk = std::min(chunk_rows(r.n), r.rows);
+    const int64_t chunk = chunk_rows(r.rows, kScratchPerEntry * r.n);
     auto dopt = r.x.options().dtype(at::kDouble);
     Tensor xs = at::empty({chunk, r.n}, dopt), y = at::empty({chunk, r.n}, dopt), dxs = at::empty({chunk, r.n}, dopt);
     Tensor pos = at::empty({chunk, r.n}, r.x.options().dtype(at::kLong));
     auto stream = at::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.x.scalar_type(), "attnkern_fusedmax_bwd_cuda", [&] {
-      for (int64_t r0 = 0; r0 < r.rows; r0 += chunk) {
-        const int64_t rows = std::min(chunk, r.rows - r0);
-        const int blocks = static_cast<int>((rows + kThreads - 1) / kThreads);
-        fusedmax_bwd_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+      for_row_chunks(r.rows, chunk, [&](int64_t r0, int64_t rows, int blocks) {
+        fusedmax_bwd_kernel<scalar_t><<<blocks, kRowThreads, 0, stream>>>(
             r.x.const_data_ptr<scalar_t>() + r0 * r.n, g.const_data_ptr<scalar_t>() + r0 * r.n,
             r.lam.const_data_ptr<double>() + r0, dx.mutable_data_ptr<scalar_t>() + r0 * r.n,
             dl.defined() ? dl.mutable_data_ptr<double>() + r0 : nullptr, xs.mutable_data_ptr<double>(),
             y.mutable_data_ptr<double>(), dxs.mutable_data_ptr<double>(), pos.mutable_data_ptr<int64_t>(), rows,
             r.n);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      });
     });
   } else if (dl.defined()) {
     dl.zero_();
@@ -202,11 +188,11 @@ std::tuple<Tensor, Tensor> fusedmax_backward(const Tensor& x_in, const Tensor& g
   Tensor dlam;
   if (dl.defined()) {
     dlam = x_in.dim() == 0 ? dl.reshape({})
-                           : restore(dl.reshape({r.rows, 1}), cpu::per_row(lam_in, x_in, r.dim, at::kDouble), r.dim);
+                           : restore_rows(dl.reshape({r.rows, 1}), cpu::per_row(lam_in, x_in, r.dim, at::kDouble), r.dim);
   } else {
     dlam = at::empty({0}, x_in.options().dtype(at::kDouble));
   }
-  return {restore(dx, x_in, r.dim), dlam};
+  return {restore_rows(dx, x_in, r.dim), dlam};
 }
 
 }  // namespace
