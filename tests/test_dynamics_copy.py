@@ -41,6 +41,17 @@ def test_copy_end_to_end_tiny(tmp_path, capsys):
     assert time.time() - t < 10
 
 
+def test_copy_output_layer_option(tmp_path):
+    argv = ["copy", "--out", str(tmp_path), "--quick", "--seeds", "1", "--steps", "10", "--hidden", "16",
+            "--batch", "8", "--distributions", "iid", "--normalizers", "softmax", "--output", "context",
+            "--no-progress"]
+    assert cli.main(argv) == 0
+    res = json.loads((tmp_path / "copy.json").read_text())
+    assert res["config"]["scale"]["output"] == "context"
+    assert "W_o c (the slides' simplified model" in (tmp_path / "copy.md").read_text()
+    assert cli.main(argv[:-3] + ["--output", "linear"]) == 2
+
+
 def test_copy_with_structured_normalizers(tmp_path):
     argv = ["copy", "--out", str(tmp_path), "--quick", "--seeds", "1", "--steps", "10", "--hidden", "16",
             "--batch", "8", "--distributions", "iid", "--normalizers", "oscarmax0.1", "sparsemap", "--no-progress"]

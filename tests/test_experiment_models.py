@@ -61,6 +61,25 @@ def test_seq2seq_training_reduces_loss(norm):
     assert losses[-1] < 0.8 * losses[0]
 
 
+def test_context_output_sees_the_source_only_through_the_attention():
+    # output="context": logits = W_o c. With the attention weights given, the decoder's inputs (and so its
+    # states) cannot change the logits; with the default Luong output they do.
+    task = CopyTask("permutation", length=6)
+    src, mask, tgt_in, _ = copy_batch(task)
+    other_in = tgt_in.roll(1, dims=0)
+    weights = torch.softmax(torch.randn(src.shape[0], 6, 6, generator=torch.Generator().manual_seed(3)), -1)
+    for output, same in (("context", True), ("combined", False)):
+        torch.manual_seed(0)
+        m = Seq2Seq(task.src_vocab, task.tgt_vocab, 8, 8, output=output)
+        a, b = m(src, mask, tgt_in, weights=weights).logits, m(src, mask, other_in, weights=weights).logits
+        assert torch.allclose(a, b) == same
+        out = m(src, mask, tgt_in)
+        assert m.probe(out, tgt_in).shape == (src.shape[0], 6, 6)
+    assert not hasattr(Seq2Seq(task.src_vocab, task.tgt_vocab, 8, 8, output="context"), "combine")
+    with pytest.raises(ValueError, match="output must be one of"):
+        Seq2Seq(task.src_vocab, task.tgt_vocab, 8, 8, output="tanh")
+
+
 def test_uniform_mode_seq2seq():
     task = CopyTask("permutation", length=5)
     m = Seq2Seq(task.src_vocab, task.tgt_vocab, 8, 8, mode="uniform")

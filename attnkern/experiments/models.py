@@ -64,12 +64,17 @@ class Seq2Seq(nn.Module):
     rnn: "lstm" (the paper's model) or "gru" (its multi-head toy).
     attention: "general" or "dot" (Luong), or "scaled_dot".
     normalizer, alpha, lam, mode, backend: of the attention (attnkern.nn.LuongAttention).
+    output: "combined" (Luong's W_o tanh(W_c [c; d]), the default) or "context" (W_o c: the source reaches
+      the output only through the attention, as in the simplified seq2seq of Snell et al.'s slides, y = W c,
+      where the co-occurrence argument is made).
     """
+
+    OUTPUTS = ("combined", "context")
 
     def __init__(self, src_vocab: int, tgt_vocab: int, embed_dim: int = 256, hidden_dim: int = 256,
                  num_layers: int = 1, rnn: str = "lstm", attention: str = "general", normalizer: str = "softmax",
                  alpha=None, mode: str = "learned", backend: str = "auto", pad_idx: int = 0, bos_idx: int = 1,
-                 lam=None):
+                 lam=None, output: str = "combined"):
         super().__init__()
         for name, v in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("embed_dim", embed_dim),
                         ("hidden_dim", hidden_dim), ("num_layers", num_layers)):
@@ -78,7 +83,9 @@ class Seq2Seq(nn.Module):
             raise ValueError(f"rnn must be 'lstm' or 'gru', got {rnn!r}")
         if attention not in ("general", "dot", "scaled_dot"):
             raise ValueError(f"attention must be 'general', 'dot' or 'scaled_dot', got {attention!r}")
-        self.pad_idx, self.bos_idx, self.rnn_kind = pad_idx, bos_idx, rnn
+        if output not in self.OUTPUTS:
+            raise ValueError(f"output must be one of {self.OUTPUTS}, got {output!r}")
+        self.pad_idx, self.bos_idx, self.rnn_kind, self.output_kind = pad_idx, bos_idx, rnn, output
         self.src_embed = nn.Embedding(src_vocab, embed_dim, padding_idx=pad_idx)
         self.tgt_embed = nn.Embedding(tgt_vocab, embed_dim, padding_idx=pad_idx)
         cell = nn.LSTM if rnn == "lstm" else nn.GRU
@@ -89,7 +96,8 @@ class Seq2Seq(nn.Module):
             self.attention = ScaledDotAttention(hidden_dim, hidden_dim, **kw)
         else:
             self.attention = LuongAttention(hidden_dim, hidden_dim, kind=attention, **kw)
-        self.combine = nn.Linear(2 * hidden_dim, hidden_dim, bias=False)
+        if output == "combined":
+            self.combine = nn.Linear(2 * hidden_dim, hidden_dim, bias=False)
         self.out = nn.Linear(hidden_dim, tgt_vocab)
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor):
@@ -108,7 +116,10 @@ class Seq2Seq(nn.Module):
         return h, state
 
     def output_logits(self, context: torch.Tensor, dec: torch.Tensor) -> torch.Tensor:
-        """W_o tanh(W_c [c; d]) for contexts and decoder states of the same shape (..., H)."""
+        """W_o tanh(W_c [c; d]) (or W_o c with output="context") for contexts and decoder states of the same
+        shape (..., H)."""
+        if self.output_kind == "context":
+            return self.out(context)
         return self.out(torch.tanh(self.combine(torch.cat([context, dec], -1))))
 
     def forward(self, src: torch.Tensor, src_mask: torch.Tensor, tgt_in: torch.Tensor,
@@ -146,10 +157,13 @@ class Seq2Seq(nn.Module):
         is the whole context (knowledge to translate individual words)."""
         enc, dec = out.encoder, out.decoder
         B, L, T, H = dec.shape[0], dec.shape[1], enc.shape[1], enc.shape[2]
-        # W_c [h_t; d_l] = W_h h_t + W_d d_l: project each side once, then combine (B, L, T, H)
-        w_h, w_d = self.combine.weight[:, :H], self.combine.weight[:, H:]
-        hidden = torch.tanh((enc @ w_h.T).unsqueeze(1) + (dec @ w_d.T).unsqueeze(2))
-        logits = self.out(hidden)
+        if self.output_kind == "context":  # W_o h_t, the same for every output step
+            logits = self.out(enc).unsqueeze(1).expand(B, L, T, -1)
+        else:
+            # W_c [h_t; d_l] = W_h h_t + W_d d_l: project each side once, then combine (B, L, T, H)
+            w_h, w_d = self.combine.weight[:, :H], self.combine.weight[:, H:]
+            hidden = torch.tanh((enc @ w_h.T).unsqueeze(1) + (dec @ w_d.T).unsqueeze(2))
+            logits = self.out(hidden)
         gold = logits.gather(-1, tgt.view(B, L, 1, 1).expand(B, L, T, 1)).squeeze(-1)
         return gold - torch.logsumexp(logits, -1)
 

@@ -33,6 +33,7 @@ from attnkern.experiments.common import (
 )
 from attnkern.experiments.data.synthetic import COPY_DISTRIBUTIONS
 from attnkern.experiments.dynamics.seq2seq_train import copy_config, train_copy
+from attnkern.experiments.models import Seq2Seq
 
 NAME = "copy"
 # Its metrics (token accuracy, the argmax of the weights) hold for chain marginals too (--normalizers crf,
@@ -50,6 +51,10 @@ CALIBRATION = ("quick budget 225 steps: the smallest at which >= 90% of 10 softm
                "250); full-scale budget 3000 steps: not calibrated (a full calibration takes CPU-hours; run "
                "`attnkern-exp copy --calibrate 3000`)")
 
+# The output layers (--output), as the markdown names them.
+OUTPUT_LAYERS = {"combined": "W_o tanh(W_c [c; d]) (Luong)",
+                 "context": "W_o c (the slides' simplified model: the source only through the attention)"}
+
 # What the paper's slides report for softmax attention (no numbers for sparse normalizers).
 PAPER = {"iid": "always succeeds (1.0)", "permutation": "about half fail (~0.5)",
          "subset": "not reported in the slides"}
@@ -60,6 +65,9 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="override the step budget")
     p.add_argument("--hidden", type=int, default=None, help="override the embedding/hidden size")
     p.add_argument("--batch", type=int, default=None, help="override the batch size")
+    p.add_argument("--output", default="combined", choices=Seq2Seq.OUTPUTS,
+                   help="the output layer: Luong's W_o tanh(W_c [c; d]) (combined, default) or W_o c (context: the "
+                        "source reaches the output only through the attention, the slides' simplified model)")
     p.add_argument("--calibrate", type=int, default=None, metavar="MAX_STEPS",
                    help="instead of the sweep: train softmax iid runs for up to MAX_STEPS and report the smallest "
                         "budget (multiple of the evaluation interval) at which >= 90%% of them succeed")
@@ -67,8 +75,9 @@ def add_arguments(p) -> None:
 
 def configs(args) -> tuple[dict, int]:
     # a --steps override keeps the evaluation interval: budgets are read off the evaluation grid
-    return scale_and_seeds(args, QUICK, FULL, {"steps": ("steps",), "hidden": ("hidden_dim", "embed_dim"),
-                                               "batch": ("batch",)}, cap_eval_every=False)
+    scale, seeds = scale_and_seeds(args, QUICK, FULL, {"steps": ("steps",), "hidden": ("hidden_dim", "embed_dim"),
+                                                       "batch": ("batch",)}, cap_eval_every=False)
+    return {**scale, "output": getattr(args, "output", "combined")}, seeds
 
 
 def jobs_for(args) -> tuple[list[runner.Job], dict, int]:
@@ -181,6 +190,7 @@ def markdown(result) -> str:
     lines = [f"# copy: sequence copying (length {cfg['scale'].get('length', 40)})", "",
              f"Configuration: {'--quick' if cfg['quick'] else 'full scale'}; hidden {cfg['scale']['hidden_dim']}, "
              f"batch {cfg['scale']['batch']}, step budget {cfg['scale']['steps']}, {cfg['seeds']} seeds per cell, "
+             f"output layer {OUTPUT_LAYERS[cfg['scale'].get('output', 'combined')]}, "
              f"backend {cfg['backend']}. Success = token accuracy >= 0.9 on {cfg['scale']['final_samples']} fresh "
              "samples at the end of the budget.", "",
              "## Success rate (ours) beside the paper's (softmax)", ""]

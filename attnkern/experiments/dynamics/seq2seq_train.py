@@ -15,10 +15,11 @@ from attnkern.experiments.data.synthetic import CopyTask
 from attnkern.experiments.models import Seq2Seq
 
 # Every option of a copy run, at the paper's scale (1-layer LSTM, 256 units,
-# Luong general attention, Adam 1e-3, batch 128, fresh samples every step,
-# evaluation every 10 steps on 50 fresh samples).
+# Luong general attention and output layer, Adam 1e-3, batch 128, fresh samples
+# every step, evaluation every 10 steps on 50 fresh samples).
 COPY_DEFAULTS = dict(distribution="permutation", normalizer="softmax", length=40, subset_vocab=60, rnn="lstm",
-                     attention="general", embed_dim=256, hidden_dim=256, num_layers=1, mode="learned", lr=1e-3,
+                     attention="general", output="combined", embed_dim=256, hidden_dim=256, num_layers=1,
+                     mode="learned", lr=1e-3,
                      batch=128, steps=3000, eval_every=10, eval_samples=50, final_samples=500, stop_at=None,
                      threshold=0.9, backend="auto", device="cpu")
 
@@ -33,7 +34,7 @@ def copy_config(**overrides) -> dict:
 def _model_options(cfg: dict, task: CopyTask) -> dict:
     """The keyword arguments a copy model (single- or multi-head) takes from a copy config."""
     normalizer, params = parse_normalizer(cfg["normalizer"])
-    return dict(rnn=cfg["rnn"], attention=cfg["attention"], normalizer=normalizer, **params,
+    return dict(rnn=cfg["rnn"], attention=cfg["attention"], output=cfg["output"], normalizer=normalizer, **params,
                 backend=cfg["backend"], pad_idx=task.pad_idx, bos_idx=task.bos_idx)
 
 
