@@ -780,7 +780,8 @@ def _time_adasplash(ctx, ada, row, qg, kg, vg, do, alpha_v, causal, nz, alpha, s
 
 
 def run_rows(ctx: Ctx) -> None:
-    """The CUDA row normalizers against torch.softmax (and the entmax package when present)."""
+    """The CUDA row normalizers against torch.softmax (and the entmax package when present), and the
+    structured row kernels (fusedmax, crf_marginals) against torch.softmax."""
     import torch
 
     import attnkern
@@ -813,6 +814,22 @@ def run_rows(ctx: Ctx) -> None:
                     peer = functools.partial(peer, alpha=1.3)
                 row["entmax pkg fwd+bwd"] = timed(peer)[1]
             ctx.add(table, **row)
+    # The structured row kernels (one thread per row, sequential along it) on the first shape only.
+    shape = shapes[0]
+    x, gy = torch.randn(*shape, device=dev), torch.randn(*shape, device=dev)
+    timed = functools.partial(_time_row_op, ctx, x, gy)
+    pairwise = torch.tensor([[0.5, -1.0], [-0.5, 1.0]], device=dev)
+    structured = {"fusedmax λ=0.1": lambda t: attnkern.fusedmax(t, lam=0.1),
+                  "crf_marginals": lambda t: attnkern.crf_marginals(t, pairwise)}
+    base_f, base_b = timed(lambda t: torch.softmax(t, -1))
+    for name, fn in structured.items():
+        if ctx.left() < 10:
+            ctx.note("stopped at the phase's time limit")
+            return
+        f, b = timed(fn)
+        ctx.add("structured row kernels (a thread per row), float32, milliseconds (median); ratio = attnkern / "
+                "torch.softmax", op=name, shape=str(shape), fwd=f, fwd_bwd=b, **{"× softmax fwd": f / base_f,
+                                                                                   "× softmax fwd+bwd": b / base_b})
 
 
 def _time_row_op(ctx: Ctx, x, gy, fn) -> tuple[float, float]:

@@ -51,6 +51,9 @@ def test_every_phase_runs_and_reports(first_run):
         assert title in md
     windows = [r["row"] for r in data["phases"]["timing"]["items"] if "window" in r["row"]]
     assert windows and all("error" not in r and r["× own causal fwd+bwd"] > 0 for r in windows), windows
+    structured = {r["row"]["op"]: r["row"] for r in data["phases"]["rows"]["items"] if "op" in r["row"]}
+    assert set(structured) == {"fusedmax λ=0.1", "crf_marginals"}, structured
+    assert all(r["fwd_bwd"] > 0 for r in structured.values())
     tests = data["phases"]["tests"]["data"]
     assert tests["collected"] and all(o in ("passed", "skipped") for o in tests["outcomes"].values())
     assert any(o == "passed" for o in tests["outcomes"].values())
