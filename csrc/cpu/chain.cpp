@@ -248,6 +248,10 @@ struct CrfLanes {
   using Vec = at::vec::Vectorized<double>;
   static constexpr int kLanes = Vec::size();
   static constexpr int kAllLanes = (1 << kLanes) - 1;
+  // The longest rows taken side by side: a group's arrays hold 12·kLanes
+  // doubles per entry (3 MiB per thread at this length at AVX512), and longer
+  // rows would cost more memory than one at a time does.
+  static constexpr int64_t kMaxEntries = int64_t(1) << 12;
 
   int64_t n;
   int count = 0;
@@ -433,7 +437,8 @@ struct CrfLanes {
   }
 };
 
-// Whether an op's rows may run side by side (CrfLanes).
+// Whether an op's rows may run side by side (CrfLanes; rows of up to
+// CrfLanes::kMaxEntries entries).
 template <typename Op>
 constexpr bool kSideBySide = std::is_same_v<Op, CrfMarginals>;
 
@@ -453,7 +458,7 @@ void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) 
     ChainScratch s(n);
     typename Op::Workspace ws(n);
     std::unique_ptr<CrfLanes> lanes;
-    if constexpr (kSideBySide<Op>) lanes = std::make_unique<CrfLanes>(n);
+    if (kSideBySide<Op> && n <= CrfLanes::kMaxEntries) lanes = std::make_unique<CrfLanes>(n);
     auto run_lanes = [&] {
       lanes->pad(/*with_grad=*/false);
       lanes->sweeps();
@@ -465,7 +470,7 @@ void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) 
     };
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      if constexpr (kSideBySide<Op>) {
+      if (lanes) {
         double* row = lanes->next_row();
         lay.load(xp + base, row);
         if (CrfLanes::ready(row, n, wp + 4 * r)) {
@@ -522,7 +527,7 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
     ChainScratch s(n);
     typename Op::Workspace ws(n);
     std::unique_ptr<CrfLanes> lanes;
-    if constexpr (kSideBySide<Op>) lanes = std::make_unique<CrfLanes>(n);
+    if (kSideBySide<Op> && n <= CrfLanes::kMaxEntries) lanes = std::make_unique<CrfLanes>(n);
     auto run_lanes = [&] {
       lanes->pad(/*with_grad=*/true);
       lanes->sweeps();
@@ -539,7 +544,7 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
     };
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      if constexpr (kSideBySide<Op>) {
+      if (lanes) {
         double* row = lanes->next_row();
         lay.load(xp + base, row);
         if (CrfLanes::ready(row, n, wp + 4 * r)) {
