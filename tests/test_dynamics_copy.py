@@ -28,7 +28,10 @@ def test_copy_end_to_end_tiny(tmp_path, capsys):
     assert cfg["scale"]["steps"] == 20 and cfg["scale"]["hidden_dim"] == 16 and cfg["seeds"] == 1
     assert res["meta"]["torch"] == torch.__version__ and res["meta"]["attnkern_commit"]
     md = (tmp_path / "copy.md").read_text()
-    assert "paper (softmax)" in md and "about half fail" in md
+    assert "paper (softmax)" in md and "about half fail" in md and "learned the alignment" in md
+    aligned, seeds = res["summary"]["attention_aligned"]["permutation"]["sparsemax"]
+    last = res["summary"]["curves"]["permutation"]["sparsemax"]["seed0"]["attn_acc"][-1]
+    assert seeds == 1 and aligned == int(last >= 0.5)
     sv = res["summary"]["survival"]["iid"]["softmax"]
     assert sv["seeds"] == len(res["summary"]["curves"]["iid"]["softmax"]) and sv["step"][0] == 0
     assert sv["not_yet"][0] == 1.0 and all(a >= b for a, b in zip(sv["not_yet"][:-1], sv["not_yet"][1:], strict=True))
@@ -39,6 +42,15 @@ def test_copy_end_to_end_tiny(tmp_path, capsys):
     assert cli.main(argv) == 0
     assert json.loads((tmp_path / "copy.json").read_text())["sweep"]["runs_cached"] == 4
     assert time.time() - t < 10
+
+
+def test_aligned_seeds_counts_the_last_evaluation():
+    from attnkern.experiments.dynamics.copy_task import ALIGNED, aligned_seeds
+
+    curves = {"permutation": {"softmax": {"seed0": {"attn_acc": [0.9, 0.0]}, "seed1": {"attn_acc": [0.1, 0.99]},
+                                          "seed2": {"attn_acc": [ALIGNED]}}},
+              "iid": {"softmax": {"seed0": {"attn_acc": [0.2, ALIGNED - 1e-9]}}}}
+    assert aligned_seeds(curves) == {"permutation": {"softmax": [2, 3]}, "iid": {"softmax": [0, 1]}}
 
 
 def test_copy_output_layer_option(tmp_path):

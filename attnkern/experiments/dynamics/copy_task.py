@@ -91,6 +91,18 @@ def jobs_for(args) -> tuple[list[runner.Job], dict, int]:
 # The paper's own horizon (steps) for a success rate beside the survival curves.
 PAPER_HORIZON = 200
 
+# A seed's attention learned the alignment when its attention accuracy at the last evaluation of its curve is
+# at least this. On permutations seeds split into near 1 and near 0: a model can copy (token accuracy counts it
+# a success) with its attention off the diagonal, so the slides' "attention fails to learn" is counted apart.
+ALIGNED = 0.5
+
+
+def aligned_seeds(curves: dict) -> dict:
+    """{distribution: {normalizer: [aligned, seeds]}} from a summary's per-seed curves: how many seeds ended
+    (at their last evaluation) with attention accuracy >= ALIGNED."""
+    return {dist: {norm: [sum(c["attn_acc"][-1] >= ALIGNED for c in by_seed.values()), len(by_seed)]
+                   for norm, by_seed in cells.items()} for dist, cells in curves.items()}
+
 
 def survival(first_steps: list, budget: int) -> dict:
     """The steps-to-success distribution of a cell's seeds as a survival curve: at each step where a seed
@@ -136,7 +148,8 @@ def summarize(args, sweep, scale, seeds) -> dict:
                                       if scale["steps"] >= PAPER_HORIZON else None)
     return {"success_rate": success, "final_token_acc": acc, "final_attn_acc": attn,
             "median_first_step_above_threshold": first, "curves": curves, "survival": surv,
-            "success_by_paper_horizon": by_horizon, "runs_per_cell": seeds}
+            "success_by_paper_horizon": by_horizon, "attention_aligned": aligned_seeds(curves),
+            "runs_per_cell": seeds}
 
 
 def plot(out, summary, args) -> list[str]:
@@ -212,6 +225,13 @@ def markdown(result) -> str:
                     f"{'n/a' if hz[d][n] is None else f'{hz[d][n]:.2f}'} / {sv[d][n]['censored']} of "
                     f"{sv[d][n]['seeds']}") for n in norms] for d in dists]
     lines.append(md_table(["distribution"] + [f"{n}: by {PAPER_HORIZON} / never" for n in norms], rows))
+    lines += [f"## Seeds whose attention learned the alignment (attention accuracy >= {ALIGNED} at the last "
+              "evaluation)", "",
+              "A seed can copy with its attention off the diagonal; the slides' failures are of the attention.", ""]
+    al = s.get("attention_aligned", {})
+    rows = [[d] + [("–" if n not in al.get(d, {}) else f"{al[d][n][0]} of {al[d][n][1]}") for n in norms]
+            for d in dists]
+    lines.append(md_table(["distribution"] + norms, rows))
     return markdown_end(lines, result, notes=[f"Budget: {CALIBRATION}."])
 
 
