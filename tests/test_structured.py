@@ -183,6 +183,28 @@ def test_oscarmax_kernel_matches_the_reference(n, lam):
                                rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_oscarmax_long_rows_with_tied_magnitudes(dtype):
+    # Rows of more than 64 entries are sorted by a radix sort on the bits of
+    # |x| that skips the bytes all keys share (float32 values leave three of
+    # them zero); ties of either sign must pool exactly as the reference's.
+    x = random_rows(1025, rows=3, seed=17)
+    x[:, ::5] = 0.25
+    x[:, 2::5] = -0.25
+    x[1] = x[1].round()  # a handful of distinct magnitudes
+    x = x.to(dtype).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    g = random_rows(1025, rows=3, seed=18).to(dtype)
+    p = attnkern.oscarmax(x, lam=0.002)
+    want = attnkern.oscarmax(xr, lam=0.002, backend="reference")
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(p, want, rtol=0, atol=tol)
+    (p * g).sum().backward()
+    (want * g).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=tol)
+    assert (p[1] > 0).sum() > 1  # (the tied rows keep a support of several entries)
+
+
 def test_only_fusedmax_is_shift_invariant():
     x = random_rows(20, rows=3, seed=16)
     torch.testing.assert_close(attnkern.fusedmax(x + 3.0, lam=0.2), attnkern.fusedmax(x, lam=0.2))

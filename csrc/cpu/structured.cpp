@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <utility>
@@ -51,16 +52,16 @@ inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 // is read (a std::vector's zero fill is an inline template that each
 // instruction-set copy would compile, and one copy's would be shared).
 // oscarmax's prox also keeps the sort order of |x| and its pooled blocks (their
-// ends in sorted positions and their sums).
+// ends in sorted positions and their sums); its sort uses `keys` (2n) and
+// order_tmp.
 struct ProxScratch {
   std::unique_ptr<double[]> buf;
   std::unique_ptr<int64_t[]> ibuf;
-  std::unique_ptr<std::pair<double, int64_t>[]> keyed;  // oscarmax's (|x|, index), sorted
+  std::unique_ptr<uint64_t[]> keys;
   double *row, *xs, *y, *g, *gs, *dxs, *out, *block_sum;
-  int64_t *pos, *order, *block_end;
+  int64_t *pos, *order, *block_end, *order_tmp;
   int64_t blocks = 0;
-  explicit ProxScratch(int64_t n)
-      : buf(new double[8 * n]), ibuf(new int64_t[3 * n]), keyed(new std::pair<double, int64_t>[n]) {
+  explicit ProxScratch(int64_t n) : buf(new double[8 * n]), ibuf(new int64_t[4 * n]), keys(new uint64_t[2 * n]) {
     double* b = buf.get();
     for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum}) {
       *a = b;
@@ -69,6 +70,7 @@ struct ProxScratch {
     pos = ibuf.get();
     order = pos + n;
     block_end = order + n;
+    order_tmp = block_end + n;
   }
 };
 
@@ -121,17 +123,57 @@ double Fusedmax::backward(ProxScratch& s, int64_t m, double tau) {
 
 // y = prox of lam·OSCAR at the m finite entries (see the top of the file),
 // keeping the sort order and the pooled blocks (s.blocks of them).
+// s.order[0:m] = the indices of s.xs[0:m] by decreasing |x|, ties in index
+// order (the prox does not depend on it: tied magnitudes always pool when
+// lam > 0, and are equal anyway when lam = 0). Non-negative doubles order as
+// their bit patterns, so a stable LSD radix sort on the complemented bits of
+// |x|, a byte a pass, skipping the bytes all keys share (float32 inputs leave
+// the low three bytes zero); short rows by comparisons, where the passes'
+// 256 buckets would cost more than the sort.
+void sort_by_magnitude(ProxScratch& s, int64_t m) {
+  const double* x = s.xs;
+  uint64_t* key = s.keys.get();
+  int64_t* order = s.order;
+  for (int64_t i = 0; i < m; ++i) {
+    const double a = std::abs(x[i]);
+    uint64_t bits;
+    std::memcpy(&bits, &a, sizeof bits);
+    key[i] = ~bits;
+    order[i] = i;
+  }
+  if (m <= 64) {
+    std::sort(order, order + m, [key](int64_t a, int64_t b) { return key[a] < key[b] || (key[a] == key[b] && a < b); });
+    return;
+  }
+  uint32_t count[8][256] = {};
+  for (int64_t i = 0; i < m; ++i) {
+    for (int d = 0; d < 8; ++d) ++count[d][(key[i] >> (8 * d)) & 255];
+  }
+  uint64_t *from = key, *to = key + m;
+  int64_t *from_order = order, *to_order = s.order_tmp;
+  for (int d = 0; d < 8; ++d) {
+    if (count[d][(from[0] >> (8 * d)) & 255] == uint32_t(m)) continue;  // (every key has this byte)
+    uint32_t start[256];
+    uint32_t total = 0;
+    for (int b = 0; b < 256; ++b) {
+      start[b] = total;
+      total += count[d][b];
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t at = start[(from[i] >> (8 * d)) & 255]++;
+      to[at] = from[i];
+      to_order[at] = from_order[i];
+    }
+    std::swap(from, to);
+    std::swap(from_order, to_order);
+  }
+  if (from_order != order) std::copy(from_order, from_order + m, order);
+}
+
 void oscar_prox(ProxScratch& s, int64_t m, double lam) {
   const double* x = s.xs;
-  int64_t* order = s.order;
-  // Decreasing |x|, ties in index order (the result does not depend on it: tied
-  // magnitudes always pool when lam > 0, and are equal anyway when lam = 0).
-  auto* keyed = s.keyed.get();
-  for (int64_t i = 0; i < m; ++i) keyed[i] = {std::abs(x[i]), i};
-  std::sort(keyed, keyed + m, [](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
-  for (int64_t i = 0; i < m; ++i) order[i] = keyed[i].second;
+  const int64_t* order = s.order;
+  sort_by_magnitude(s, m);
   // Pool adjacent violators: blocks of a non-increasing fit to |x|_(k) - lam·(m-1-k).
   int64_t blocks = 0;
   for (int64_t k = 0; k < m; ++k) {
