@@ -229,6 +229,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if attn_mask is not None and type(attn_mask) is not torch.Tensor:
         if block_mask.is_block_mask(attn_mask):
             bounds = block_mask.row_bounds(attn_mask, query.shape[-2], key.shape[-2], check=not compiling)
+            if bounds is None:  # (rows whose keys are not one run)
+                return block_mask.attention_by_blocks(
+                    attention, query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa, normalizer=normalizer, alpha=alpha, lam=lam,
+                    backend=backend, return_weights=return_weights, window=window, cache_seqlens=cache_seqlens)
             attn_mask = None
         else:
             attn_mask, is_causal, window = _causal_bias(attn_mask, is_causal, window, query.shape[-2],

@@ -120,14 +120,110 @@ def test_block_mask_dropout_is_the_dense_mask_call():
         assert_close_tol(out, want, tolerance(torch.float32, "attention", "forward"), name)
 
 
-def test_rows_that_are_not_one_run_are_refused():
-    def global_and_local(b, h, q, kv):
-        return (kv < 4) | ((q >= kv) & (q - kv < 50))
+def global_and_local(b, h, q, kv):
+    """Global keys 0..3 plus a causal window of 50: rows with a gap."""
+    return (kv < 4) | ((q >= kv) & (q - kv < 50))
 
-    q, k, v = make_qkv(1, 2, 2, 600, 600, 8, 8)
-    bm = flex.create_block_mask(global_and_local, None, None, 600, 600, device="cpu")
-    with pytest.raises(ValueError, match="not one run.*dense boolean attn_mask"):
-        attnkern.attention(q, k, v, bm)
+
+def dilated(b, h, q, kv):
+    """Every third key within 200 back, causal: many gaps in every row."""
+    return (q >= kv) & (q - kv < 200) & ((q - kv) % 3 == 0)
+
+
+def per_head_global(b, h, q, kv):
+    """A different number of global keys and window per head and batch element."""
+    return (kv < 2 + 3 * h) | ((q >= kv) & (q - kv < 30 + 40 * h + 9 * b))
+
+
+def gaps_and_empty_block_row(b, h, q, kv):
+    """Global keys plus a window, with query rows 140..299 seeing nothing."""
+    return ((q < 140) | (q >= 300)) & ((kv < 3) | ((kv <= q) & (q - kv < 20)))
+
+
+GAP_MASKS = {
+    "global-and-local": (global_and_local, 300, 300, None, None),
+    "dilated": (dilated, 300, 300, None, None),
+    "per-head": (per_head_global, 300, 300, 2, 4),
+    "L-ne-S": (lambda b, h, q, kv: (kv < 5) | ((kv >= 4 * q) & (kv < 4 * q + 90)), 97, 513, None, None),
+    "empty-block-row": (gaps_and_empty_block_row, 420, 420, None, None),
+}
+
+
+def _gap_case(name, dtype=torch.float64, seed=0):
+    mod, L, S, Bm, Hm = GAP_MASKS[name]
+    bm = flex.create_block_mask(mod, Bm, Hm, L, S, device="cpu")
+    dense = flex.create_mask(mod, Bm or 1, Hm or 1, L, S, device="cpu")
+    q, k, v, go = make_qkv(2, 4, 2, L, S, 24, 16, dtype=dtype, seed=seed, grad_out=True)
+    return bm, dense, q, k, v, go
+
+
+# (α per head and fusedmax on two of the masks: their float64 references solve row by row in Python.)
+GAP_CASES = ([(name, n) for name in GAP_MASKS for n in ("softmax", "sparsemax", "entmax15")]
+             + [("per-head", "entmax"), ("L-ne-S", "entmax"), ("L-ne-S", "fusedmax")])
+
+
+@pytest.mark.parametrize(("name", "normalizer"), GAP_CASES)
+def test_rows_with_gaps_match_reference(name, normalizer):
+    """Rows whose keys are not one run go block row by block row over the
+    gathered key blocks they list; values and every gradient (α and λ per
+    head too, also with a mask that differs across heads) as the reference
+    given the dense mask."""
+    from attnkern import block_mask
+
+    bm, dense, q, k, v, go = _gap_case(name)
+    assert block_mask.row_bounds(bm, q.shape[-2], k.shape[-2]) is None
+    param = {"entmax": ("alpha", alpha_for("entmax", 4, requires_grad=True, dtype=torch.float64)),
+             "fusedmax": ("lam", torch.tensor([0.05, 0.2, 0.0, 1.0], dtype=torch.float64, requires_grad=True)),
+             }.get(normalizer)
+    kw = {param[0]: param[1]} if param else {}
+    if normalizer == "fusedmax":
+        q, k, v, go = (t[:1] for t in (q, k, v, go))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attnkern.attention(q, k, v, bm, normalizer=normalizer, enable_gqa=True, **kw)
+    want = attnkern.attention(q, k, v, dense, normalizer=normalizer, enable_gqa=True, backend="reference", **kw)
+    assert_close_tol(out, want, tolerance(torch.float64, "attention", "forward"), "out")
+    inputs = [q, k, v] + ([param[1]] if param else [])
+    got, exp = torch.autograd.grad(out, inputs, go), torch.autograd.grad(want, inputs, go)
+    for what, g, w in zip(("dq", "dk", "dv", "dparam"), got, exp, strict=False):
+        assert_close_tol(g, w, tolerance(torch.float64, "attention", "gradient", scale=4.0), what)
+    if name == "empty-block-row":
+        assert out[:, :, 140:300].abs().max() == 0
+
+
+def test_rows_with_gaps_meet_window_causal_cache_lengths_and_weights():
+    bm, dense, q, k, v, go = _gap_case("global-and-local")
+    lengths = torch.tensor([300, 233])
+    for kw in ({"window": (25, 3), "cache_seqlens": lengths}, {"is_causal": True}):
+        out = attnkern.attention(q, k, v, bm, enable_gqa=True, normalizer="sparsemax", **kw)
+        want = attnkern.attention(q, k, v, dense, enable_gqa=True, normalizer="sparsemax", backend="reference",
+                                  **kw)
+        assert_close_tol(out, want, tolerance(torch.float64, "attention", "forward"), str(kw))
+    out, w = attnkern.attention(q, k, v, bm, normalizer="entmax15", enable_gqa=True, return_weights=True)
+    want, w_want = attnkern.attention(q, k, v, dense, normalizer="entmax15", enable_gqa=True, return_weights=True,
+                                      backend="reference")
+    assert_close_tol(out, want, tolerance(torch.float64, "attention", "forward"), "out")
+    assert_close_tol(w, w_want, tolerance(torch.float64, "attention", "forward"), "weights")
+    # (Unbatched (H, L, E) inputs, as attention takes them.)
+    torch.testing.assert_close(attnkern.attention(q[1], k[1], v[1], bm, enable_gqa=True),
+                               attnkern.attention(q[1:], k[1:], v[1:], bm, enable_gqa=True)[0])
+
+
+def test_rows_with_gaps_half_types_and_dropout():
+    for dtype in (torch.float32, torch.bfloat16):
+        bm, dense, q, k, v, go = _gap_case("dilated", dtype=dtype, seed=3)
+        out = attnkern.attention(q, k, v, bm, normalizer="entmax15", enable_gqa=True)
+        want = attnkern.attention(q.double(), k.double(), v.double(), dense, normalizer="entmax15",
+                                  enable_gqa=True, backend="reference")
+        assert out.dtype == dtype
+        assert_close_tol(out, want, tolerance(dtype, "attention", "forward"), str(dtype))
+    # Dropout is drawn in the gathered layout: reproducible under torch.manual_seed, and it drops.
+    bm, dense, q, k, v, go = _gap_case("global-and-local", dtype=torch.float32)
+    torch.manual_seed(5)
+    a = attnkern.attention(q, k, v, bm, dropout_p=0.4, enable_gqa=True, normalizer="sparsemax")
+    torch.manual_seed(5)
+    b = attnkern.attention(q, k, v, bm, dropout_p=0.4, enable_gqa=True, normalizer="sparsemax")
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert not torch.allclose(a, attnkern.attention(q, k, v, bm, enable_gqa=True, normalizer="sparsemax"))
 
 
 def test_bad_block_masks_are_named():
