@@ -154,6 +154,8 @@ BLOCK_MASKS = {
     "random-runs": (lambda: (lambda r: lambda b, h, q, kv: (kv >= r[0][q]) & (kv < r[1][q]))(_intervals(97, 150)),
                     97, 150, None),
     "per-head": (lambda: lambda b, h, q, kv: (q >= kv) & (q - kv <= 5 + 40 * h), 150, 150, 2),
+    # (Rows with gaps: block row by block row over the gathered key blocks, a dense mask inside them.)
+    "global-and-local": (lambda: lambda b, h, q, kv: (kv < 3) | ((q >= kv) & (q - kv < 20)), 150, 150, None),
 }
 
 
