@@ -126,13 +126,17 @@ class _Documents:
 
     def keys(self, t: Tensor, d: int) -> Tensor:
         """Document d's keys (or values) as (1, Hk, n_keys, dim): a view of the
-        packed tensor, or its pages gathered from the pool."""
+        packed tensor, or its pages gathered from the pool by one index_select
+        straight into that layout (gathering the pages and then laying them
+        out by head would copy them twice)."""
         n = self.n_keys[d]
         if self.paged:
-            rows = t[self.pages[d]].reshape(-1, *t.shape[2:])[:n]
-        else:
-            rows = t[self.k_starts[d]:self.k_starts[d] + n]
-        return rows.transpose(0, 1).unsqueeze(0)
+            page, heads, dim = t.shape[1], t.shape[2], t.shape[3]
+            slot = (self.pages[d].to(t.device)[:, None] * page
+                    + torch.arange(page, device=t.device)).reshape(-1)[:n]
+            rows = slot[None, :] * heads + torch.arange(heads, device=t.device)[:, None]  # (heads, n)
+            return t.reshape(-1, dim).index_select(0, rows.reshape(-1)).view(1, heads, n, dim)
+        return t[self.k_starts[d]:self.k_starts[d] + n].transpose(0, 1).unsqueeze(0)
 
     def add_key_grad(self, grad: Tensor, g: Tensor, d: int) -> None:
         """Adds document d's key (or value) gradient g (1, Hk, n, dim) into grad
