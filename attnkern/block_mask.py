@@ -165,7 +165,7 @@ def bounds_mask(bounds, S: int):
 _ENTRIES_PER_CALL = 1 << 24
 
 
-def _band(rows, keys, L: int, S: int, is_causal: bool, window, key_len):
+def _band(rows, keys, L: int, is_causal: bool, window, key_len):
     """Which of keys (N, K) rows (N, Q) may see under is_causal, window and
     the per-row-block valid key lengths key_len (N,) (attnkern.attention's
     meanings): (N, Q, K) bool."""
@@ -230,6 +230,7 @@ def attention_by_blocks(attention, query, key, value, block_mask, *, dropout_p, 
     weights = query.new_zeros((B, n_q, H, QB, S + 1)) if return_weights else None
     block_rows = torch.arange(QB, device=device)
     block_keys = torch.arange(KB, device=device)
+    fn = _vmapped(block_mask.mask_mod, (1,), (0, 2, 3))  # (heads, then each block row's batch, rows, keys)
     for c in sorted(set(counts.reshape(-1).tolist()) - {0}):
         b_sel, qb_sel = (counts == c).nonzero(as_tuple=True)
         n = b_sel.shape[0]
@@ -240,7 +241,6 @@ def attention_by_blocks(attention, query, key, value, block_mask, *, dropout_p, 
         # Full and partial per head, key by key: (n, Hm, c·KB).
         full_k = full[bm_b, :, qb_sel].gather(-1, kv[:, None, :].expand(n, Hm, c)).repeat_interleave(KB, -1)
         part_k = partial[bm_b, :, qb_sel].gather(-1, kv[:, None, :].expand(n, Hm, c)).repeat_interleave(KB, -1)
-        fn = _vmapped(block_mask.mask_mod, (1,), (0, 2, 3))  # (heads, then each block row's batch, rows, keys)
         step = max(1, _ENTRIES_PER_CALL // (Hm * QB * c * KB))
         mod = torch.cat([fn(bm_b[a:a + step], torch.arange(Hm, device=device),
                             rows[a:a + step].clamp(max=L - 1), keys[a:a + step].clamp(max=S - 1)).to(torch.bool)
@@ -248,7 +248,7 @@ def attention_by_blocks(attention, query, key, value, block_mask, *, dropout_p, 
         inside = (rows < L)[:, :, None] & (keys < S)[:, None, :]  # (the last blocks' padding is not)
         allowed = (full_k[:, :, None, :] | (part_k[:, :, None, :] & mod)) & inside[:, None]
         if is_causal or window is not None or cache_seqlens is not None:
-            allowed = allowed & _band(rows, keys, L, S, is_causal, window, key_len[b_sel])[:, None]
+            allowed = allowed & _band(rows, keys, L, is_causal, window, key_len[b_sel])[:, None]
         # Rows gathered by one index_select each, straight into the (n, heads, rows, dim) layout the
         # kernels take: (B·heads·seq, dim) rows at (b·heads + h)·seq + position.
         at = (((b_sel * H)[:, None] + heads_q) * n_q + qb_sel[:, None]).reshape(-1)
