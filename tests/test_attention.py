@@ -325,6 +325,49 @@ def test_half_decoding_with_gradients(dtype):
                                    atol=4 * torch.finfo(dtype).eps * scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softmax_decoding_reads_other_layouts_in_place(dtype):
+    """float32 / float64 decoding reads K and V where they are when their rows
+    need no padding (a token-major cache, a slice of a longer cache, a batch
+    broadcast): bitwise what contiguous copies give, with masks, causal,
+    window, cache lengths, GQA and dropout, and the same gradients."""
+    g = torch.Generator().manual_seed(11)
+    B, H, Hk, L, S = 2, 4, 2, 3, 1100
+    q = torch.randn(B, H, L, 64, generator=g, dtype=torch.float64).to(dtype)
+    token_major = torch.randn(B, S, Hk, 64, generator=g, dtype=torch.float64).to(dtype)
+    longer = torch.randn(B, Hk, S + 37, 32, generator=g, dtype=torch.float64).to(dtype)
+    layouts = {
+        "token-major": (token_major.transpose(1, 2), longer[:, :, 5:S + 5]),
+        "slice": (token_major.transpose(1, 2).contiguous()[:, :, :S - 100], longer[:, :, :S - 100]),
+        "broadcast": (token_major[:1].transpose(1, 2).expand(B, Hk, S, 64), longer[:1, :, :S].expand(B, Hk, S, 32)),
+        "odd dim": (token_major[..., :59].transpose(1, 2), longer[:, :, :S, :31]),  # (padded: copied)
+    }
+    mask = torch.rand(B, 1, L, S, generator=g) > 0.3
+    for name, (k, v) in layouts.items():
+        assert not k.is_contiguous()
+        n = k.shape[2]
+        kw_list = [{}, {"attn_mask": mask[..., :n]}, {"is_causal": True}, {"window": (300, 0)},
+                   {"cache_seqlens": torch.tensor([n, n // 3])}]
+        for kw in kw_list:
+            qq = q[..., :k.shape[-1]]
+            out = attnkern.attention(qq, k, v, enable_gqa=True, backend="cpu", **kw)
+            want = attnkern.attention(qq, k.contiguous(), v.contiguous(), enable_gqa=True, backend="cpu", **kw)
+            assert torch.equal(out, want), (name, kw)
+        torch.manual_seed(3)
+        out = attnkern.attention(q[..., :k.shape[-1]], k, v, dropout_p=0.2, enable_gqa=True, backend="cpu")
+        torch.manual_seed(3)
+        want = attnkern.attention(q[..., :k.shape[-1]], k.contiguous(), v.contiguous(), dropout_p=0.2,
+                                  enable_gqa=True, backend="cpu")
+        assert torch.equal(out, want), (name, "dropout")
+    k, v = (t.detach().clone().requires_grad_() for t in layouts["token-major"])
+    kc, vc = (t.detach().contiguous().requires_grad_() for t in layouts["token-major"])
+    go = torch.randn(B, H, L, 32, generator=g, dtype=torch.float64).to(dtype)
+    got = torch.autograd.grad(attnkern.attention(q, k, v, enable_gqa=True), (k, v), go)
+    exp = torch.autograd.grad(attnkern.attention(q, kc, vc, enable_gqa=True), (kc, vc), go)
+    for a, b in zip(got, exp, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_softmax_decoding_large_scores_and_thread_count():
     q, k, v = make_qkv(1, 1, 1, 1, 2000, 16, 16, spread=30.0, seed=3)
     k[0, 0, 1700] = q[0, 0, 0] * 40  # one key far above the rest, in the last chunk

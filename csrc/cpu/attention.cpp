@@ -635,8 +635,15 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
   AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_fwd", [&] {
     const int64_t Ep = round_up_panel<scalar_t>(c.E), Evp = round_up_panel<scalar_t>(c.Ev);
     const bool half_in = std::is_same_v<scalar_t, float> && is_half_type(q_in.scalar_type());
-    // Softmax decoding of bfloat16 / float16 reads K and V as they are.
+    // Softmax decoding of bfloat16 / float16 reads K and V as they are, and
+    // so does that of float32 / float64 K and V in another layout whose rows
+    // need no padding (Problem::kv_strided): a copy would cost more than the
+    // decoding.
     const bool half_kv = fam == Family::kSoftmax && c.L <= kDecodeRows && half_in;
+    const bool strided_kv = fam == Family::kSoftmax && c.L <= kDecodeRows && !half_in &&
+                            k_in.scalar_type() == c.acc && v_in.scalar_type() == c.acc && c.E == Ep &&
+                            c.Ev == Evp && k_in.stride(3) == 1 && v_in.stride(3) == 1 &&
+                            !(k_in.is_contiguous() && v_in.is_contiguous());
     // Half-type GEMMs (half_gemm.h) beyond decoding: q and K in the input's
     // half type (or bfloat16 for float32: gemm_dtype), V in it for the
     // softmax heads' P·V and in float32 for the others'.
@@ -651,7 +658,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
     // kernel (Problem::q_half).
     const bool widen_blocks = half_in && pack_k;
     Tensor q = gemm16 || widen_blocks ? Tensor() : padded(q_in, c.acc, Ep);
-    Tensor k = half_kv || gemm16 || (pack_k && per_head) ? Tensor() : padded(k_in, c.acc, Ep);
+    Tensor k = half_kv || strided_kv || gemm16 || (pack_k && per_head) ? Tensor() : padded(k_in, c.acc, Ep);
     Tensor v, v_rows, q_rows, k_rows;
     Tensor k_half = half_kv ? k_in.contiguous() : Tensor(), v_half = half_kv ? v_in.contiguous() : Tensor();
     Tensor q16, k16, v16;
@@ -688,10 +695,15 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
       }
       // V widened: for the softmax heads of float32 GEMMs, and for the other
       // heads unless they read it as it is.
-      const bool softmax_reads_v = has_softmax_head(P) && !half_kv && !gemm16 && !P.widen_v_heads;
+      const bool softmax_reads_v = has_softmax_head(P) && !half_kv && !strided_kv && !gemm16 && !P.widen_v_heads;
       if (softmax_reads_v || (!all_softmax_heads(P) && !P.v_rows_half)) {
         v = padded(v_in, c.acc, Evp);
         P.v = v.const_data_ptr<scalar_t>();
+      }
+      if (strided_kv) {
+        P.kv_strided = true;
+        P.k = k_in.const_data_ptr<scalar_t>(), P.v = v_in.const_data_ptr<scalar_t>();
+        for (int d = 0; d < 3; ++d) P.k_stride[d] = k_in.stride(d), P.v_stride[d] = v_in.stride(d);
       }
       if (half_kv) {
         P.k_half = k_half.const_data_ptr(), P.v_half = v_half.const_data_ptr();

@@ -142,6 +142,12 @@ struct Problem {
   const void* v_half = nullptr;
   bool half_is_bf16 = true;
   int64_t e_half = 0, ev_half = 0;
+  // Decoding from float32 / float64 K and V laid out otherwise than (B, Hk,
+  // S, E) contiguous (a token-major cache, varlen documents): read where
+  // they are, key j of (batch bi, kv-head hk) at k + bi·k_stride[0] +
+  // hk·k_stride[1] + j·k_stride[2] (likewise v), E and Ev values a row.
+  bool kv_strided = false;
+  int64_t k_stride[3] = {0, 0, 0}, v_stride[3] = {0, 0, 0};
   // The forward of the heads that are not softmax, with bfloat16 / float16
   // inputs: V as it is (rows of ev_half values, of the type half_is_bf16
   // says), which their P·V over the support lists reads directly, gathering

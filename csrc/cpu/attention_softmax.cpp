@@ -673,10 +673,11 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_
 // chunks. K and V are read in place (no packing: with one query row the
 // packing would cost as much as the product). y: m x w scratch.
 // K and V rows hold ek and ev values of kv_t (float, or the half type of the
-// inputs).
+// inputs), kld and vld apart.
 template <typename acc_t, typename kv_t>
 void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
-                  const kv_t* kh, int64_t ek, const kv_t* vh, int64_t ev, acc_t* y, acc_t* o, acc_t* mx, acc_t* l) {
+                  const kv_t* kh, int64_t ek, int64_t kld, const kv_t* vh, int64_t ev, int64_t vld, acc_t* y,
+                  acc_t* o, acc_t* mx, acc_t* l) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   // A few query rows: dot products and axpys, each key and value row read
   // once for all the rows (BLAS calls on 1-row products cost more than they do).
@@ -687,13 +688,13 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
     float s[8];
     for (; j + 8 <= w; j += 8)
       for (int64_t r = 0; r < m; ++r) {
-        dot8(qr + r * P.E, kh + j * ek, ek, ek, s);
+        dot8(qr + r * P.E, kh + j * kld, kld, ek, s);
         for (int i = 0; i < 8; ++i) y[r * w + j + i] = P.scale * s[i];
       }
   }
 #endif
   for (; j < w; ++j)
-    for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, kh + j * ek, ek);
+    for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, kh + j * kld, ek);
   mask_scores(P, bi, h, i0, m, j0, w, y, w);
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * w;
@@ -709,11 +710,11 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   if (P.drop.on) apply_dropout(P.drop, y, m, w, w, P.row_id(bi, h, i0), P.key0 + j0);
   std::fill(o, o + m * P.Ev, acc_t(0));  // (columns ev.. of o are padding: zeros)
   if constexpr (std::is_same_v<acc_t, float>) {
-    for (int64_t r = 0; r < m; ++r) accumulate_pv(y + r * w, w, vh, ev, ev, o + r * P.Ev);
+    for (int64_t r = 0; r < m; ++r) accumulate_pv(y + r * w, w, vh, vld, ev, o + r * P.Ev);
   } else {
     for (int64_t j = 0; j < w; ++j)
       for (int64_t r = 0; r < m; ++r)
-        if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, vh + j * ev, y[r * w + j], ev);
+        if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, vh + j * vld, y[r * w + j], ev);
   }
 }
 
@@ -728,13 +729,19 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
         using half_t = decltype(tag);
         const half_t* kh = static_cast<const half_t*>(P.k_half) + (head * P.S + P.key0 + j0) * P.e_half;
         const half_t* vh = static_cast<const half_t*>(P.v_half) + (head * P.S + P.key0 + j0) * P.ev_half;
-        decode_chunk(P, bi, h, i0, m, j0, w, kh, P.e_half, vh, P.ev_half, y, o, mx, l);
+        decode_chunk(P, bi, h, i0, m, j0, w, kh, P.e_half, P.e_half, vh, P.ev_half, P.ev_half, y, o, mx, l);
       };
       return P.half_is_bf16 ? run(c10::BFloat16()) : run(c10::Half());
     }
   }
-  decode_chunk(P, bi, h, i0, m, j0, w, P.k_head(bi, hk) + j0 * P.E, P.E, P.v_head(bi, hk) + j0 * P.Ev, P.Ev, y,
-               o, mx, l);
+  if (P.kv_strided) {
+    const int64_t j = P.key0 + j0;
+    const acc_t* kh = P.k + bi * P.k_stride[0] + hk * P.k_stride[1] + j * P.k_stride[2];
+    const acc_t* vh = P.v + bi * P.v_stride[0] + hk * P.v_stride[1] + j * P.v_stride[2];
+    return decode_chunk(P, bi, h, i0, m, j0, w, kh, P.E, P.k_stride[2], vh, P.Ev, P.v_stride[2], y, o, mx, l);
+  }
+  decode_chunk(P, bi, h, i0, m, j0, w, P.k_head(bi, hk) + j0 * P.E, P.E, P.E, P.v_head(bi, hk) + j0 * P.Ev, P.Ev,
+               P.Ev, y, o, mx, l);
 }
 
 // The output rows (m x Ev) and log-sum-exp c of one head from its nchunks
