@@ -121,8 +121,6 @@ double Fusedmax::backward(ProxScratch& s, int64_t m, double tau) {
   return math::fusedmax_vjp(s.y, s.gs, m, tau, s.dxs);
 }
 
-// y = prox of lam·OSCAR at the m finite entries (see the top of the file),
-// keeping the sort order and the pooled blocks (s.blocks of them).
 // s.order[0:m] = the indices of s.xs[0:m] by decreasing |x|, ties in index
 // order (the prox does not depend on it: tied magnitudes always pool when
 // lam > 0, and are equal anyway when lam = 0). Non-negative doubles order as
@@ -170,6 +168,8 @@ void sort_by_magnitude(ProxScratch& s, int64_t m) {
   if (from_order != order) std::copy(from_order, from_order + m, order);
 }
 
+// y = prox of lam·OSCAR at the m finite entries (see the top of the file),
+// keeping the sort order and the pooled blocks (s.blocks of them).
 void oscar_prox(ProxScratch& s, int64_t m, double lam) {
   const double* x = s.xs;
   const int64_t* order = s.order;
