@@ -165,24 +165,6 @@ def bounds_mask(bounds, S: int):
 _ENTRIES_PER_CALL = 1 << 24
 
 
-def _band(rows, keys, L: int, is_causal: bool, window, key_len):
-    """Which of keys (N, K) rows (N, Q) may see under is_causal, window and
-    the per-row-block valid key lengths key_len (N,) (attnkern.attention's
-    meanings): (N, Q, K) bool."""
-    r, j = rows[:, :, None], keys[:, None, :]
-    sb = key_len[:, None, None]
-    ok = j < sb
-    if is_causal:
-        ok = ok & (j <= r)
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            ok = ok & (j >= r + sb - L - left)
-        if right >= 0:
-            ok = ok & (j <= r + sb - L + right)
-    return ok
-
-
 def attention_by_blocks(attention, query, key, value, block_mask, *, dropout_p, is_causal, scale, enable_gqa,
                         normalizer, alpha, lam, backend, return_weights, window, cache_seqlens):
     """attnkern.attention with a BlockMask some of whose rows allow keys with
@@ -194,6 +176,8 @@ def attention_by_blocks(attention, query, key, value, block_mask, *, dropout_p, 
     so fusedmax's neighbours are the allowed keys, as with -inf entries.
     Block rows listing as many key blocks go in one call of `attention`;
     dropout is drawn in that gathered layout (its own seed per call)."""
+    from attnkern.backends.reference import band_allows
+
     L, S = query.shape[-2], key.shape[-2]
     QB, KB, n_q, n_kv, full, partial = _blocks(block_mask, L, S)
     Bm, Hm = full.shape[:2]
@@ -248,7 +232,8 @@ def attention_by_blocks(attention, query, key, value, block_mask, *, dropout_p, 
         inside = (rows < L)[:, :, None] & (keys < S)[:, None, :]  # (the last blocks' padding is not)
         allowed = (full_k[:, :, None, :] | (part_k[:, :, None, :] & mod)) & inside[:, None]
         if is_causal or window is not None or cache_seqlens is not None:
-            allowed = allowed & _band(rows, keys, L, is_causal, window, key_len[b_sel])[:, None]
+            allowed = allowed & band_allows(rows[:, :, None], keys[:, None, :], L, key_len[b_sel][:, None, None],
+                                            is_causal=is_causal, window=window)[:, None]
         # Rows gathered by one index_select each, straight into the (n, heads, rows, dim) layout the
         # kernels take: (B·heads·seq, dim) rows at (b·heads + h)·seq + position.
         at = (((b_sel * H)[:, None] + heads_q) * n_q + qb_sel[:, None]).reshape(-1)

@@ -350,6 +350,23 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal
     return s
 
 
+def band_allows(i, j, L: int, sb, *, is_causal: bool = False, window=None) -> torch.Tensor:
+    """Whether query rows i may see keys j (broadcastable integer tensors)
+    under is_causal and window, sb the valid key count (broadcastable):
+    band_mask's rule, for callers that need it at chosen positions only."""
+    allowed = j < sb
+    if is_causal:
+        allowed = allowed & (j <= i)
+    if window is not None:
+        left, right = window
+        diag = i + sb - L
+        if left >= 0:
+            allowed = allowed & (j >= diag - left)
+        if right >= 0:
+            allowed = allowed & (j <= diag + right)
+    return allowed
+
+
 def band_mask(L: int, S: int, *, is_causal: bool = False, window=None, cache_seqlens=None,
               device=None) -> torch.Tensor:
     """Which keys each query may see, as a dense bool mask (True = allowed):
@@ -364,16 +381,7 @@ def band_mask(L: int, S: int, *, is_causal: bool = False, window=None, cache_seq
         sb = torch.tensor(S, device=device)
     else:
         sb = cache_seqlens.to(device=device, dtype=torch.int64).view(-1, 1, 1, 1)
-    allowed = j < sb
-    if is_causal:
-        allowed = allowed & (j <= i)
-    if window is not None:
-        left, right = window
-        diag = i + sb - L
-        if left >= 0:
-            allowed = allowed & (j >= diag - left)
-        if right >= 0:
-            allowed = allowed & (j <= diag + right)
+    allowed = band_allows(i, j, L, sb, is_causal=is_causal, window=window)
     # (Without a term in i the mask has not grown to the query rows yet.)
     return allowed.expand((L, S) if cache_seqlens is None else (sb.shape[0], 1, L, S))
 
