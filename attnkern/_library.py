@@ -118,6 +118,12 @@ def _register_attention() -> None:
         dalpha = q.new_empty((q.shape[1],) if alpha_grad else (0,), dtype=adt)
         return _like(q), _like(k), _like(v), dalpha
 
+    @torch.library.register_fake("attnkern::attention_decode_paged")
+    def _attention_decode_paged(q, k_pages, v_pages, block_table, seqused_k, scale, window_left=-1,
+                                window_right=-1):
+        N, H, m, _ = q.shape
+        return q.new_empty((N, H, m, v_pages.shape[-1])), q.new_empty((N, H, m), dtype=torch.float32)
+
     @torch.library.register_fake("attnkern::attention_dropout_mask")
     def _attention_dropout_mask(B, H, L, S, dropout_p, dropout_seed):
         return dropout_seed.new_empty((B, H, L, S), dtype=torch.bool)

@@ -120,6 +120,17 @@ class _Documents:
     def __len__(self):
         return len(self.q_starts) - 1
 
+    def decoding_rows(self, most: int) -> int:
+        """m when every document has the same m query rows, 1 <= m <= most
+        (as the paged decoding op takes them); else 0."""
+        if not len(self):
+            return 0
+        m = self.q_starts[1]
+        if not 1 <= m <= most or any(b - a != m for a, b in zip(self.q_starts, self.q_starts[1:],
+                                                                          strict=False)):
+            return 0
+        return m
+
     def queries(self, t: Tensor, d: int) -> Tensor:
         """Document d's rows of a packed (T, H, dim) tensor as (1, H, len, dim)."""
         return t[self.q_starts[d]:self.q_starts[d + 1]].transpose(0, 1).unsqueeze(0)
@@ -152,6 +163,13 @@ class _Documents:
             grad[a:a + n] += rows
 
 
+def _decode_rows() -> int:
+    """The most query rows a document of attnkern::attention_decode_paged may have."""
+    from attnkern import _C
+
+    return _C.DECODE_ROWS
+
+
 def _attention_ops(impl: str):
     from attnkern.autograd import _attention_impl
 
@@ -164,10 +182,22 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor | No
                 dropout_p: float, seeds: Tensor | None, window_left: int, window_right: int,
                 max_q: int | None, max_k: int | None) -> tuple[Tensor, Tensor]:
     """Packed attention: out (T, H, Ev) and each query row's shift (H, T)
-    float32, one attention_fwd call per document."""
+    float32, one attention_fwd call per document (one
+    attention_decode_paged call for all when they decode from a paged cache)."""
     docs = _Documents(q, k, cu_q, cu_k, seqused_k, block_table, max_q, max_k)
-    fwd, _ = _attention_ops(impl)
     T, H = q.shape[0], q.shape[1]
+    paged_decoding = (docs.paged and impl == "ops" and q.device.type == "cpu" and normalizer == "softmax"
+                      and dropout_p == 0 and k.stride(-1) == 1 and v.stride(-1) == 1)
+    rows = docs.decoding_rows(_decode_rows()) if paged_decoding else 0
+    if rows:
+        # Decoding from a paged cache: one call reads every document's pages
+        # where they are (gathering them would copy the cache on every call).
+        N = len(docs)
+        out, shift = torch.ops.attnkern.attention_decode_paged(
+            q.reshape(N, rows, H, q.shape[2]).transpose(1, 2), k, v, block_table.to(torch.int64),
+            seqused_k.to(torch.int64), scale, window_left, window_right)
+        return out.transpose(1, 2).reshape(T, H, v.shape[-1]), shift.permute(1, 0, 2).reshape(H, T)
+    fwd, _ = _attention_ops(impl)
     # (Every query row belongs to one document, so every row is written.)
     out = q.new_empty((T, H, v.shape[-1]))
     shift = torch.empty((H, T), dtype=torch.float32, device=q.device)

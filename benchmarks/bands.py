@@ -16,7 +16,10 @@ Cases (float32, H = 8, E = 64; the baseline is named in the case):
              causality and padding as one boolean mask (softmax, target 0.3)
   decode     batch 8, a cache of 8192 with valid lengths uniform in
              [512, 8192] (seed 0), one query, cache_seqlens, against the eight
-             calls on exactly-sized caches (target 0.8); H = 8 and GQA 8:2
+             calls on exactly-sized caches (target 0.8); H = 8 and GQA 8:2;
+             and the same from a paged cache (pages of 16 keys, shuffled)
+             through attention_varlen's block_table, against the
+             cache_seqlens call on the contiguous cache (no target)
   blockmask  a FlexAttention BlockMask, N = 8192, B = 1: sliding window
              (256 back, causal) and 8 causal documents (lengths uniform in
              [256, 2048], seed 0, the last cut to fill 8192); forward against
@@ -50,6 +53,8 @@ WINDOW_VS_CAUSAL, WINDOW_VS_SDPA, PACKED_VS_DOCS, PACKED_VS_SDPA, DECODE_VS_CALL
 BLOCKMASK_N, BLOCKMASK_VS_FLEX, BLOCKMASK_FWD_BWD_VS_FWD = 8192, 1.0, 3.5
 # The global keys of the BlockMask whose rows have gaps (global keys plus the window).
 GLOBAL_KEYS = 64
+# Keys a page of the paged decoding cache holds (vLLM's default block size).
+PAGE = 16
 
 
 def randn(*shape, seed=0):
@@ -148,7 +153,36 @@ def decode_rows(rounds):
             t = interleaved(ours, calls, rounds * 4)
             rows.append((f"decode, batch 8, cache 8192 (512–8192 valid), H {H}:{hk}, vs 8 exactly-sized calls",
                          name, "fwd", DECODE_VS_CALLS, t))
+        rows.append(paged_row(q, k, v, lengths, hk, rounds))
     return rows
+
+
+def paged_row(q, k, v, lengths, hk, rounds):
+    """The same decoding from a paged cache (pages of PAGE keys in shuffled
+    order, attention_varlen with block_table) against the cache_seqlens call
+    on the contiguous cache: what reading through the page table costs."""
+    pages = 8192 // PAGE
+    table = torch.randperm(8 * pages, generator=torch.Generator().manual_seed(4)).view(8, pages)
+
+    def pool(t):
+        p = torch.empty(8 * pages, PAGE, hk, E)
+        p[table.reshape(-1)] = t.permute(0, 2, 1, 3).reshape(8 * pages, PAGE, hk, E)
+        return p
+
+    pool_k, pool_v = pool(k), pool(v)
+    q_tokens, cu = q.squeeze(2), torch.arange(9, dtype=torch.int32)
+
+    def ours():
+        with torch.no_grad():
+            attnkern.attention_varlen(q_tokens, pool_k, pool_v, cu, None, seqused_k=lengths, block_table=table,
+                                      enable_gqa=True)
+
+    def contiguous():
+        with torch.no_grad():
+            attnkern.attention(q, k, v, cache_seqlens=lengths, enable_gqa=True)
+
+    return (f"decode from a paged cache (pages of {PAGE}, shuffled), batch 8, H {H}:{hk}, vs cache_seqlens on "
+            "the contiguous cache", "softmax", "fwd", None, interleaved(ours, contiguous, rounds * 4))
 
 
 def blockmask_rows(rounds):

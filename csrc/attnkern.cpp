@@ -105,6 +105,11 @@ TORCH_LIBRARY(attnkern, m) {
         "Tensor? dropout_seed=None, int window_left=-1, int window_right=-1, Tensor? key_lengths=None, "
         "Tensor? row_bounds=None) "
         "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dalpha)");
+  // attention_decode_paged(q (N,H,m,E), k_pages, v_pages (pages,page_size,Hk,·), block_table (N,max_pages)
+  //     int64, seqused_k (N,) int64, scale, window_left, window_right) -> (out (N,H,m,Ev), shift (N,H,m)):
+  //     softmax decoding of m <= 4 query rows per document from a paged cache, read in place (CPU)
+  m.def("attention_decode_paged(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqused_k, "
+        "float scale, int window_left=-1, int window_right=-1) -> (Tensor out, Tensor shift)");
   // attention_dropout_mask(B, H, L, S, dropout_p, dropout_seed) -> keep (B, H, L, S) bool: the mask that
   //     attention_fwd/_bwd with these arguments apply (for tests; csrc/cpu/dropout.h).
   m.def("attention_dropout_mask(int B, int H, int L, int S, float dropout_p, Tensor dropout_seed) -> Tensor");
@@ -182,8 +187,8 @@ static PyObject* name_tuple(const char* const* names, int n) {
 }
 
 // A Python module so that `import attnkern._C` loads the library and runs the
-// registrations above; it also carries FAMILIES (family.h), LEVELS
-// (cpu_kernels.h) and the CPU dispatch functions above.
+// registrations above; it also carries FAMILIES (family.h), LEVELS and
+// DECODE_ROWS (cpu_kernels.h) and the CPU dispatch functions above.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "attnkern compiled ops", -1, methods};
   PyObject* m = PyModule_Create(&module);
@@ -194,7 +199,8 @@ extern "C" PyObject* PyInit__C(void) {
   // attnkern/isa.py and setup.py by tests/test_isa.py.
   const std::pair<const char*, PyObject*> tables[] = {
       {"FAMILIES", name_tuple(attnkern::math::kFamilyNames, attnkern::math::kNumFamilies)},
-      {"LEVELS", name_tuple(attnkern::cpu::kLevelNames, attnkern::cpu::kNumLevels)}};
+      {"LEVELS", name_tuple(attnkern::cpu::kLevelNames, attnkern::cpu::kNumLevels)},
+      {"DECODE_ROWS", PyLong_FromLongLong(attnkern::cpu::kDecodeRows)}};
   bool ok = true;
   for (const auto& [name, value] : tables) {
     if (ok && value != nullptr && PyModule_AddObject(m, name, value) == 0) continue;

@@ -188,3 +188,26 @@ def test_opcheck_with_dropout():
     torch.library.opcheck(torch.ops.attnkern.attention_bwd,
                           (go[..., :8], q, k, v, None, False, 0.35, "sparsemax", None, out, shift, False, 0.25, seed))
     torch.library.opcheck(torch.ops.attnkern.attention_dropout_mask, (1, 2, 9, 11, 0.25, seed))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decoding_with_grouped_heads_applies_its_mask_exactly(threads):
+    """Decoding (3 query rows, softmax) with two query heads per kv-head, which
+    a task takes together, a mask per head and keys over three chunks: the
+    output equals the reference run with the recorded keep mask, at 1 and 2
+    threads (which group the heads differently)."""
+    B, H, Hk, L, S, E, p = 2, 4, 2, 3, 1100, 16, 0.3
+    q, k, v, _ = make_qkv(B, H, Hk, L, S, E, E, torch.float64, grad_out=True)
+    attn_mask = torch.randn(B, H, L, S, dtype=torch.float64)
+    attn_mask[1, 2, :, 600:] = float("-inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(5)
+        out = attnkern.attention(q, k, v, attn_mask=attn_mask, dropout_p=p, enable_gqa=True, backend="cpu")
+    finally:
+        torch.set_num_threads(before)
+    torch.manual_seed(5)
+    keep = attention_dropout_mask(B, H, L, S, p, draw_dropout_seed())
+    ref = reference.attention(q, k, v, attn_mask=attn_mask, dropout_p=p, dropout_mask=keep)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float64, "attention", "forward"))

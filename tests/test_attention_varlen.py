@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import alpha_for, assert_close_tol, ref_attention
+from helpers import alpha_for, assert_close_tol, assert_same_with_1_and_2_threads, ref_attention
 
 import attnkern
+from attnkern import _extension
 from attnkern.backends import reference
 from attnkern.testing import tolerance
 
@@ -320,3 +321,126 @@ def test_structured_normalizers_per_document(normalizer):
     torch.testing.assert_close(nested.transpose(1, 2).values(), out, atol=0, rtol=0)
     with pytest.raises(ValueError, match="lam is only used with normalizer"):
         attnkern.attention_varlen(q, k, v, cu_q, cu_k, normalizer="softmax", lam=0.5)
+
+
+def _page_pool(k, v, cu_k, page, seed, spare=3):
+    """Packed keys laid into a pool of pages in shuffled order (plus spare
+    pages of noise): pool_k, pool_v, the int32 block table."""
+    g = torch.Generator().manual_seed(seed)
+    H, E, Ev = k.shape[1], k.shape[2], v.shape[2]
+    lk = (cu_k[1:] - cu_k[:-1]).tolist()
+    counts = [(n + page - 1) // page for n in lk]
+    total = sum(counts) + spare
+    pool_k = torch.randn(total, page, H, E, generator=g, dtype=torch.float64).to(k.dtype)
+    pool_v = torch.randn(total, page, H, Ev, generator=g, dtype=torch.float64).to(v.dtype)
+    order = torch.randperm(total, generator=g)
+    table = torch.full((len(lk), max(max(counts), 1) + 1), -1, dtype=torch.int32)  # (unused slots: -1)
+    slot = 0
+    for d, n in enumerate(lk):
+        for p in range(counts[d]):
+            a, b = int(cu_k[d]) + p * page, min(int(cu_k[d]) + (p + 1) * page, int(cu_k[d]) + n)
+            dst = int(order[slot])
+            pool_k[dst, :b - a], pool_v[dst, :b - a] = k[a:b], v[a:b]
+            table[d, p] = dst
+            slot += 1
+    return pool_k, pool_v, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,page,window", [(1, 16, None), (1, 5, (7, 0)), (3, 16, (-1, 0)), (4, 64, (20, 2))],
+                         ids=["one-row", "page-5-window", "three-rows-causal", "four-rows-band"])
+def test_paged_decoding_reads_pages_in_place(dtype, rows, page, window):
+    """Softmax decoding from a paged cache takes one attention_decode_paged
+    call, which reads the pages where they are: each document gets bitwise
+    what attnkern.attention gives on its keys gathered into one tensor
+    (lengths 0, 1, a page's end, across decoding chunks of 512 keys; GQA;
+    pages shuffled; a pool sliced out of a wider one)."""
+    if not _extension.LOADED:
+        pytest.skip("the compiled extension did not load")
+    lk = [1, 0, page, 1100, 37]
+    H, Hk, E = 4, 2, 64
+    q, k, v, cu_q, _ = _packed([rows] * len(lk), lk, H, Hk, E, E, dtype=dtype, seed=13)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)))
+    pool_k, pool_v, table = _page_pool(k, v, cu_k, page, seed=3)
+    wide = torch.cat([pool_v, pool_v.flip(2)], dim=2)  # V's pool as a strided slice of a wider one
+    pool_v = wide[:, :, :Hk]
+    used = torch.tensor(lk)
+    out = attnkern.attention_varlen(q, pool_k, pool_v, cu_q, None, seqused_k=used, block_table=table, window=window,
+                                    enable_gqa=True)
+    direct, shift = torch.ops.attnkern.attention_decode_paged(
+        q.reshape(len(lk), rows, H, E).transpose(1, 2), pool_k, pool_v, table.long(), used, E ** -0.5,
+        *(window or (-1, -1)))
+    torch.testing.assert_close(out, direct.transpose(1, 2).reshape(out.shape), atol=0, rtol=0)
+    for d, n in enumerate(lk):
+        a = int(cu_k[d])
+        qd = q[d * rows:(d + 1) * rows].transpose(0, 1).unsqueeze(0)
+        kd, vd = (t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (k, v))
+        alone = attnkern.attention(qd, kd.contiguous(), vd.contiguous(), enable_gqa=True, window=window)
+        torch.testing.assert_close(out[d * rows:(d + 1) * rows], alone[0].transpose(0, 1), atol=0, rtol=0,
+                                   msg=f"document {d} ({n} keys)")
+        if n == 0:
+            assert torch.equal(out[d * rows:(d + 1) * rows], torch.zeros_like(out[:rows]))
+            assert torch.isinf(shift[d]).all()
+    want = attnkern.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, seqused_k=used,
+                                     window=window, enable_gqa=True, backend="reference")
+    assert_close_tol(out.double(), want, tolerance(dtype, "attention", "forward"), "out")
+
+
+def test_paged_decoding_odd_head_dims_threads_and_gradients():
+    """Head dims 59 / 33 (rows read unpadded: close to the gathered call, not
+    bitwise), 1 and 2 threads bitwise, and gradients (the backward gathers the
+    pages per document) against the float64 reference."""
+    if not _extension.LOADED:
+        pytest.skip("the compiled extension did not load")
+    lk = [700, 3, 1030]
+    H, E, Ev, page = 2, 59, 33, 8
+    q, k, v, cu_q, _ = _packed([1] * 3, lk, H, H, E, Ev, seed=21)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)))
+    pool_k, pool_v, table = _page_pool(k, v, cu_k, page, seed=4)
+    q, pool_k, pool_v = (t.float().requires_grad_() for t in (q, pool_k, pool_v))
+    used = torch.tensor(lk)
+    out = attnkern.attention_varlen(q, pool_k, pool_v, cu_q, None, seqused_k=used, block_table=table)
+    qq, kk, vv = (t.detach().double().requires_grad_() for t in (q, k.float(), v.float()))
+    want = attnkern.attention_varlen(qq, kk, vv, cu_q, cu_k, seqused_k=used, backend="reference")
+    assert_close_tol(out.double(), want, tolerance(torch.float32, "attention", "forward"), "out")
+    go = torch.randn_like(want)
+    got = torch.autograd.grad(out, (q, pool_k, pool_v), go.float())
+    exp = torch.autograd.grad(want, (qq, kk, vv), go)
+    tol = tolerance(torch.float32, "attention", "gradient")
+    assert_close_tol(got[0].double(), exp[0], tol, "dq")
+    for g_pool, g_packed, name in ((got[1], exp[1], "dk"), (got[2], exp[2], "dv")):
+        for d, n in enumerate(lk):
+            pages = table[d, :(n + page - 1) // page].long()
+            rows_d = g_pool[pages].reshape(-1, H, g_pool.shape[-1])[:n]
+            assert_close_tol(rows_d.double(), g_packed[int(cu_k[d]):int(cu_k[d]) + n], tol, f"{name} doc {d}")
+    assert_same_with_1_and_2_threads("""
+        import attnkern
+        g = torch.Generator().manual_seed(0)
+        pool_k, pool_v = torch.randn(300, 8, 2, 59, generator=g), torch.randn(300, 8, 2, 33, generator=g)
+        table = torch.randperm(300, generator=g)[:288].view(3, 96)
+        q = torch.randn(3, 2, 59, generator=g)
+        row.append(attnkern.attention_varlen(q, pool_k, pool_v, torch.tensor([0, 1, 2, 3]), None,
+                                             seqused_k=torch.tensor([700, 3, 760]), block_table=table))
+    """)
+
+
+def test_paged_decoding_op_checks_its_arguments():
+    if not _extension.LOADED:
+        pytest.skip("the compiled extension did not load")
+    op = torch.ops.attnkern.attention_decode_paged
+    q, pool = torch.randn(2, 2, 1, 8), torch.randn(4, 4, 2, 8)
+    table, used = torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8])
+    op(q, pool, pool, table, used, 1.0)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 4 names a page outside the pool of 4"):
+        op(q, pool, pool, torch.tensor([[0, 1], [2, 4]]), used, 1.0)
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 9 lies outside \[0, 8\]"):
+        op(q, pool, pool, table, torch.tensor([5, 9]), 1.0)
+    with pytest.raises(ValueError, match="at most 4 query rows"):
+        op(torch.randn(2, 2, 5, 8), pool, pool, table, used, 1.0)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        op(torch.randn(2, 3, 1, 8), pool, pool, table, used, 1.0)
+    with pytest.raises(ValueError, match="block_table must be int64"):
+        op(q, pool, pool, table.int(), used, 1.0)
+    with pytest.raises(ValueError, match="one floating dtype"):
+        op(q.double(), pool, pool, table, used, 1.0)
+    torch.library.opcheck(op, (q, pool, pool, table, used, 0.5, 3, 0))

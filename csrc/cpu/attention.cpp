@@ -38,12 +38,17 @@ bool decodes(const Problem<acc_t>& P) {
   return P.L <= kDecodeRows && all_softmax_heads(P);
 }
 
-// Decoding: every (batch, head) split over fixed chunks of keys from the
-// first of its band, one task per chunk, then the chunks of each head merged
-// in order. (Chunks take absolute key indices: P.key0 stays 0.)
+// Decoding: every batch's keys split into fixed chunks from the first of its
+// band, one task per (batch, chunk, kv-head) taking the query heads that
+// share the kv-head together (each K and V row read once for all of them;
+// fewer at a time when that would leave threads idle: a row's arithmetic is
+// the same either way), then the chunks of each head merged in order. Tasks
+// of one chunk follow each other, so a cache laid out token-major (the heads
+// of a key side by side, as in pages or packed documents) is read a stretch
+// at a time. (Chunks take absolute key indices: P.key0 stays 0.)
 template <typename acc_t>
 void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
-  const int64_t m = P.L;
+  const int64_t m = P.L, g = P.group();
   std::vector<std::pair<int64_t, int64_t>> range(P.B);
   int64_t n_max = 0;
   for (int64_t bi = 0; bi < P.B; ++bi) {
@@ -51,26 +56,39 @@ void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
     n_max = std::max(n_max, range[bi].second);
   }
   const int64_t nchunks = std::max<int64_t>(1, (n_max + kDecodeKeys - 1) / kDecodeKeys);
-  const int64_t heads = P.B * P.H;
-  std::vector<acc_t> po(heads * nchunks * m * P.Ev), pm(heads * nchunks * m), pl(heads * nchunks * m);
-  at::parallel_for(0, heads * nchunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> y(m * std::min(n_max, kDecodeKeys));
+  // Chunk results of (bi, u, h) at index (bi·nchunks + u)·H + h (times m rows,
+  // times Ev for po): a kv-head's query heads side by side.
+  std::vector<acc_t> po(P.B * nchunks * P.H * m * P.Ev), pm(P.B * nchunks * P.H * m), pl(P.B * nchunks * P.H * m);
+  // Query heads a task takes: hp, a divisor of the group, the largest that
+  // leaves a few tasks a thread.
+  const int64_t enough = 4 * at::get_num_threads();
+  int64_t hp = g;
+  while (hp > 1 && P.B * nchunks * (P.H / hp) < enough) {
+    --hp;
+    while (g % hp != 0) --hp;
+  }
+  const int64_t per_chunk = P.H / hp;  // tasks per (batch, chunk)
+  at::parallel_for(0, P.B * nchunks * per_chunk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> y(hp * m * std::min(n_max, kDecodeKeys));
     FlushDenormals ftz;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t bh = t / nchunks, u = t % nchunks, bi = bh / P.H;
+      const int64_t h = t % per_chunk * hp, u = t / per_chunk % nchunks, bi = t / per_chunk / nchunks;
+      const int64_t first = (bi * nchunks + u) * P.H + h;  // (the results' index of head h)
       const auto [jb, n] = range[bi];
       if (u * kDecodeKeys >= n) {  // (no key in this chunk)
-        std::fill(pm.begin() + t * m, pm.begin() + (t + 1) * m, -std::numeric_limits<acc_t>::infinity());
+        std::fill(pm.begin() + first * m, pm.begin() + (first + hp) * m, -std::numeric_limits<acc_t>::infinity());
         continue;
       }
-      softmax_decode_chunk(P, bi, bh % P.H, 0, m, jb + u * kDecodeKeys, std::min(kDecodeKeys, n - u * kDecodeKeys),
-                           y.data(), po.data() + t * m * P.Ev, pm.data() + t * m, pl.data() + t * m);
+      softmax_decode_chunk(P, bi, h, hp, 0, m, jb + u * kDecodeKeys, std::min(kDecodeKeys, n - u * kDecodeKeys),
+                           y.data(), po.data() + first * m * P.Ev, pm.data() + first * m, pl.data() + first * m);
     }
   });
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh)
-      softmax_merge_chunks(m, P.Ev, nchunks, po.data() + bh * nchunks * m * P.Ev, pm.data() + bh * nchunks * m,
-                           pl.data() + bh * nchunks * m, out + bh * m * P.Ev, shift + bh * m);
+  at::parallel_for(0, P.B * P.H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t first = bh / P.H * nchunks * P.H + bh % P.H;  // (chunk 0's index)
+      softmax_merge_chunks(m, P.Ev, nchunks, P.H * m, po.data() + first * m * P.Ev, pm.data() + first * m,
+                           pl.data() + first * m, out + bh * m * P.Ev, shift + bh * m);
+    }
   });
 }
 
@@ -726,6 +744,83 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
   return {out, shift};
 }
 
+// Softmax decoding from a paged cache: q (N, H, m, E) with m <= kDecodeRows
+// query rows per document, K and V pools of pages (pages, page, Hk, E / Ev),
+// document d's keys [0, seqused_k[d]) in its pages block_table[d, :] in
+// order, its m queries the last m positions (the window bottom-right, as
+// attention_fwd's key_lengths). The pages are read where they are
+// (Problem::kv_pages); the arithmetic is decode_forward's, so each document
+// gets what attention_fwd gives on its keys gathered into (1, Hk, n, E) when
+// the head dims need no padding (otherwise the gathered call reads rows
+// padded with zeros and may round differently).
+std::tuple<Tensor, Tensor> attention_decode_paged(const Tensor& q_in, const Tensor& k_pages, const Tensor& v_pages,
+                                                  const Tensor& block_table, const Tensor& seqused_k, double scale,
+                                                  int64_t window_left, int64_t window_right) {
+  const char* op = "attnkern.attention_decode_paged";
+  for (auto* t : {&q_in, &k_pages, &v_pages, &block_table, &seqused_k})
+    TORCH_CHECK_VALUE(t->device().is_cpu(), op, ": expected CPU tensors");
+  TORCH_CHECK_VALUE(q_in.dim() == 4 && k_pages.dim() == 4 && v_pages.dim() == 4, op,
+                    ": q must be (N, H, m, E) and the pools (pages, page_size, Hk, dim), got ", q_in.sizes(), ", ",
+                    k_pages.sizes(), ", ", v_pages.sizes());
+  TORCH_CHECK_VALUE(at::isFloatingType(q_in.scalar_type()) && q_in.scalar_type() == k_pages.scalar_type() &&
+                        q_in.scalar_type() == v_pages.scalar_type(),
+                    op, ": q, k, v must have one floating dtype");
+  const auto dt = q_in.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || is_half_type(dt), op,
+                    ": q, k, v must be float64, float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK_VALUE(q_in.size(2) <= kDecodeRows, op, ": at most ", kDecodeRows, " query rows a document, got ",
+                    q_in.size(2));
+  TORCH_CHECK_VALUE(v_pages.size(0) == k_pages.size(0) && v_pages.size(1) == k_pages.size(1) &&
+                        v_pages.size(2) == k_pages.size(2) && k_pages.size(3) == q_in.size(3),
+                    op, ": the pools must share pages, page size and heads, and K q's head dim; got ", k_pages.sizes(),
+                    " and ", v_pages.sizes());
+  TORCH_CHECK_VALUE(k_pages.stride(3) == 1 && v_pages.stride(3) == 1, op, ": the pools' rows must be contiguous");
+  const int64_t N = q_in.size(0), page = k_pages.size(1), pool = k_pages.size(0);
+  TORCH_CHECK_VALUE(page > 0, op, ": page_size must be positive");
+  TORCH_CHECK_VALUE(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.size(0) == N,
+                    op, ": block_table must be int64 (N = ", N, ", max_pages), got ", block_table.scalar_type(), " ",
+                    block_table.sizes());
+  TORCH_CHECK_VALUE(seqused_k.scalar_type() == at::kLong && seqused_k.dim() == 1 && seqused_k.size(0) == N, op,
+                    ": seqused_k must be int64 (N = ", N, "), got ", seqused_k.scalar_type(), " ", seqused_k.sizes());
+  const Tensor table = block_table.contiguous(), used = seqused_k.contiguous();
+  const int64_t max_pages = table.size(1);
+  const int64_t* tp = table.const_data_ptr<int64_t>();
+  const int64_t* up = used.const_data_ptr<int64_t>();
+  for (int64_t d = 0; d < N; ++d) {
+    TORCH_CHECK_VALUE(up[d] >= 0 && up[d] <= max_pages * page, op, ": seqused_k[", d, "] = ", up[d],
+                      " lies outside [0, ", max_pages * page, "] (the block table's pages)");
+    for (int64_t g = 0; g < (up[d] + page - 1) / page; ++g)
+      TORCH_CHECK_VALUE(tp[d * max_pages + g] >= 0 && tp[d * max_pages + g] < pool, op, ": block_table[", d, ", ",
+                        g, "] = ", tp[d * max_pages + g], " names a page outside the pool of ", pool);
+  }
+  Checked c;
+  c.B = N, c.H = q_in.size(1), c.L = q_in.size(2), c.E = q_in.size(3);
+  c.Hk = k_pages.size(2), c.S = max_pages * page, c.Ev = v_pages.size(3);
+  TORCH_CHECK_VALUE(c.Hk > 0 && c.H % c.Hk == 0, op, ": query heads (", c.H, ") must be a multiple of key/value heads (",
+                    c.Hk, ")");
+  c.acc = dt == at::kDouble ? at::kDouble : at::kFloat;
+  const Band band = prepare_band(window_left, window_right, used, c10::nullopt, c);
+  Tensor out = at::empty({c.B, c.H, c.L, c.Ev}, q_in.options());
+  Tensor shift = at::empty({c.B, c.H, c.L}, q_in.options().dtype(at::kFloat));
+  if (out.numel() == 0 && shift.numel() == 0) return {out, shift};
+  AT_DISPATCH_FLOATING_TYPES(c.acc, "attnkern_attention_decode_paged", [&] {
+    const Tensor q = padded(q_in, c.acc, round_up_panel<scalar_t>(c.E));
+    auto P = make_problem<scalar_t>(c, q, Tensor(), Tensor(), Tensor(), false, band, scale, Family::kSoftmax,
+                                    Tensor());
+    P.kv_pages = tp, P.kv_page = page, P.kv_max_pages = max_pages, P.kv_e = c.E, P.kv_ev = c.Ev;
+    P.k_stride[0] = k_pages.stride(0), P.k_stride[1] = k_pages.stride(2), P.k_stride[2] = k_pages.stride(1);
+    P.v_stride[0] = v_pages.stride(0), P.v_stride[1] = v_pages.stride(2), P.v_stride[2] = v_pages.stride(1);
+    if (is_half_type(dt)) {
+      P.k_half = k_pages.const_data_ptr(), P.v_half = v_pages.const_data_ptr();
+      P.half_is_bf16 = dt == at::kBFloat16;
+    } else {
+      P.k = k_pages.const_data_ptr<scalar_t>(), P.v = v_pages.const_data_ptr<scalar_t>();
+    }
+    forward_kernel<scalar_t>(P, OutRows{out.mutable_data_ptr(), dt, c.Ev}, shift.mutable_data_ptr<float>());
+  });
+  return {out, shift};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_bwd(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& mask_in, bool is_causal, double scale, c10::string_view normalizer,
@@ -923,6 +1018,7 @@ Tensor attention_dropout_mask(int64_t B, int64_t H, int64_t L, int64_t S, double
 void add_attention_kernels(KernelTable& t) {
   t.attention_fwd = &attention_fwd;
   t.attention_bwd = &attention_bwd;
+  t.attention_decode_paged = &attention_decode_paged;
   t.attention_dropout_mask = &attention_dropout_mask;
   t.half_gemm = [](at::ScalarType dtype, const char** unit) { return half_gemm_enabled(dtype, nullptr, unit); };
 }

@@ -148,6 +148,14 @@ struct Problem {
   // hk·k_stride[1] + j·k_stride[2] (likewise v), E and Ev values a row.
   bool kv_strided = false;
   int64_t k_stride[3] = {0, 0, 0}, v_stride[3] = {0, 0, 0};
+  // Decoding from a paged cache (attention_decode_paged): K and V are pools
+  // of pages, read where they are (float32 / float64 from k and v, the half
+  // types from k_half and v_half), key j of (batch bi, kv-head hk) in page
+  // kv_pages[bi·kv_max_pages + j / kv_page] at row j % kv_page, that is at
+  // page·k_stride[0] + hk·k_stride[1] + row·k_stride[2] (likewise v); kv_e
+  // and kv_ev values a row. Null when K and V are not paged.
+  const int64_t* kv_pages = nullptr;
+  int64_t kv_page = 0, kv_max_pages = 0, kv_e = 0, kv_ev = 0;
   // The forward of the heads that are not softmax, with bfloat16 / float16
   // inputs: V as it is (rows of ev_half values, of the type half_is_bf16
   // says), which their P·V over the support lists reads directly, gathering
@@ -748,10 +756,10 @@ inline int64_t half_tile_ld(int64_t w) { return round_up_panel<float>(w) + 16; }
 // apart); else n (the float32 GEMMs write rows of stride n).
 inline int64_t rows_ld(int64_t n, bool half) { return half ? half_tile_ld(n) : n; }
 
-// Decoding: softmax problems with at most this many query rows run split over
-// chunks of kDecodeKeys keys (a fixed partition: results do not depend on the
-// thread count), so that even one head keeps every core busy.
-constexpr int64_t kDecodeRows = 4;
+// Decoding: softmax problems with at most kDecodeRows query rows
+// (cpu_kernels.h) run split over chunks of kDecodeKeys keys (a fixed
+// partition: results do not depend on the thread count), so that even one
+// head keeps every core busy.
 constexpr int64_t kDecodeKeys = 512;
 
 // K (and in the backward V) are packed into key panels only for problems with
@@ -843,11 +851,11 @@ void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int6
 // Decoding (a few query rows, softmax): the rows against one chunk of keys,
 // and the merge of a head's chunks into its output and log-sum-exp.
 template <typename acc_t>
-void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
-                          int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l);
+void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t heads, int64_t i0, int64_t m,
+                          int64_t j0, int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l);
 template <typename acc_t>
-void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, const acc_t* o, const acc_t* mx, const acc_t* l,
-                          acc_t* out, float* c);
+void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, int64_t apart, const acc_t* o, const acc_t* mx,
+                          const acc_t* l, acc_t* out, float* c);
 
 // attention_rows.cpp: the same for a head of a sparse family (whole rows of
 // scores in ws.y); the backward adds the head's dα into *da when da is given.

@@ -166,6 +166,7 @@ TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
   m.impl("sparsemap_chain_active", &Forward<&KernelTable::sparsemap_chain_active>::call);
   m.impl("attention_fwd", &Forward<&KernelTable::attention_fwd>::call);
   m.impl("attention_bwd", &Forward<&KernelTable::attention_bwd>::call);
+  m.impl("attention_decode_paged", &Forward<&KernelTable::attention_decode_paged>::call);
   m.impl("attention_dropout_mask", &Forward<&KernelTable::attention_dropout_mask>::call);
 }
 

@@ -69,6 +69,10 @@ struct KernelTable {
       const Tensor& shift, bool alpha_grad, double dropout_p, const OptTensor& dropout_seed, int64_t window_left,
       int64_t window_right, const OptTensor& key_lengths,
       const OptTensor& row_bounds);
+  std::tuple<Tensor, Tensor> (*attention_decode_paged)(const Tensor& q, const Tensor& k_pages,
+                                                       const Tensor& v_pages, const Tensor& block_table,
+                                                       const Tensor& seqused_k, double scale, int64_t window_left,
+                                                       int64_t window_right);
   Tensor (*attention_dropout_mask)(int64_t B, int64_t H, int64_t L, int64_t S, double dropout_p,
                                    const Tensor& dropout_seed);
   // Whether attention in dtype (bfloat16 or float16) runs its GEMMs in that
@@ -76,6 +80,12 @@ struct KernelTable {
   // *unit names the unit that runs them, or says why float32 does.
   bool (*half_gemm)(at::ScalarType dtype, const char** unit);
 };
+
+// Softmax attention with at most this many query rows takes the decoding
+// path (csrc/cpu/attention.cpp: K and V read in place, keys split into
+// chunks), which attention_decode_paged's documents take; attnkern._C
+// carries it as DECODE_ROWS.
+inline constexpr int64_t kDecodeRows = 4;
 
 // The instruction-set levels, lowest first; names as ATen spells them.
 enum class Level : int { kDefault = 0, kAVX2 = 1, kAVX512 = 2 };
