@@ -190,8 +190,10 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor | No
                       and dropout_p == 0 and k.stride(-1) == 1 and v.stride(-1) == 1)
     rows = docs.decoding_rows(_decode_rows()) if paged_decoding else 0
     if rows:
-        # Decoding from a paged cache: one call reads every document's pages
-        # where they are (gathering them would copy the cache on every call).
+        # Decoding from a paged cache: one call for every document, which
+        # copies a chunk of page rows at a time into its threads' scratch
+        # (gathering each document's keys into a new tensor would copy the
+        # cache on every call).
         N = len(docs)
         out, shift = torch.ops.attnkern.attention_decode_paged(
             q.reshape(N, rows, H, q.shape[2]).transpose(1, 2), k, v, block_table.to(torch.int64),

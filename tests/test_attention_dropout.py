@@ -191,11 +191,10 @@ def test_opcheck_with_dropout():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decoding_with_grouped_heads_applies_its_mask_exactly(threads):
-    """Decoding (3 query rows, softmax) with two query heads per kv-head, which
-    a task takes together, a mask per head and keys over three chunks: the
-    output equals the reference run with the recorded keep mask, at 1 and 2
-    threads (which group the heads differently)."""
+def test_decoding_with_gqa_applies_its_mask_exactly(threads):
+    """Decoding (3 query rows, softmax) with two query heads per kv-head, a
+    mask per head and keys over three chunks: the output equals the reference
+    run with the recorded keep mask, at 1 and 2 threads."""
     B, H, Hk, L, S, E, p = 2, 4, 2, 3, 1100, 16, 0.3
     q, k, v, _ = make_qkv(B, H, Hk, L, S, E, E, torch.float64, grad_out=True)
     attn_mask = torch.randn(B, H, L, S, dtype=torch.float64)

@@ -351,10 +351,10 @@ def _page_pool(k, v, cu_k, page, seed, spare=3):
                          ids=["one-row", "page-5-window", "three-rows-causal", "four-rows-band"])
 def test_paged_decoding_reads_pages_in_place(dtype, rows, page, window):
     """Softmax decoding from a paged cache takes one attention_decode_paged
-    call, which reads the pages where they are: each document gets bitwise
-    what attnkern.attention gives on its keys gathered into one tensor
-    (lengths 0, 1, a page's end, across decoding chunks of 512 keys; GQA;
-    pages shuffled; a pool sliced out of a wider one)."""
+    call, which copies the pages' rows a chunk at a time: each document gets
+    bitwise what attnkern.attention gives on its keys gathered into one
+    tensor (lengths 0, 1, a page's end, across decoding chunks of 512 keys;
+    GQA; pages shuffled; a pool sliced out of a wider one)."""
     if not _extension.LOADED:
         pytest.skip("the compiled extension did not load")
     lk = [1, 0, page, 1100, 37]

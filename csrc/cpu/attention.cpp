@@ -38,17 +38,12 @@ bool decodes(const Problem<acc_t>& P) {
   return P.L <= kDecodeRows && all_softmax_heads(P);
 }
 
-// Decoding: every batch's keys split into fixed chunks from the first of its
-// band, one task per (batch, chunk, kv-head) taking the query heads that
-// share the kv-head together (each K and V row read once for all of them;
-// fewer at a time when that would leave threads idle: a row's arithmetic is
-// the same either way), then the chunks of each head merged in order. Tasks
-// of one chunk follow each other, so a cache laid out token-major (the heads
-// of a key side by side, as in pages or packed documents) is read a stretch
-// at a time. (Chunks take absolute key indices: P.key0 stays 0.)
+// Decoding: every (batch, head) split over fixed chunks of keys from the
+// first of its band, one task per chunk, then the chunks of each head merged
+// in order. (Chunks take absolute key indices: P.key0 stays 0.)
 template <typename acc_t>
 void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
-  const int64_t m = P.L, g = P.group();
+  const int64_t m = P.L;
   std::vector<std::pair<int64_t, int64_t>> range(P.B);
   int64_t n_max = 0;
   for (int64_t bi = 0; bi < P.B; ++bi) {
@@ -56,39 +51,34 @@ void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
     n_max = std::max(n_max, range[bi].second);
   }
   const int64_t nchunks = std::max<int64_t>(1, (n_max + kDecodeKeys - 1) / kDecodeKeys);
-  // Chunk results of (bi, u, h) at index (bi·nchunks + u)·H + h (times m rows,
-  // times Ev for po): a kv-head's query heads side by side.
-  std::vector<acc_t> po(P.B * nchunks * P.H * m * P.Ev), pm(P.B * nchunks * P.H * m), pl(P.B * nchunks * P.H * m);
-  // Query heads a task takes: hp, a divisor of the group, the largest that
-  // leaves a few tasks a thread.
-  const int64_t enough = 4 * at::get_num_threads();
-  int64_t hp = g;
-  while (hp > 1 && P.B * nchunks * (P.H / hp) < enough) {
-    --hp;
-    while (g % hp != 0) --hp;
-  }
-  const int64_t per_chunk = P.H / hp;  // tasks per (batch, chunk)
-  at::parallel_for(0, P.B * nchunks * per_chunk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> y(hp * m * std::min(n_max, kDecodeKeys));
+  const int64_t heads = P.B * P.H;
+  std::vector<acc_t> po(heads * nchunks * m * P.Ev), pm(heads * nchunks * m), pl(heads * nchunks * m);
+  // A paged cache's chunk rows (softmax_decode_chunk), in K's and V's dtype;
+  // its tasks run a chunk's heads back to back, so that the heads of a
+  // kv-head copy its rows once (the order changes no result).
+  const bool paged = P.kv_pages != nullptr;
+  const int64_t kv_bytes = paged ? kDecodeKeys * (P.kv_e + P.kv_ev) * (P.k_half ? 2 : sizeof(acc_t)) : 0;
+  at::parallel_for(0, heads * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> y(m * std::min(n_max, kDecodeKeys));
+    PagedRows rows;
+    rows.buf.resize((kv_bytes + sizeof(double) - 1) / sizeof(double));
     FlushDenormals ftz;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t % per_chunk * hp, u = t / per_chunk % nchunks, bi = t / per_chunk / nchunks;
-      const int64_t first = (bi * nchunks + u) * P.H + h;  // (the results' index of head h)
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = paged ? (task / (nchunks * P.H) * P.H + task % P.H) * nchunks + task / P.H % nchunks : task;
+      const int64_t bh = t / nchunks, u = t % nchunks, bi = bh / P.H;
       const auto [jb, n] = range[bi];
       if (u * kDecodeKeys >= n) {  // (no key in this chunk)
-        std::fill(pm.begin() + first * m, pm.begin() + (first + hp) * m, -std::numeric_limits<acc_t>::infinity());
+        std::fill(pm.begin() + t * m, pm.begin() + (t + 1) * m, -std::numeric_limits<acc_t>::infinity());
         continue;
       }
-      softmax_decode_chunk(P, bi, h, hp, 0, m, jb + u * kDecodeKeys, std::min(kDecodeKeys, n - u * kDecodeKeys),
-                           y.data(), po.data() + first * m * P.Ev, pm.data() + first * m, pl.data() + first * m);
+      softmax_decode_chunk(P, bi, bh % P.H, 0, m, jb + u * kDecodeKeys, std::min(kDecodeKeys, n - u * kDecodeKeys),
+                           y.data(), po.data() + t * m * P.Ev, pm.data() + t * m, pl.data() + t * m, rows);
     }
   });
-  at::parallel_for(0, P.B * P.H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t first = bh / P.H * nchunks * P.H + bh % P.H;  // (chunk 0's index)
-      softmax_merge_chunks(m, P.Ev, nchunks, P.H * m, po.data() + first * m * P.Ev, pm.data() + first * m,
-                           pl.data() + first * m, out + bh * m * P.Ev, shift + bh * m);
-    }
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh)
+      softmax_merge_chunks(m, P.Ev, nchunks, po.data() + bh * nchunks * m * P.Ev, pm.data() + bh * nchunks * m,
+                           pl.data() + bh * nchunks * m, out + bh * m * P.Ev, shift + bh * m);
   });
 }
 
@@ -748,8 +738,9 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
 // query rows per document, K and V pools of pages (pages, page, Hk, E / Ev),
 // document d's keys [0, seqused_k[d]) in its pages block_table[d, :] in
 // order, its m queries the last m positions (the window bottom-right, as
-// attention_fwd's key_lengths). The pages are read where they are
-// (Problem::kv_pages); the arithmetic is decode_forward's, so each document
+// attention_fwd's key_lengths). Each decoding chunk copies its rows from the
+// pages into the thread's scratch (Problem::kv_pages), not the whole cache
+// into a new tensor; the arithmetic is decode_forward's, so each document
 // gets what attention_fwd gives on its keys gathered into (1, Hk, n, E) when
 // the head dims need no padding (otherwise the gathered call reads rows
 // padded with zeros and may round differently).

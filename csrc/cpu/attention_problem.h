@@ -149,11 +149,12 @@ struct Problem {
   bool kv_strided = false;
   int64_t k_stride[3] = {0, 0, 0}, v_stride[3] = {0, 0, 0};
   // Decoding from a paged cache (attention_decode_paged): K and V are pools
-  // of pages, read where they are (float32 / float64 from k and v, the half
-  // types from k_half and v_half), key j of (batch bi, kv-head hk) in page
-  // kv_pages[bi·kv_max_pages + j / kv_page] at row j % kv_page, that is at
-  // page·k_stride[0] + hk·k_stride[1] + row·k_stride[2] (likewise v); kv_e
-  // and kv_ev values a row. Null when K and V are not paged.
+  // of pages (float32 / float64 from k and v, the half types from k_half and
+  // v_half), key j of (batch bi, kv-head hk) in page kv_pages[bi·kv_max_pages
+  // + j / kv_page] at row j % kv_page, that is at page·k_stride[0] +
+  // hk·k_stride[1] + row·k_stride[2] (likewise v); kv_e and kv_ev values a
+  // row. Each decoding chunk copies its rows into the thread's scratch. Null
+  // when K and V are not paged.
   const int64_t* kv_pages = nullptr;
   int64_t kv_page = 0, kv_max_pages = 0, kv_e = 0, kv_ev = 0;
   // The forward of the heads that are not softmax, with bfloat16 / float16
@@ -848,14 +849,22 @@ template <typename acc_t>
 void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                             const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
                             acc_t* dv, acc_t* y, acc_t* d, acc_t* lse, std::vector<float>& keep);
+// A thread's copy of one decoding chunk's K and V rows from a paged cache
+// (kDecodeKeys rows of K, then of V, in their dtype) and which chunk it
+// holds: the query heads of a kv-head read it in turn.
+struct PagedRows {
+  std::vector<double> buf;
+  int64_t bi = -1, hk = -1, j = -1, w = -1;
+};
+
 // Decoding (a few query rows, softmax): the rows against one chunk of keys,
 // and the merge of a head's chunks into its output and log-sum-exp.
 template <typename acc_t>
-void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t heads, int64_t i0, int64_t m,
-                          int64_t j0, int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l);
+void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
+                          int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l, PagedRows& paged);
 template <typename acc_t>
-void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, int64_t apart, const acc_t* o, const acc_t* mx,
-                          const acc_t* l, acc_t* out, float* c);
+void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, const acc_t* o, const acc_t* mx, const acc_t* l,
+                          acc_t* out, float* c);
 
 // attention_rows.cpp: the same for a head of a sparse family (whole rows of
 // scores in ws.y); the backward adds the head's dα into *da when da is given.

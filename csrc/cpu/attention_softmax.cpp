@@ -625,12 +625,12 @@ inline void load_pair(const kv_t* p, Vec<float>& a, Vec<float>& b) {
   }
 }
 
-// o[0:ev] = Σ_j y[j] vrow[j][0:ev] over the keys with y[j] != 0 (o zero on
+// o[0:ev] = Σ_j y[j] v[j, 0:ev] over the keys with y[j] != 0 (o zero on
 // entry), the columns in register blocks of four vectors: an axpy per key
 // would carry every column through a store and a reload. Keys are added in
 // order, as by the axpys.
 template <typename kv_t>
-void accumulate_pv(const float* y, int64_t w, const kv_t* const* vrow, int64_t ev, float* o) {
+void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_t ev, float* o) {
   using Vf = Vec<float>;
   constexpr int64_t W2 = 2 * Vf::size();
   int64_t c = 0;
@@ -639,8 +639,8 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* const* vrow, int64_t e
     for (int64_t j = 0; j < w; ++j) {
       if (y[j] == 0.f) continue;
       const Vf p(y[j]);
-      load_pair(vrow[j] + c, x0, x1);
-      load_pair(vrow[j] + c + W2, x2, x3);
+      load_pair(v + j * ldv + c, x0, x1);
+      load_pair(v + j * ldv + c + W2, x2, x3);
       a0 = a0 + p * x0, a1 = a1 + p * x1, a2 = a2 + p * x2, a3 = a3 + p * x3;
     }
     a0.store(o + c), a1.store(o + c + Vf::size()), a2.store(o + c + W2), a3.store(o + c + W2 + Vf::size());
@@ -650,7 +650,7 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* const* vrow, int64_t e
     for (int64_t j = 0; j < w; ++j) {
       if (y[j] == 0.f) continue;
       const Vf p(y[j]);
-      load_pair(vrow[j] + c, x0, x1);
+      load_pair(v + j * ldv + c, x0, x1);
       a0 = a0 + p * x0, a1 = a1 + p * x1;
     }
     a0.store(o + c), a1.store(o + c + Vf::size());
@@ -659,47 +659,44 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* const* vrow, int64_t e
   for (int64_t j = 0; j < w; ++j) {  // the last columns (fewer than a pair of vectors)
     if (y[j] == 0.f) continue;
     if constexpr (std::is_same_v<kv_t, float>) {
-      axpy(o + c, vrow[j] + c, y[j], ev - c);
+      axpy(o + c, v + j * ldv + c, y[j], ev - c);
     } else {
-      for (int64_t e = c; e < ev; ++e) o[e] += y[j] * static_cast<float>(vrow[j][e]);
+      for (int64_t e = c; e < ev; ++e) o[e] += y[j] * static_cast<float>(v[j * ldv + e]);
     }
   }
 }
 
 // Softmax forward of a few query rows (decoding) split over key chunks: the
-// scores of keys [j0, j0 + w) against the m rows from i0 of each of `heads`
-// query heads from h (which share a kv-head; with heads > 1, i0 = 0 and m =
-// L, so that their rows follow each other in q), exponentiated against the
-// chunk's own row max mx; o (heads·m x Ev) = that chunk's unnormalised P·V,
-// l = its row sums. softmax_merge_chunks combines the chunks. K and V are
-// read in place (no packing: with one query row the packing would cost as
-// much as the product), each row once for all the rows of the heads. y:
-// heads·m x w scratch. krow[j] and vrow[j] are key j0 + j's rows of K and V,
-// ek and ev values of kv_t (float, or the half type of the inputs): wherever
-// the layout puts them (decode_rows), the arithmetic is the same.
+// scores of keys [j0, j0 + w) against the m rows from i0, exponentiated
+// against the chunk's own row max mx; o (m x Ev) = that chunk's
+// unnormalised P·V, l = its row sums. softmax_merge_chunks combines the
+// chunks. K and V are read in place (no packing: with one query row the
+// packing would cost as much as the product). y: m x w scratch.
+// K and V rows hold ek and ev values of kv_t (float, or the half type of the
+// inputs), kld and vld apart.
 template <typename acc_t, typename kv_t>
-void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t heads, int64_t i0, int64_t m, int64_t j0,
-                  int64_t w, const kv_t* const* krow, int64_t ek, const kv_t* const* vrow, int64_t ev, acc_t* y,
+void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
+                  const kv_t* kh, int64_t ek, int64_t kld, const kv_t* vh, int64_t ev, int64_t vld, acc_t* y,
                   acc_t* o, acc_t* mx, acc_t* l) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
-  const int64_t rows = heads * m;
-  // Dot products and axpys (BLAS calls on 1-row products cost more than they do).
+  // A few query rows: dot products and axpys, each key and value row read
+  // once for all the rows (BLAS calls on 1-row products cost more than they do).
   const acc_t* qr = P.q_rows(bi, h, i0);
   int64_t j = 0;
 #if ATTNKERN_HAS(AVX2)
   if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<kv_t, float>) {
     float s[8];
     for (; j + 8 <= w; j += 8)
-      for (int64_t r = 0; r < rows; ++r) {
-        dot8_rows(qr + r * P.E, krow + j, ek, s);
+      for (int64_t r = 0; r < m; ++r) {
+        dot8(qr + r * P.E, kh + j * kld, kld, ek, s);
         for (int i = 0; i < 8; ++i) y[r * w + j + i] = P.scale * s[i];
       }
   }
 #endif
   for (; j < w; ++j)
-    for (int64_t r = 0; r < rows; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, krow[j], ek);
-  for (int64_t g = 0; g < heads; ++g) mask_scores(P, bi, h + g, i0, m, j0, w, y + g * m * w, w);
-  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, kh + j * kld, ek);
+  mask_scores(P, bi, h, i0, m, j0, w, y, w);
+  for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * w;
     const acc_t bm = row_max(row, w);
     mx[r] = bm;
@@ -710,89 +707,101 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t heads,
     }
     l[r] = exp_shifted(row, w, bm, row);
   }
-  if (P.drop.on)
-    for (int64_t g = 0; g < heads; ++g)
-      apply_dropout(P.drop, y + g * m * w, m, w, w, P.row_id(bi, h + g, i0), P.key0 + j0);
-  std::fill(o, o + rows * P.Ev, acc_t(0));  // (columns ev.. of o are padding: zeros)
+  if (P.drop.on) apply_dropout(P.drop, y, m, w, w, P.row_id(bi, h, i0), P.key0 + j0);
+  std::fill(o, o + m * P.Ev, acc_t(0));  // (columns ev.. of o are padding: zeros)
   if constexpr (std::is_same_v<acc_t, float>) {
-    for (int64_t r = 0; r < rows; ++r) accumulate_pv(y + r * w, w, vrow, ev, o + r * P.Ev);
+    for (int64_t r = 0; r < m; ++r) accumulate_pv(y + r * w, w, vh, vld, ev, o + r * P.Ev);
   } else {
     for (int64_t j = 0; j < w; ++j)
-      for (int64_t r = 0; r < rows; ++r)
-        if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, vrow[j], y[r * w + j], ev);
+      for (int64_t r = 0; r < m; ++r)
+        if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, vh + j * vld, y[r * w + j], ev);
   }
 }
 
-// Pointers to rows j .. j + w - 1 of one (batch bi, kv-head) of K or V whose
-// row 0 is at head and whose rows are ld apart: in one run, or, from a paged
-// cache (Problem::kv_pages), ld apart within each page and the pages
-// page_stride apart in their pool.
+// Rows j .. j + w - 1 of one (batch bi, kv-head) of a paged K or V
+// (Problem::kv_pages) copied into dst, e values a row: head is the kv-head's
+// row 0 in page 0 of the pool, rows are ld apart within a page and pages
+// page_stride apart.
 template <typename acc_t, typename kv_t>
-void decode_rows(const Problem<acc_t>& P, const kv_t* head, int64_t ld, int64_t page_stride, int64_t bi, int64_t j,
-                 int64_t w, const kv_t** rows) {
-  if (!P.kv_pages) {
-    for (int64_t t = 0; t < w; ++t) rows[t] = head + (j + t) * ld;
-    return;
-  }
+void gather_pages(const Problem<acc_t>& P, const kv_t* head, int64_t ld, int64_t page_stride, int64_t e, int64_t bi,
+                  int64_t j, int64_t w, kv_t* dst) {
   const int64_t* pages = P.kv_pages + bi * P.kv_max_pages;
-  int64_t page = j / P.kv_page, row = j % P.kv_page;
-  for (int64_t t = 0; t < w; ++t) {
-    rows[t] = head + pages[page] * page_stride + row * ld;
-    if (++row == P.kv_page) row = 0, ++page;
+  for (int64_t t = 0; t < w;) {
+    const int64_t page = (j + t) / P.kv_page, row = (j + t) % P.kv_page, run = std::min(w - t, P.kv_page - row);
+    const kv_t* src = head + pages[page] * page_stride + row * ld;
+    for (int64_t r = 0; r < run; ++r) {  // (a loop the compiler vectorizes: a memcpy call a row costs more)
+      const kv_t* from = src + r * ld;
+      kv_t* to = dst + (t + r) * e;
+      for (int64_t c = 0; c < e; ++c) to[c] = from[c];
+    }
+    t += run;
   }
 }
 
 template <typename acc_t>
-void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t heads, int64_t i0, int64_t m,
-                          int64_t j0, int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l) {
-  TORCH_INTERNAL_ASSERT(w <= kDecodeKeys && (heads == 1 || (i0 == 0 && m == P.L)));
+void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0,
+                          int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l, PagedRows& paged) {
   const int64_t hk = h / P.group(), j = P.key0 + j0;
-  const bool paged = P.kv_pages != nullptr;
-  // K and V of kv_t from k and v: contiguous (B, Hk, S, ek) and (…, ev)
-  // unless strided or paged, whose strides Problem::k_stride holds.
-  auto run = [&](auto tag, const void* k, const void* v, int64_t ek, int64_t ev) {
-    using kv_t = decltype(tag);
-    const kv_t *kh = static_cast<const kv_t*>(k), *vh = static_cast<const kv_t*>(v);
-    int64_t kld = ek, vld = ev;
-    if (paged) {
-      kh += hk * P.k_stride[1], vh += hk * P.v_stride[1];
-      kld = P.k_stride[2], vld = P.v_stride[2];
-    } else if (P.kv_strided) {
-      kh += bi * P.k_stride[0] + hk * P.k_stride[1], vh += bi * P.v_stride[0] + hk * P.v_stride[1];
-      kld = P.k_stride[2], vld = P.v_stride[2];
-    } else {
-      kh += (bi * P.Hk + hk) * P.S * ek, vh += (bi * P.Hk + hk) * P.S * ev;
+  if (P.kv_pages) {
+    // A paged cache: the chunk's rows copied from their pages into the
+    // thread's PagedRows unless it holds them, then decoded as one run (the
+    // arithmetic of the contiguous call, and memory for a chunk's rows, not
+    // the cache's).
+    auto run = [&](auto tag, const void* k, const void* v, int64_t ek, int64_t ev) {
+      using kv_t = decltype(tag);
+      kv_t* kc = reinterpret_cast<kv_t*>(paged.buf.data());
+      kv_t* vc = kc + kDecodeKeys * ek;
+      if (paged.bi != bi || paged.hk != hk || paged.j != j || paged.w != w) {
+        gather_pages(P, static_cast<const kv_t*>(k) + hk * P.k_stride[1], P.k_stride[2], P.k_stride[0], ek, bi, j,
+                     w, kc);
+        gather_pages(P, static_cast<const kv_t*>(v) + hk * P.v_stride[1], P.v_stride[2], P.v_stride[0], ev, bi, j,
+                     w, vc);
+        paged.bi = bi, paged.hk = hk, paged.j = j, paged.w = w;
+      }
+      decode_chunk(P, bi, h, i0, m, j0, w, static_cast<const kv_t*>(kc), ek, ek, static_cast<const kv_t*>(vc), ev, ev,
+                   y, o, mx, l);
+    };
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (P.k_half) {
+        return P.half_is_bf16 ? run(c10::BFloat16(), P.k_half, P.v_half, P.kv_e, P.kv_ev)
+                              : run(c10::Half(), P.k_half, P.v_half, P.kv_e, P.kv_ev);
+      }
     }
-    const kv_t* krow[kDecodeKeys];
-    const kv_t* vrow[kDecodeKeys];
-    decode_rows(P, kh, kld, P.k_stride[0], bi, j, w, krow);
-    decode_rows(P, vh, vld, P.v_stride[0], bi, j, w, vrow);
-    decode_chunk(P, bi, h, heads, i0, m, j0, w, krow, ek, vrow, ev, y, o, mx, l);
-  };
+    return run(acc_t(), P.k, P.v, P.kv_e, P.kv_ev);
+  }
   if constexpr (std::is_same_v<acc_t, float>) {
     if (P.k_half) {
-      const int64_t ek = paged ? P.kv_e : P.e_half, ev = paged ? P.kv_ev : P.ev_half;
-      return P.half_is_bf16 ? run(c10::BFloat16(), P.k_half, P.v_half, ek, ev)
-                            : run(c10::Half(), P.k_half, P.v_half, ek, ev);
+      const int64_t head = bi * P.Hk + hk;
+      auto run = [&](auto tag) {
+        using half_t = decltype(tag);
+        const half_t* kh = static_cast<const half_t*>(P.k_half) + (head * P.S + j) * P.e_half;
+        const half_t* vh = static_cast<const half_t*>(P.v_half) + (head * P.S + j) * P.ev_half;
+        decode_chunk(P, bi, h, i0, m, j0, w, kh, P.e_half, P.e_half, vh, P.ev_half, P.ev_half, y, o, mx, l);
+      };
+      return P.half_is_bf16 ? run(c10::BFloat16()) : run(c10::Half());
     }
   }
-  if (paged) return run(acc_t(), P.k, P.v, P.kv_e, P.kv_ev);
-  run(acc_t(), P.k, P.v, P.E, P.Ev);
+  if (P.kv_strided) {
+    const acc_t* kh = P.k + bi * P.k_stride[0] + hk * P.k_stride[1] + j * P.k_stride[2];
+    const acc_t* vh = P.v + bi * P.v_stride[0] + hk * P.v_stride[1] + j * P.v_stride[2];
+    return decode_chunk(P, bi, h, i0, m, j0, w, kh, P.E, P.k_stride[2], vh, P.Ev, P.v_stride[2], y, o, mx, l);
+  }
+  decode_chunk(P, bi, h, i0, m, j0, w, P.k_head(bi, hk) + j0 * P.E, P.E, P.E, P.v_head(bi, hk) + j0 * P.Ev, P.Ev,
+               P.Ev, y, o, mx, l);
 }
 
 // The output rows (m x Ev) and log-sum-exp c of one head from its nchunks
-// chunk results (chunk u at o + u·apart·Ev, mx + u·apart, l + u·apart: apart
-// rows between chunks), in chunk order.
+// chunk results (chunk u at o + u·m·Ev, mx + u·m, l + u·m), in chunk order.
 template <typename acc_t>
-void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, int64_t apart, const acc_t* o, const acc_t* mx,
-                          const acc_t* l, acc_t* out, float* c) {
+void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, const acc_t* o, const acc_t* mx, const acc_t* l,
+                          acc_t* out, float* c) {
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   for (int64_t r = 0; r < m; ++r) {
     acc_t* orow = out + r * Ev;
     acc_t top = -inf;
     bool nan = false;
     for (int64_t u = 0; u < nchunks; ++u) {
-      const acc_t v = mx[u * apart + r];
+      const acc_t v = mx[u * m + r];
       nan |= v != v;
       top = std::max(top, v);
     }
@@ -804,11 +813,11 @@ void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, int64_t apart,
     std::fill(orow, orow + Ev, acc_t(0));
     acc_t sum = 0;
     for (int64_t u = 0; u < nchunks; ++u) {
-      const acc_t v = mx[u * apart + r];
+      const acc_t v = mx[u * m + r];
       if (v == -inf) continue;
       const acc_t f = std::exp(v - top);
-      sum += f * l[u * apart + r];
-      axpy(orow, o + (u * apart + r) * Ev, f, Ev);
+      sum += f * l[u * m + r];
+      axpy(orow, o + (u * m + r) * Ev, f, Ev);
     }
     if (!(sum > acc_t(0))) {
       std::fill(orow, orow + Ev, acc_t(0));
@@ -828,9 +837,8 @@ void softmax_merge_chunks(int64_t m, int64_t Ev, int64_t nchunks, int64_t apart,
                                           const float*, const T*, const T*, T*, T*, T*, T*, T*, T*,             \
                                           std::vector<float>&);                                        \
   template void softmax_decode_chunk<T>(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, \
-                                        int64_t, T*, T*, T*, T*);                                             \
-  template void softmax_merge_chunks<T>(int64_t, int64_t, int64_t, int64_t, const T*, const T*, const T*, T*,     \
-                                        float*);
+                                        T*, T*, T*, T*, PagedRows&);                                          \
+  template void softmax_merge_chunks<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, T*, float*);
 AK_INSTANTIATE_SOFTMAX(float)
 AK_INSTANTIATE_SOFTMAX(double)
 
