@@ -538,3 +538,34 @@ def test_sparsemap_active_set_op_passes_opcheck_and_compiles():
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(u, w)
     for a, b in zip(got, f(u, w), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# A row of a BiLSTM's attention scores from training (importance --quick, Rotten Tomatoes,
+# SparseMAP, seed 3): 46 entries near 0.45 and pairwise scores near ±0.003, so the optimum is
+# near u itself, inside the cube, and needs m + 1 = 47 labelings. The active set reaches 47
+# labelings and then swaps dependent ones without progress, the violation stuck near 4e-8
+# against a tolerance of 5e-11 (the reference's search does the same).
+LONG_INTERIOR_ROW = [
+    0.4898461103439331, 0.45017102360725403, 0.5038379430770874, 0.4517227113246918, 0.47928494215011597,
+    0.43810027837753296, 0.5048350095748901, 0.4020206928253174, 0.4277220368385315, 0.45777732133865356,
+    0.4248950779438019, 0.451314777135849, 0.43663594126701355, 0.45996999740600586, 0.4910595118999481,
+    0.5405035018920898, 0.3515198230743408, 0.4455012083053589, 0.4914444088935852, 0.4577871859073639,
+    0.562337338924408, 0.4574550986289978, 0.4464949369430542, 0.39151376485824585, 0.440684050321579,
+    0.3610571026802063, 0.38377314805984497, 0.430389404296875, 0.47514772415161133, 0.3993415832519531,
+    0.37083446979522705, 0.42860060930252075, 0.3564677834510803, 0.40248429775238037, 0.4703397750854492,
+    0.5949571132659912, 0.48948895931243896, 0.44616374373435974, 0.4278847575187683, 0.46616247296333313,
+    0.5374197363853455, 0.44895076751708984, 0.39557749032974243, 0.4294736385345459, 0.47104382514953613,
+    0.46341001987457275
+]
+LONG_INTERIOR_W = [[0.0029999997932463884, 0.0029999969992786646], [-0.002999994670972228, -0.0029999995604157448]]
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="sparsemap_chain's active set does not converge when the optimum needs m + 1 labelings")
+def test_sparsemap_long_row_with_an_interior_optimum():
+    u = torch.tensor([LONG_INTERIOR_ROW + [-math.inf] * 2], dtype=torch.float32)
+    w = torch.tensor(LONG_INTERIOR_W, dtype=torch.float32)
+    mu = attnkern.sparsemap_chain(u, w, backend="cpu")
+    want, best = sparsemap_qp(u[0, :46].double().numpy(), w.double().numpy())
+    np.testing.assert_allclose(mu[0, :46].double().numpy(), want, atol=1e-5)
+    assert mu[0, 46:].eq(0).all()
