@@ -3,8 +3,9 @@
 fusedmax and oscarmax are sparsemax after an exact prox (a sequential sweep
 per row; oscarmax also sorts the row), so their cost is measured against
 sparsemax's, which does the same threshold work; crf_marginals (a
-forward-backward per row) and sparsemap_chain (an active set per row, on
-shorter rows) against torch.softmax's. Forward and
+forward-backward per row) and sparsemap_chain (its closed form; and the
+active set that rows with a forbidden transition need, on shorter rows)
+against torch.softmax's. Forward and
 forward+backward at [4096, 1024] float32, interleaved rounds, 1 and 2
 threads. And fused fusedmax / oscarmax attention against the unfused path
 (materialized scores, the row-wise op, the matmuls) at B=1, H=8, N=2048, E=64.
@@ -31,6 +32,7 @@ LAMS = (0.1, 1.0)
 CRF_TARGET_VS_SOFTMAX = 4.0
 SPARSEMAP_SHAPE = (512, 128)
 PAIRWISE = ((0.5, -1.0), (-0.5, 1.0))
+PAIRWISE_FORBIDDEN = ((0.5, -1.0), (-0.5, float("-inf")))  # no 1 → 1: SparseMAP's active set
 # Fused attention (B, H, N, E) and its target: fwd and fwd+bwd at most this
 # multiple of the unfused path's time (fusedmax; oscarmax reported).
 ATTENTION_SHAPE = (1, 8, 2048, 64)
@@ -74,18 +76,25 @@ def cases(rounds):
     label = f"row-wise {list(SHAPE)}, vs torch.softmax"
     yield label, "crf_marginals", "fwd", None, interleaved(fwd(crf), fwd(softmax), rounds)
     yield label, "crf_marginals", "fwd+bwd", CRF_TARGET_VS_SOFTMAX, interleaved(fwdbwd(crf), fwdbwd(softmax), rounds)
-    # SparseMAP's active set costs grow with the support (a KKT solve per step),
-    # so it is timed on shorter rows, without a target.
-    xs = sparsemap_rows()
-    gs = torch.randn(*SPARSEMAP_SHAPE, generator=torch.Generator().manual_seed(4))
-
     def sparsemap(t):
         return attnkern.sparsemap_chain(t, pairwise)
 
+    yield label, "sparsemap_chain", "fwd", None, interleaved(fwd(sparsemap), fwd(softmax), rounds)
+    yield label, "sparsemap_chain", "fwd+bwd", None, interleaved(fwdbwd(sparsemap), fwdbwd(softmax), rounds)
+    # The active set's cost grows with the support (a KKT solve per step), so
+    # it is timed on shorter rows, without a target.
+    xs = sparsemap_rows()
+    gs = torch.randn(*SPARSEMAP_SHAPE, generator=torch.Generator().manual_seed(4))
+    forbidden = torch.tensor(PAIRWISE_FORBIDDEN)
+
+    def sparsemap_active_set(t):
+        return attnkern.sparsemap_chain(t, forbidden)
+
     label = f"row-wise {list(SPARSEMAP_SHAPE)}, vs torch.softmax"
-    yield label, "sparsemap_chain", "fwd", None, interleaved(fwd(sparsemap, xs), fwd(softmax, xs), rounds)
-    yield (label, "sparsemap_chain", "fwd+bwd", None,
-           interleaved(fwdbwd(sparsemap, xs, gs), fwdbwd(softmax, xs, gs), rounds))
+    name = "sparsemap_chain, no 1→1"
+    yield label, name, "fwd", None, interleaved(fwd(sparsemap_active_set, xs), fwd(softmax, xs), rounds)
+    yield (label, name, "fwd+bwd", None,
+           interleaved(fwdbwd(sparsemap_active_set, xs, gs), fwdbwd(softmax, xs, gs), rounds))
     yield from attention_cases(rounds)
 
 
@@ -94,10 +103,11 @@ def sparsemap_rows():
 
 
 def sparsemap_work() -> str:
-    """SparseMAP's work on the timed rows: Viterbi calls and active labelings per row."""
-    res = attnkern.sparsemap_chain(sparsemap_rows(), torch.tensor(PAIRWISE), return_active=True)
+    """The active set's work on its timed rows: Viterbi calls and active labelings per row."""
+    res = attnkern.sparsemap_chain(sparsemap_rows(), torch.tensor(PAIRWISE_FORBIDDEN), return_active=True)
     calls, support = res.oracle_calls.double(), (res.weights > 0).sum(-1).double()
-    return (f"sparsemap_chain on the timed {list(SPARSEMAP_SHAPE)} rows: Viterbi calls per row mean "
+    return (f"sparsemap_chain, no 1→1 (the active set) on the timed {list(SPARSEMAP_SHAPE)} rows: "
+            f"Viterbi calls per row mean "
             f"{calls.mean():.1f} (max {int(calls.max())}), active labelings per row mean {support.mean():.1f} "
             f"(max {int(support.max())}).")
 

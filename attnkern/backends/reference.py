@@ -747,18 +747,49 @@ def _chain_score(z, u: list[float], w: list[list[float]]) -> float:
     return sum(ui for ui, zi in zip(u, z, strict=True) if zi) + sum(w[a][b] for a, b in zip(z, z[1:], strict=False))
 
 
+def _sparsemap_closed_form(u: list[float], w: list[list[float]]) -> tuple[list[tuple[int, ...]], list[float]]:
+    """SparseMAP's solution for a row whose transitions are all allowed, as
+    labelings and weights (docs/algorithms.md, section 12): μ = clamp of the
+    TV prox (strength |c|/2, c = W00 − W01 − W10 + W11) of u shifted by W's
+    linear part, every odd entry mirrored (x ↦ 1 − x) when c < 0; then one
+    labeling per gap between consecutive distinct values of the (mirrored) μ,
+    its entries those at or above the gap."""
+    m = len(u)
+    c = w[0][0] - w[0][1] - w[1][0] + w[1][1]
+    left, right = (w[1][0] + w[1][1] - w[0][0] - w[0][1]) / 2, (w[0][1] + w[1][1] - w[0][0] - w[1][0]) / 2
+    mirror = [c < 0 and i % 2 == 1 for i in range(m)]
+    x = []
+    for i in range(m):
+        shifted = u[i] + (left if i + 1 < m else 0.0) + (right if i > 0 else 0.0)
+        x.append(1.0 - shifted if mirror[i] else shifted)
+    nu = [0.0] * m
+    for first, last, value in _tv_segments(x, abs(c) / 2):
+        nu[first:last + 1] = [min(1.0, max(0.0, value))] * (last - first + 1)
+    levels = sorted(set(nu) | {0.0, 1.0}, reverse=True)
+    support, xi = [], []
+    for upper, lower in zip(levels, levels[1:], strict=False):
+        support.append(tuple(int((v >= upper) != flip) for v, flip in zip(nu, mirror, strict=True)))
+        xi.append(upper - lower)
+    return support, xi
+
+
 def _sparsemap_support(u: list[float], w: list[list[float]]) -> list[tuple[int, ...]] | None:
     """The labelings in SparseMAP's solution for one row (None if no labeling is
-    feasible): conditional gradient steps towards Viterbi's most violating
-    labeling on the active set, with the restricted QP solved by a dense
-    least-squares KKT solve and labelings with nonpositive weight dropped, until
-    no labeling improves the objective. (The kernels keep the active set
-    affinely independent and step exactly; this search only has to find the
-    support, and the exact weights are then computed with a graph.)"""
-    value, z = _chain_best_labeling(u, w)
-    if value == -math.inf:
-        return None
-    support, xi = [z], [1.0]
+    feasible). The closed form's labelings when every transition is allowed,
+    checked (and, if rounding left some labeling with excess value, improved)
+    by conditional gradient steps towards Viterbi's most violating labeling on
+    the active set, with the restricted QP solved by a dense least-squares KKT
+    solve and labelings with nonpositive weight dropped, until no labeling
+    improves the objective. (The kernels keep the active set affinely
+    independent and step exactly; this search only has to find the support,
+    and the exact weights are then computed with a graph.)"""
+    if all(v > -math.inf for row in w for v in row):
+        support, xi = _sparsemap_closed_form(u, w)
+    else:
+        value, z = _chain_best_labeling(u, w)
+        if value == -math.inf:
+            return None
+        support, xi = [z], [1.0]
     scale = max([1.0] + [abs(v) for v in u] + [abs(v) for row in w for v in row if v > -math.inf])
     tol = 1e-12 * (len(u) + 1) * scale
     for _ in range(100 + 20 * len(u)):

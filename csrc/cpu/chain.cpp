@@ -16,8 +16,10 @@
 // side, one per vector lane (struct CrfLanes), whenever their entries allow
 // the linear sweep and none is masked; other rows go one at a time.
 //
-// sparsemap_chain (Niculae, Martins, Blondel & Cardie, 2018): the active-set
-// method with Viterbi as the oracle (struct Sparsemap below; section 12).
+// sparsemap_chain (Niculae, Martins, Blondel & Cardie, 2018): in closed form
+// (a clamped total-variation prox) when every transition is allowed, else the
+// active-set method with Viterbi as the oracle (struct Sparsemap below;
+// section 12).
 //
 // Both: entries at -inf take no part (the finite ones are neighbours in their
 // order, a removed one gets 0); a row with NaN or +inf gives NaN, and so does
@@ -35,6 +37,7 @@
 #include "attnkern/chain_math.h"
 #include "attnkern/cpu_kernels.h"
 #include "attnkern/row_layout.h"
+#include "attnkern/structured_math.h"
 
 namespace attnkern {
 namespace cpu {
@@ -620,6 +623,12 @@ std::tuple<Tensor, Tensor> chain_bwd(const Tensor& x_in, const Tensor& grad_in, 
 // dξ = P dθ_S with P that block of K⁻¹; dθ_s/du = z_s and dθ_s/dW[a][b] is the
 // number of a→b transitions in s. Hence du = Z_S v and dW[a][b] = Σ_s v_s·#ab(s)
 // with v = P Z_Sᵀ g, one more solve with K.
+//
+// The active set serves only rows with a forbidden transition (-inf in W):
+// otherwise μ has a closed form (closed_form below), certified by one Viterbi
+// call, with an O(m) backward. The active set alone can need a vast number of
+// exchanges when the optimum is interior and W is small, since it then walks
+// between nearly equal supports of m + 1 labelings.
 struct Sparsemap {
   static constexpr const char* kName = "sparsemap_chain";
 
@@ -628,12 +637,18 @@ struct Sparsemap {
   struct Workspace {
     int64_t n, cap = 0, k = 0;
     int64_t oracle_calls = 0;  // Viterbi calls of the last solve
+    // Whether the last solve's μ is the closed form's (then `runs` holds the
+    // TV prox's output before the clip, and `flip` its alternation); else the
+    // support below holds it.
+    bool closed = false, flip = false;
     std::unique_ptr<uint8_t[]> labels;  // cap labelings of n entries
     std::unique_ptr<double[]> theta, xi, counts, gram, kkt, rhs;
     std::unique_ptr<uint8_t[]> cand, back;
-    std::unique_ptr<double[]> cost, lambda;
+    std::unique_ptr<double[]> cost, lambda, runs, levels;
 
-    explicit Workspace(int64_t n_) : n(n_), cand(new uint8_t[n_]), back(new uint8_t[2 * n_]), cost(new double[n_]) {
+    explicit Workspace(int64_t n_)
+        : n(n_), cand(new uint8_t[n_]), back(new uint8_t[2 * n_]), cost(new double[n_]), runs(new double[n_]),
+          levels(new double[n_]) {
       grow(8);
     }
     uint8_t* label(int64_t s) const { return labels.get() + s * n; }
@@ -825,22 +840,109 @@ struct Sparsemap {
     }
   }
 
-  // μ into s.mu; false if no labeling is feasible.
-  static bool solve(ChainScratch& s, Workspace& ws, int64_t m, const double* w) {
-    const double* u = s.u;
-    ws.k = 0;
-    if (!(viterbi(ws, u, m, w) > kNegInf)) return false;
-    ws.add_candidate(u, m, w);
-    ws.xi[0] = 1.0;
-    // Violations below a few rounding errors of the scores are not acted on.
+  // With every transition allowed the pairwise scores act on μ only through
+  // c = W00 − W01 − W10 + W11 and two shifts of u, and μ is in closed form
+  // (docs/algorithms.md, section 12): μ = clamp(prox_{|c|/2·TV}(ũ), 0, 1),
+  // where ũ is u shifted by the W's linear part and, when c < 0, every odd
+  // entry is mirrored (x ↦ 1 − x) before the prox and after the clamp. μ into
+  // s.mu, the prox's output into ws.runs.
+  static void closed_form(ChainScratch& s, Workspace& ws, int64_t m, const double* w) {
+    const double c = w[0] - w[1] - w[2] + w[3];
+    const double left = 0.5 * (w[2] + w[3] - w[0] - w[1]), right = 0.5 * (w[1] + w[3] - w[0] - w[2]);
+    ws.flip = c < 0.0;
+    double* x = ws.cost.get();
+    for (int64_t i = 0; i < m; ++i) {
+      const double shifted = s.u[i] + (i + 1 < m ? left : 0.0) + (i > 0 ? right : 0.0);
+      x[i] = mirrored(ws, i) ? 1.0 - shifted : shifted;
+    }
+    math::tv_prox(x, m, 0.5 * std::abs(c), ws.runs.get());
+    for (int64_t i = 0; i < m; ++i) {
+      const double clamped = std::min(1.0, std::max(0.0, ws.runs[i]));
+      s.mu[i] = mirrored(ws, i) ? 1.0 - clamped : clamped;
+    }
+  }
+
+  static bool mirrored(const Workspace& ws, int64_t i) { return ws.flip && (i & 1); }
+
+  // A distribution over labelings with unary marginals μ and the best pairwise
+  // marginals for W: z_i = [U < ν_i] for U uniform on [0, 1) (ν: μ with the
+  // closed form's mirroring, which makes the odd entries 1 − [U < ν_i]). One
+  // labeling per gap between consecutive distinct values of ν ∪ {0, 1},
+  // weighted by the gap: nested, so affinely independent. emit(z, weight)
+  // for each; z is ws.cand.
+  template <typename Emit>
+  static void threshold_labelings(const ChainScratch& s, Workspace& ws, int64_t m, Emit emit) {
+    double* nu = ws.levels.get();
+    for (int64_t i = 0; i < m; ++i) nu[i] = mirrored(ws, i) ? 1.0 - s.mu[i] : s.mu[i];
+    std::sort(nu, nu + m, [](double a, double b) { return a > b; });
+    double upper = 1.0;
+    for (int64_t j = 0; j <= m; ++j) {
+      const double lower = j < m ? nu[j] : 0.0;
+      if (!(lower < upper)) continue;
+      for (int64_t i = 0; i < m; ++i) {
+        const bool on = (mirrored(ws, i) ? 1.0 - s.mu[i] : s.mu[i]) >= upper;
+        ws.cand[i] = on != mirrored(ws, i);
+      }
+      emit(ws.cand.get(), upper - lower);
+      upper = lower;
+    }
+  }
+
+  // The excess value of the best labeling over the threshold distribution's
+  // common value τ = E[θ_z] − ‖μ‖² (E[θ_z] from the pairwise marginals of
+  // that distribution, min(μ_i, μ_j) or max(0, μ_i + μ_j − 1) for both
+  // labels 1): the optimality certificate of the closed form, one Viterbi.
+  static double closed_form_excess(ChainScratch& s, Workspace& ws, int64_t m, const double* w) {
+    const double* mu = s.mu;
+    double expected = 0.0, norm = 0.0;
+    for (int64_t i = 0; i < m; ++i) {
+      expected += s.u[i] * mu[i];
+      norm += mu[i] * mu[i];
+      ws.cost[i] = s.u[i] - mu[i];
+    }
+    for (int64_t i = 0; i + 1 < m; ++i) {
+      const double a = mu[i], b = mu[i + 1];
+      const double both = ws.flip ? std::max(0.0, a + b - 1.0) : std::min(a, b);
+      expected += w[0] * (1.0 - a - b + both) + w[1] * (b - both) + w[2] * (a - both) + w[3] * both;
+    }
+    return viterbi(ws, ws.cost.get(), m, w) - (expected - norm);
+  }
+
+  // Violations below a few rounding errors of the scores are not acted on.
+  static double tolerance(const double* u, int64_t m, const double* w) {
     double scale = 1.0;
     for (int64_t i = 0; i < m; ++i) scale = std::max(scale, std::abs(u[i]));
     for (int ab = 0; ab < 4; ++ab) {
       if (w[ab] > kNegInf) scale = std::max(scale, std::abs(w[ab]));
     }
-    const double tol = 64.0 * std::numeric_limits<double>::epsilon() * double(m + 1) * scale;
-    double* mu = s.mu;
+    return 64.0 * std::numeric_limits<double>::epsilon() * double(m + 1) * scale;
+  }
+
+  // μ into s.mu; false if no labeling is feasible. The closed form when every
+  // transition is allowed and Viterbi certifies it; else the active-set
+  // search, from the closed form's labelings if there is one.
+  static bool solve(ChainScratch& s, Workspace& ws, int64_t m, const double* w) {
+    const double* u = s.u;
+    const double tol = tolerance(u, m, w);
+    ws.k = 0;
+    ws.closed = false;
     ws.oracle_calls = 1;
+    if (w[0] > kNegInf && w[1] > kNegInf && w[2] > kNegInf && w[3] > kNegInf) {
+      closed_form(s, ws, m, w);
+      if (closed_form_excess(s, ws, m, w) <= tol) {
+        ws.closed = true;
+        return true;
+      }
+      threshold_labelings(s, ws, m, [&](const uint8_t*, double weight) {
+        ws.add_candidate(u, m, w);
+        ws.xi[ws.k - 1] = weight;
+      });
+    } else {
+      if (!(viterbi(ws, u, m, w) > kNegInf)) return false;
+      ws.add_candidate(u, m, w);
+      ws.xi[0] = 1.0;
+    }
+    double* mu = s.mu;
     for (int64_t iter = 0;; ++iter) {
       TORCH_CHECK(iter <= 100 + 20 * m, "attnkern: sparsemap_chain's active set did not converge in ", iter,
                   " steps");
@@ -894,6 +996,10 @@ struct Sparsemap {
 
   static bool backward(ChainScratch& s, Workspace& ws, int64_t m, const double* w, double* dw) {
     if (!solve(s, ws, m, w)) return false;
+    if (ws.closed) {
+      closed_form_backward(s, ws, m, w, dw);
+      return true;
+    }
     for (int64_t t = 0; t < ws.k; ++t) {
       double r = 0.0;
       const uint8_t* z = ws.label(t);
@@ -912,6 +1018,43 @@ struct Sparsemap {
       }
     }
     return true;
+  }
+
+  // The closed form's vector-Jacobian product. Within a run of equal prox
+  // values strictly inside (0, 1) the prox averages its inputs, and the run's
+  // value moves with λ = |c|/2 by (r − l)/size (r, l: the signs of the jumps
+  // to its right and from its left neighbour); a clamped run passes nothing.
+  // The mirroring flips the signs of the odd entries both ways, and W reaches
+  // μ through the two shifts of u and λ.
+  static void closed_form_backward(ChainScratch& s, Workspace& ws, int64_t m, const double* w, double* dw) {
+    const double* y = ws.runs.get();
+    double d_lam = 0.0, d_left = 0.0, d_right = 0.0;
+    for (int64_t first = 0, last; first < m; first = last + 1) {
+      last = first;
+      while (last + 1 < m && y[last + 1] == y[first]) ++last;
+      const double size = double(last - first + 1), value = y[first];
+      double sum = 0.0;
+      for (int64_t i = first; i <= last; ++i) sum += mirrored(ws, i) ? -s.g[i] : s.g[i];
+      const bool inside = value > 0.0 && value < 1.0;
+      for (int64_t i = first; i <= last; ++i) {
+        const double du = inside ? (mirrored(ws, i) ? -sum : sum) / size : 0.0;
+        s.out[s.pos[i]] = du;
+        if (i + 1 < m) d_left += du;
+        if (i > 0) d_right += du;
+      }
+      if (inside) {
+        const double l = first == 0 ? 0.0 : double((value > y[first - 1]) - (value < y[first - 1]));
+        const double r = last + 1 == m ? 0.0 : double((y[last + 1] > value) - (y[last + 1] < value));
+        d_lam += sum * (r - l) / size;
+      }
+    }
+    if (!dw) return;
+    const double c = w[0] - w[1] - w[2] + w[3];
+    const double d_c = 0.5 * double((c > 0.0) - (c < 0.0)) * d_lam;  // λ = |c|/2
+    dw[0] += -0.5 * d_left - 0.5 * d_right + d_c;
+    dw[1] += -0.5 * d_left + 0.5 * d_right - d_c;
+    dw[2] += 0.5 * d_left - 0.5 * d_right - d_c;
+    dw[3] += 0.5 * d_left + 0.5 * d_right + d_c;
   }
 };
 
@@ -946,10 +1089,16 @@ std::tuple<Tensor, Tensor, Tensor> sparsemap_chain_active(const Tensor& x_in, co
           int64_t m = 0;
           if (!chain_entries(s, n, m) || m == 0 || !Sparsemap::solve(s, ws, m, wp + 4 * r)) continue;
           calls[r] = ws.oracle_calls;
-          labels[r].assign(ws.k * n, 0);
-          weights[r].assign(ws.xi.get(), ws.xi.get() + ws.k);
-          for (int64_t t = 0; t < ws.k; ++t) {
-            for (int64_t i = 0; i < m; ++i) labels[r][t * n + s.pos[i]] = ws.label(t)[i];
+          auto keep = [&](const uint8_t* z, double weight) {
+            const size_t at = labels[r].size();
+            labels[r].resize(at + n, 0);
+            for (int64_t i = 0; i < m; ++i) labels[r][at + s.pos[i]] = z[i];
+            weights[r].push_back(weight);
+          };
+          if (ws.closed) {
+            Sparsemap::threshold_labelings(s, ws, m, keep);
+          } else {
+            for (int64_t t = 0; t < ws.k; ++t) keep(ws.label(t), ws.xi[t]);
           }
         }
       });
