@@ -270,11 +270,17 @@ def _all_importance_results() -> list[tuple[Path, dict]]:
 
 def _importance_results() -> tuple[list[Path], list[dict]]:
     """The committed full-scale `importance` results of the reference machine (the CPU of the first result with
-    embeddings from scratch), that one first; reruns on other machines are for importance_cross_machine."""
+    embeddings from scratch), that one first, and the earliest of each other kind of embeddings: Table 2's runs.
+    Reruns on other machines are for importance_cross_machine; a later run with the same embeddings is another
+    study (the structured normalizers'), which docs/experiments.md links and committed_experiments lists."""
     pairs = _all_importance_results()
     if pairs:
         reference = _processors(pairs[0][1])
         pairs = [(p, d) for p, d in pairs if _processors(d) == reference]
+        first_of_each = {}
+        for p, d in pairs:
+            first_of_each.setdefault(d.get("embeddings", "scratch"), (p, d))
+        pairs = list(first_of_each.values())
     return [p for p, _ in pairs], [d for _, d in pairs]
 
 

@@ -128,3 +128,32 @@ def test_cross_machine_check_compares_a_rerun_with_the_first_runs_intervals(tmp_
     assert "1 of 2 means within" in both
     assert "| rt | bilstm | softmax | τ_g | 0.300 [0.280, 0.320] | 0.310 | Intel Xeon | yes |" in both
     assert "| rt | bilstm | softmax | τ_loo | 0.250 [0.230, 0.270] | 0.290 | Intel Xeon | no |" in both
+
+
+_TABLE2_RUNS = """
+import json, sys
+from pathlib import Path
+import docs
+root = Path(sys.argv[1])
+docs.ROOT, docs.EXPERIMENTS = root, root / "results" / "experiments"
+def result(day, embeddings, normalizers):
+    prov = dict(commits=["abc1234"], processors=["AMD EPYC"], isa_levels=["AVX512"], backends=["cpu"],
+                started=[f"2026-11-{day} 10:00:00 UTC"])
+    return dict(experiment="importance", quick=False, embeddings=embeddings, seeds=5, sweep=dict(provenance=prov),
+                rows=[dict(dataset="rt", encoder="bilstm", normalizer=n) for n in normalizers])
+runs = (("table2", result("27", "scratch", ["softmax"])), ("table2-word2vec", result("28", "word2vec", ["softmax"])),
+        ("structured", result("29", "scratch", ["softmax", "crf"])))
+for name, data in runs:
+    folder = docs.EXPERIMENTS / name
+    folder.mkdir(parents=True)
+    (folder / "importance.json").write_text(json.dumps(data))
+print(json.dumps([p.parent.name for p in docs._importance_results()[0]]))
+"""
+
+
+def test_table2_takes_the_first_full_run_of_each_kind_of_embeddings(tmp_path):
+    """A later full-scale run with the same embeddings (another study: its softmax rows would repeat Table 2's)
+    stays out of the README's Table 2."""
+    res = _script("-c", _TABLE2_RUNS, str(tmp_path), cwd=BENCH)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout) == ["table2", "table2-word2vec"]
