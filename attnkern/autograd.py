@@ -370,7 +370,7 @@ _NO_SECOND_ORDER = {
 def _structured_backward(ctx, grad: torch.Tensor, name: str):
     """The backward of a structured op (fusedmax, oscarmax: the kernel
     recomputes the prox from x; crf_marginals, sparsemap_chain: the messages or
-    the active set from the unary scores); first derivatives only."""
+    the solution from the unary scores); first derivatives only."""
     if torch.is_grad_enabled():
         raise NotImplementedError(f"attnkern.{name}: double backward is not implemented ({_NO_SECOND_ORDER[name]})")
     x, param = ctx.saved_tensors
