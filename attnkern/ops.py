@@ -289,8 +289,9 @@ def sparsemap_chain(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: st
     pairwise/2). The solution is a sparse mixture of a few
     labelings, so μ often holds exact 0s and 1s; with pairwise = 0 it is
     clamp(unary, 0, 1). Arguments, masks and derivatives as crf_marginals.
-    Solved exactly: in closed form when every transition is allowed (a
-    clamped total-variation prox, certified by one Viterbi call), else by the
+    Solved exactly: in closed form, certified by one Viterbi call (a clamped
+    total-variation prox when every transition is allowed, a clamped
+    order-constrained projection when one is forbidden), else by the
     active-set method with Viterbi as the oracle.
     return_active=True returns a SparsemapActiveSet: the marginals, and per row
     (unary's shape without `dim`) the active labelings, their weights and the

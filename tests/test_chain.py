@@ -652,3 +652,62 @@ def test_sparsemap_closed_form_across_magnitudes():
                                    atol=1e-13 * scale * m)
         for r in range(2):
             assert sparsemap_gap(mu[r].numpy(), u[r].numpy(), w.numpy()) <= 1e-12 * scale * m
+
+
+@pytest.mark.parametrize("forbidden", [(1, 1), (0, 0), (1, 0), (0, 1)])
+def test_sparsemap_one_forbidden_transition_in_closed_form(forbidden):
+    """One forbidden transition fixes each edge's table and constrains a ≤ b, b ≤ a, a + b ≤ 1 or
+    a + b ≥ 1: μ is an ordered projection, clamped (docs/algorithms.md, section 12), certified by
+    one Viterbi call. Values against the generic solver, including the long interior row;
+    gradients by gradcheck and against the reference (its own projection, then autograd through
+    the KKT system of its support), also on rows of two repeated scores whose separate runs tie."""
+    g = torch.Generator().manual_seed(28)
+    u = torch.cat([0.5 + 0.3 * torch.randn(3, 10, generator=g, dtype=torch.float64),
+                   torch.tensor([0.3, 0.6], dtype=torch.float64)[torch.randint(0, 2, (2, 10), generator=g)]])
+    w = 0.4 * torch.randn(2, 2, generator=g, dtype=torch.float64)
+    w[forbidden] = -math.inf
+    res = attnkern.sparsemap_chain(u, w, return_active=True)
+    assert (res.oracle_calls == 1).all()
+    for r in range(5):
+        want, best = sparsemap_qp(u[r].numpy(), w.numpy())
+        np.testing.assert_allclose(res.marginals[r].numpy(), want, atol=2e-6)
+        assert sparsemap_objective(res.marginals[r].numpy(), u[r].numpy(), w.numpy()) >= best - 1e-9
+        k = int((res.weights[r] > 0).sum())
+        z = res.structures[r, :k].long()
+        assert (w[z[:, :-1], z[:, 1:]] > -math.inf).all()  # no active labeling uses the forbidden transition
+    us = u.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a: attnkern.sparsemap_chain(a, w), (us[:3],))
+    go = torch.randn(5, 10, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad(attnkern.sparsemap_chain(us, w, backend=b), us, go)[0] for b in ("cpu", "reference")]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-10)
+    long_u = torch.tensor([LONG_INTERIOR_ROW], dtype=torch.float64)
+    long_w = torch.tensor(LONG_INTERIOR_W, dtype=torch.float64)
+    long_w[forbidden] = -math.inf
+    long = attnkern.sparsemap_chain(long_u, long_w, return_active=True)
+    assert long.oracle_calls.item() == 1
+    torch.testing.assert_close(long.marginals, attnkern.sparsemap_chain(long_u, long_w, backend="reference"),
+                               rtol=0, atol=1e-12)
+    assert abs(sparsemap_gap(long.marginals[0].numpy(), long_u[0].numpy(), long_w.numpy())) < 1e-12
+
+
+@pytest.mark.parametrize("forbidden", [None, (1, 1), (0, 0)])
+def test_sparsemap_gradient_where_separate_runs_tie(forbidden):
+    """A repeated pattern gives separate runs of μ the same value; each run still moves on its own,
+    so the gradient must not tie them: kernel, reference and central differences agree."""
+    w = torch.tensor([[0.02, -0.01], [0.015, 0.03]], dtype=torch.float64)
+    if forbidden:
+        w[forbidden] = -math.inf
+    u = torch.tensor([[0.3, 0.6, 0.25, 0.3, 0.6, 0.25, 0.3, 0.6]], dtype=torch.float64)
+    inner = [v for v in attnkern.sparsemap_chain(u, w)[0].tolist() if 0 < v < 1]
+    assert len(set(inner)) < len(inner)
+    go = torch.tensor([[0.3, -1.0, 0.5, 2.0, 0.1, -0.7, 1.3, 0.4]], dtype=torch.float64)
+    grads = [torch.autograd.grad(attnkern.sparsemap_chain(x, w, backend=b), x, go)[0]
+             for b in ("cpu", "reference") for x in [u.clone().requires_grad_()]]
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+    eps, central = 1e-6, torch.zeros_like(u)
+    for i in range(u.shape[1]):
+        e = torch.zeros_like(u)
+        e[0, i] = eps
+        diff = attnkern.sparsemap_chain(u + e, w) - attnkern.sparsemap_chain(u - e, w)
+        central[0, i] = (diff * go).sum() / (2 * eps)
+    torch.testing.assert_close(grads[0], central, rtol=0, atol=1e-7)

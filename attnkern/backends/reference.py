@@ -747,35 +747,113 @@ def _chain_score(z, u: list[float], w: list[list[float]]) -> float:
     return sum(ui for ui, zi in zip(u, z, strict=True) if zi) + sum(w[a][b] for a, b in zip(z, z[1:], strict=False))
 
 
-def _sparsemap_closed_form(u: list[float], w: list[list[float]]) -> tuple[list[tuple[int, ...]], list[float]]:
-    """SparseMAP's solution for a row whose transitions are all allowed, as
-    labelings and weights (docs/algorithms.md, section 12): μ = clamp of the
-    TV prox (strength |c|/2, c = W00 − W01 − W10 + W11) of u shifted by W's
-    linear part, every odd entry mirrored (x ↦ 1 − x) when c < 0; then one
-    labeling per gap between consecutive distinct values of the (mirrored) μ,
-    its entries those at or above the gap."""
+def _ordered_projection(x: list[float], rises: list[bool]) -> list[float]:
+    """argmin ½‖y − x‖² subject to y_k ≤ y_{k+1} where rises[k], else y_k ≥ y_{k+1}:
+    y = y_0 + Σ signed steps e_k ≥ 0, a least-squares problem in (y_0, e) with e ≥ 0
+    solved exactly by Lawson and Hanson's active set, y_0 free. (The kernels run a
+    dynamic program over the forward message instead; pooling adjacent violators
+    is not enough once the constraints change direction.)"""
+    n = len(x)
+    target = torch.tensor(x, dtype=torch.float64)
+    design = torch.zeros(n, n, dtype=torch.float64)
+    design[:, 0] = 1.0
+    for k, rise in enumerate(rises):
+        design[k + 1:, k + 1] = 1.0 if rise else -1.0
+    active = [0]  # y_0 and the steps allowed to be positive
+    theta = torch.zeros(n, dtype=torch.float64)
+    scale = 1e-12 * max(1.0, float(target.abs().max())) * n
+    for _ in range(10 * n + 10):
+        slope = design.T @ (target - design @ theta)
+        candidates = [j for j in range(1, n) if j not in active and slope[j] > scale]
+        if not candidates:
+            # (summed in order, so that a step of exactly 0 gives exactly equal neighbours)
+            y = [float(theta[0])]
+            for k, rise in enumerate(rises):
+                y.append(y[-1] + (float(theta[k + 1]) if rise else -float(theta[k + 1])))
+            return y
+        active.append(max(candidates, key=lambda j: float(slope[j])))
+        while True:
+            z = torch.zeros(n, dtype=torch.float64)
+            z[active] = torch.linalg.lstsq(design[:, active], target.unsqueeze(-1), driver="gelsd").solution[:, 0]
+            blocked = [j for j in active[1:] if z[j] <= 0]
+            if not blocked:
+                theta = z
+                break
+            step = min(float(theta[j] / (theta[j] - z[j])) for j in blocked)
+            theta = theta + step * (z - theta)
+            active = [0] + [j for j in active[1:] if theta[j] > 0]
+            theta[[j for j in range(1, n) if j not in active]] = 0.0
+    raise RuntimeError("attnkern.sparsemap_chain (reference): the ordered projection did not converge")
+
+
+def _sparsemap_closed_form(u: list[float], w: list[list[float]]) -> tuple[list[tuple[int, ...]], list[float]] | None:
+    """SparseMAP's solution for a row with at most one forbidden transition, as
+    labelings and weights (docs/algorithms.md, section 12); None with more. μ is
+    the clamp to [0, 1] of the TV prox (strength |c|/2, c = W00 − W01 − W10 +
+    W11; every transition allowed) or of the ordered projection (one forbidden,
+    which fixes the edge's table and constrains a ≤ b, b ≤ a, a + b ≤ 1 or
+    a + b ≥ 1) of u shifted by W's linear part, every odd entry mirrored
+    (x ↦ 1 − x) when c < 0 or the constraint is on a + b; then one labeling per
+    gap between consecutive distinct values of the (mirrored) μ, its entries
+    those at or above the gap."""
     m = len(u)
-    c = w[0][0] - w[0][1] - w[1][0] + w[1][1]
-    left, right = (w[1][0] + w[1][1] - w[0][0] - w[0][1]) / 2, (w[0][1] + w[1][1] - w[0][0] - w[1][0]) / 2
-    mirror = [c < 0 and i % 2 == 1 for i in range(m)]
+    forbidden = [(a, b) for a in (0, 1) for b in (0, 1) if w[a][b] == -math.inf]
+    if len(forbidden) > 1:
+        return None
+    (w00, w01), (w10, w11) = w
+    if not forbidden:
+        c = w00 - w01 - w10 + w11
+        left, right, mirrored = (w10 + w11 - w00 - w01) / 2, (w01 + w11 - w00 - w10) / 2, c < 0
+    else:  # the table's fixed (1, 1) entry t and the shifts it leaves on a and b
+        left, right = {(1, 1): (w10 - w00, w01 - w00),  # t = 0
+                       (0, 0): (w11 - w01, w11 - w10),  # t = a + b − 1
+                       (1, 0): (w11 - w01, w01 - w00),  # t = a
+                       (0, 1): (w10 - w00, w11 - w10)}[forbidden[0]]  # t = b
+        mirrored = forbidden[0] in ((1, 1), (0, 0))
+    mirror = [mirrored and i % 2 == 1 for i in range(m)]
     x = []
     for i in range(m):
         shifted = u[i] + (left if i + 1 < m else 0.0) + (right if i > 0 else 0.0)
         x.append(1.0 - shifted if mirror[i] else shifted)
-    nu = [0.0] * m
-    for first, last, value in _tv_segments(x, abs(c) / 2):
-        nu[first:last + 1] = [min(1.0, max(0.0, value))] * (last - first + 1)
-    levels = sorted(set(nu) | {0.0, 1.0}, reverse=True)
+    if not forbidden:
+        nu = [0.0] * m
+        for first, last, value in _tv_segments(x, abs(c) / 2):
+            nu[first:last + 1] = [value] * (last - first + 1)
+    else:
+        # a ≤ b and (mirrored, from an even entry) a + b ≤ 1 make ν rise along the edge
+        rises_even = forbidden[0] in ((1, 1), (1, 0))
+        nu = _ordered_projection(x, [rises_even != (mirrored and k % 2 == 1) for k in range(m - 1)])
+    # One labeling per step down a ranking of the runs of equal neighbours inside
+    # (0, 1), by value (ties by position): a run enters at its value, so weights
+    # are the gaps between consecutive values, 0 where separate runs tie. Those
+    # zero weights keep each run free to move on its own in the KKT system that
+    # sparsemap_chain differentiates (one labeling per distinct value would tie
+    # separate runs together and give the derivative of a smaller problem).
+    runs = []
+    for i, v in enumerate(nu):
+        if runs and v == nu[runs[-1][0]]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    nu = [min(1.0, max(0.0, v)) for v in nu]
+    inner = sorted((r for r in runs if 0.0 < nu[r[0]] < 1.0), key=lambda r: (-nu[r[0]], r[0]))
+    ones = [v == 1.0 for v in nu]
     support, xi = [], []
-    for upper, lower in zip(levels, levels[1:], strict=False):
-        support.append(tuple(int((v >= upper) != flip) for v, flip in zip(nu, mirror, strict=True)))
+    upper = 1.0
+    for run in inner + [None]:
+        lower = nu[run[0]] if run else 0.0
+        support.append(tuple(int(on != flip) for on, flip in zip(ones, mirror, strict=True)))
         xi.append(upper - lower)
+        if run:
+            for i in run:
+                ones[i] = True
+            upper = lower
     return support, xi
 
 
 def _sparsemap_support(u: list[float], w: list[list[float]]) -> list[tuple[int, ...]] | None:
     """The labelings in SparseMAP's solution for one row (None if no labeling is
-    feasible). The closed form's labelings when every transition is allowed,
+    feasible). The closed form's labelings when at most one transition is forbidden,
     checked (and, if rounding left some labeling with excess value, improved)
     by conditional gradient steps towards Viterbi's most violating labeling on
     the active set, with the restricted QP solved by a dense least-squares KKT
@@ -783,8 +861,9 @@ def _sparsemap_support(u: list[float], w: list[list[float]]) -> list[tuple[int, 
     improves the objective. (The kernels keep the active set affinely
     independent and step exactly; this search only has to find the support,
     and the exact weights are then computed with a graph.)"""
-    if all(v > -math.inf for row in w for v in row):
-        support, xi = _sparsemap_closed_form(u, w)
+    closed = _sparsemap_closed_form(u, w)
+    if closed is not None:
+        support, xi = closed
     else:
         value, z = _chain_best_labeling(u, w)
         if value == -math.inf:

@@ -17,9 +17,9 @@
 // the linear sweep and none is masked; other rows go one at a time.
 //
 // sparsemap_chain (Niculae, Martins, Blondel & Cardie, 2018): in closed form
-// (a clamped total-variation prox) when every transition is allowed, else the
-// active-set method with Viterbi as the oracle (struct Sparsemap below;
-// section 12).
+// (a clamped total-variation prox, or an order-constrained projection when
+// one transition is forbidden), else the active-set method with Viterbi as
+// the oracle (struct Sparsemap below; section 12).
 //
 // Both: entries at -inf take no part (the finite ones are neighbours in their
 // order, a removed one gets 0); a row with NaN or +inf gives NaN, and so does
@@ -624,9 +624,9 @@ std::tuple<Tensor, Tensor> chain_bwd(const Tensor& x_in, const Tensor& grad_in, 
 // number of a→b transitions in s. Hence du = Z_S v and dW[a][b] = Σ_s v_s·#ab(s)
 // with v = P Z_Sᵀ g, one more solve with K.
 //
-// The active set serves only rows with a forbidden transition (-inf in W):
-// otherwise μ has a closed form (closed_form below), certified by one Viterbi
-// call, with an O(m) backward. The active set alone can need a vast number of
+// The active set serves only rows with two or more forbidden transitions
+// (-inf in W): otherwise μ has a closed form (closed_form below), certified by
+// one Viterbi call, with an O(m) backward. The active set alone can need a vast number of
 // exchanges when the optimum is interior and W is small, since it then walks
 // between nearly equal supports of m + 1 labelings.
 struct Sparsemap {
@@ -641,14 +641,16 @@ struct Sparsemap {
     // TV prox's output before the clip, and `flip` its alternation); else the
     // support below holds it.
     bool closed = false, flip = false;
+    double lam = 0.0, lam_sign = 0.0;     // the TV prox's strength |c|/2 and sign(c)
+    double d_left[4], d_right[4];         // the shifts' derivatives in W (closed_form)
     std::unique_ptr<uint8_t[]> labels;  // cap labelings of n entries
     std::unique_ptr<double[]> theta, xi, counts, gram, kkt, rhs;
     std::unique_ptr<uint8_t[]> cand, back;
-    std::unique_ptr<double[]> cost, lambda, runs, levels;
+    std::unique_ptr<double[]> cost, lambda, runs, levels, knots;
 
     explicit Workspace(int64_t n_)
         : n(n_), cand(new uint8_t[n_]), back(new uint8_t[2 * n_]), cost(new double[n_]), runs(new double[n_]),
-          levels(new double[n_]) {
+          levels(new double[n_]), knots(new double[7 * n_]) {
       grow(8);
     }
     uint8_t* label(int64_t s) const { return labels.get() + s * n; }
@@ -852,58 +854,151 @@ struct Sparsemap {
     }
   }
 
-  // With every transition allowed the pairwise scores act on μ only through
-  // c = W00 − W01 − W10 + W11 and two shifts of u, and μ is in closed form
-  // (docs/algorithms.md, section 12): μ = clamp(prox_{|c|/2·TV}(ũ), 0, 1),
-  // where ũ is u shifted by the W's linear part and, when c < 0, every odd
-  // entry is mirrored (x ↦ 1 − x) before the prox and after the clamp. μ into
-  // s.mu, the prox's output into ws.runs.
-  static void closed_form(ChainScratch& s, Workspace& ws, int64_t m, const double* w) {
-    const double c = w[0] - w[1] - w[2] + w[3];
-    const double left = 0.5 * (w[2] + w[3] - w[0] - w[1]), right = 0.5 * (w[1] + w[3] - w[0] - w[2]);
-    ws.flip = c < 0.0;
+  // The closed forms (docs/algorithms.md, section 12). The best 2×2 table of
+  // an edge with margins a = μ_i, b = μ_{i+1} scores W's linear part plus, with
+  // every transition allowed, −(|c|/2)·|a − b| (c > 0) or −(|c|/2)·|a + b − 1|
+  // (c < 0), c = W00 − W01 − W10 + W11; with exactly one forbidden transition
+  // its table is fixed and it constrains a ≤ b, b ≤ a, a + b ≤ 1 or a + b ≥ 1.
+  // Mirroring every odd entry (x ↦ 1 − x) turns a + b − 1 into a difference, so
+  // μ is the TV prox (Condat's) or the order-constrained projection
+  // (ordered_projection) of the shifted scores ũ, clamped to [0, 1] and
+  // mirrored back. False with two or more forbidden transitions (left to the
+  // active set). μ into s.mu, the prox's output before the clamp into ws.runs,
+  // what the backward needs into ws.
+  static bool closed_form(ChainScratch& s, Workspace& ws, int64_t m, const double* w) {
+    int forbidden = -1, count = 0;
+    for (int ab = 0; ab < 4; ++ab) {
+      if (!(w[ab] > kNegInf)) {
+        forbidden = ab;
+        ++count;
+      }
+    }
+    if (count > 1) return false;
+    // ũ_i = u_i + shift_left (if i has a right neighbour) + shift_right (if a
+    // left one); d_left / d_right: their derivatives in W00, W01, W10, W11.
+    static constexpr double kTv[2][4] = {{-0.5, -0.5, 0.5, 0.5}, {-0.5, 0.5, -0.5, 0.5}};
+    static constexpr double k11[2][4] = {{-1, 0, 1, 0}, {-1, 1, 0, 0}};  // t = 0: W10 − W00, W01 − W00
+    static constexpr double k00[2][4] = {{0, -1, 0, 1}, {0, 0, -1, 1}};  // t = a + b − 1: W11 − W01, W11 − W10
+    static constexpr double k10[2][4] = {{0, -1, 0, 1}, {-1, 1, 0, 0}};  // t = a: W11 − W01, W01 − W00
+    static constexpr double k01[2][4] = {{-1, 0, 1, 0}, {0, 0, -1, 1}};  // t = b: W10 − W00, W11 − W10
+    const double c = count ? 0.0 : w[0] - w[1] - w[2] + w[3];
+    const double(*d)[4] = count == 0 ? kTv : forbidden == 3 ? k11 : forbidden == 0 ? k00 : forbidden == 2 ? k10 : k01;
+    double shift_left = 0.0, shift_right = 0.0;
+    for (int ab = 0; ab < 4; ++ab) {
+      ws.d_left[ab] = d[0][ab];
+      ws.d_right[ab] = d[1][ab];
+      if (d[0][ab] != 0.0) shift_left += d[0][ab] * w[ab];
+      if (d[1][ab] != 0.0) shift_right += d[1][ab] * w[ab];
+    }
+    ws.flip = count ? (forbidden == 0 || forbidden == 3) : c < 0.0;
+    ws.lam = 0.5 * std::abs(c);
+    ws.lam_sign = double((c > 0.0) - (c < 0.0));
     double* x = ws.cost.get();
     for (int64_t i = 0; i < m; ++i) {
-      const double shifted = s.u[i] + (i + 1 < m ? left : 0.0) + (i > 0 ? right : 0.0);
+      const double shifted = s.u[i] + (i + 1 < m ? shift_left : 0.0) + (i > 0 ? shift_right : 0.0);
       x[i] = mirrored(ws, i) ? 1.0 - shifted : shifted;
     }
-    math::tv_prox(x, m, 0.5 * std::abs(c), ws.runs.get());
-    for (int64_t i = 0; i < m; ++i) {
-      const double clamped = std::min(1.0, std::max(0.0, ws.runs[i]));
-      s.mu[i] = mirrored(ws, i) ? 1.0 - clamped : clamped;
+    if (count == 0) {
+      math::tv_prox(x, m, ws.lam, ws.runs.get());
+    } else {
+      // Which edges ask ν_i ≤ ν_{i+1}: a ≤ b (10 forbidden) on every edge; a + b ≤ 1
+      // (11 forbidden) on the edges from an even entry, mirrored; b ≤ a and a + b ≥ 1
+      // the other way round.
+      const bool even_rises = forbidden == 3 || forbidden == 2;
+      const bool odd_rises = ws.flip ? !even_rises : even_rises;
+      ordered_projection(x, m, even_rises, odd_rises, ws.runs.get(), ws.knots.get());
     }
+    for (int64_t i = 0; i < m; ++i) s.mu[i] = nu_to_mu(ws, i, nu_at(ws, i));
+    return true;
   }
 
   static bool mirrored(const Workspace& ws, int64_t i) { return ws.flip && (i & 1); }
+  // ν_i: the prox's output clamped to [0, 1], exactly (recomputing it from μ
+  // through the mirror would round).
+  static double nu_at(const Workspace& ws, int64_t i) { return std::min(1.0, std::max(0.0, ws.runs[i])); }
+  static double nu_to_mu(const Workspace& ws, int64_t i, double nu) { return mirrored(ws, i) ? 1.0 - nu : nu; }
+
+  // argmin ½‖y − x‖² subject to y_i ≤ y_{i+1} on the edges i where `rises`
+  // says so (even_rises for even i, odd_rises for odd i) and y_i ≥ y_{i+1} on
+  // the others, into y. Dynamic programming over the derivative δ of the
+  // forward message (the best cost of y_0..y_i as a function of y_i): δ is
+  // piecewise linear and increasing, kept as knots where its slope and
+  // intercept jump, in a deque; an edge y_i ≤ y_{i+1} caps δ at 0 from the
+  // right (the message stops falling at its minimum), y_i ≥ y_{i+1} floors it
+  // at 0 from the left, and each knot enters and leaves once: O(n). The
+  // backtrack then clamps: y_i = min(y_{i+1}, r_i) or max(y_{i+1}, r_i), r_i
+  // the message's minimiser. scratch: 7n doubles.
+  static void ordered_projection(const double* x, int64_t n, bool even_rises, bool odd_rises, double* y,
+                                 double* scratch) {
+    double *at = scratch, *da = at + 2 * n, *db = da + 2 * n, *root = db + 2 * n;
+    int64_t first = n, last = n;  // the knots: [first, last)
+    // δ left of every knot is la·t + lb, right of every knot ra·t + rb.
+    double la = 1.0, lb = -x[0], ra = 1.0, rb = -x[0];
+    for (int64_t i = 0; i + 1 < n; ++i) {
+      if ((i & 1) ? odd_rises : even_rises) {  // δ := min(δ, 0): from the right
+        double a = ra, b = rb;
+        while (first < last && a * at[last - 1] + b >= 0.0) {
+          --last;
+          a -= da[last];
+          b -= db[last];
+        }
+        root[i] = -b / a;
+        at[last] = root[i], da[last] = -a, db[last] = -b;
+        ++last;
+        ra = 0.0, rb = 0.0;
+      } else {  // δ := max(δ, 0): from the left
+        double a = la, b = lb;
+        while (first < last && a * at[first] + b <= 0.0) {
+          a += da[first];
+          b += db[first];
+          ++first;
+        }
+        root[i] = -b / a;
+        --first;
+        at[first] = root[i], da[first] = a, db[first] = b;
+        la = 0.0, lb = 0.0;
+      }
+      la += 1.0, lb -= x[i + 1], ra += 1.0, rb -= x[i + 1];
+    }
+    double a = la, b = lb;
+    while (first < last && a * at[first] + b <= 0.0) {
+      a += da[first];
+      b += db[first];
+      ++first;
+    }
+    double v = -b / a;
+    y[n - 1] = v;
+    for (int64_t i = n - 2; i >= 0; --i) {
+      v = ((i & 1) ? odd_rises : even_rises) ? std::min(v, root[i]) : std::max(v, root[i]);
+      y[i] = v;
+    }
+  }
 
   // A distribution over labelings with unary marginals μ and the best pairwise
-  // marginals for W: z_i = [U < ν_i] for U uniform on [0, 1) (ν: μ with the
-  // closed form's mirroring, which makes the odd entries 1 − [U < ν_i]). One
-  // labeling per gap between consecutive distinct values of ν ∪ {0, 1},
-  // weighted by the gap: nested, so affinely independent. emit(z, weight)
-  // for each; z is ws.cand.
+  // marginals for W: z_i = [U < ν_i] for U uniform on [0, 1), mirrored back at
+  // the odd entries when the closed form mirrors. One labeling per gap between
+  // consecutive distinct values of ν ∪ {0, 1}, weighted by the gap: nested,
+  // so affinely independent. emit(z, weight) for each; z is ws.cand.
   template <typename Emit>
   static void threshold_labelings(const ChainScratch& s, Workspace& ws, int64_t m, Emit emit) {
     double* nu = ws.levels.get();
-    for (int64_t i = 0; i < m; ++i) nu[i] = mirrored(ws, i) ? 1.0 - s.mu[i] : s.mu[i];
+    for (int64_t i = 0; i < m; ++i) nu[i] = nu_at(ws, i);
     std::sort(nu, nu + m, [](double a, double b) { return a > b; });
     double upper = 1.0;
     for (int64_t j = 0; j <= m; ++j) {
       const double lower = j < m ? nu[j] : 0.0;
       if (!(lower < upper)) continue;
-      for (int64_t i = 0; i < m; ++i) {
-        const bool on = (mirrored(ws, i) ? 1.0 - s.mu[i] : s.mu[i]) >= upper;
-        ws.cand[i] = on != mirrored(ws, i);
-      }
+      for (int64_t i = 0; i < m; ++i) ws.cand[i] = (nu_at(ws, i) >= upper) != mirrored(ws, i);
       emit(ws.cand.get(), upper - lower);
       upper = lower;
     }
   }
 
   // The excess value of the best labeling over the threshold distribution's
-  // common value τ = E[θ_z] − ‖μ‖² (E[θ_z] from the pairwise marginals of
-  // that distribution, min(μ_i, μ_j) or max(0, μ_i + μ_j − 1) for both
-  // labels 1): the optimality certificate of the closed form, one Viterbi.
+  // common value τ = E[θ_z] − ‖μ‖² (E[θ_z] from that distribution's pairwise
+  // marginals: P(1, 1) = min(ν_i, ν_{i+1}) unmirrored, max(0, μ_i + μ_{i+1} − 1)
+  // mirrored; forbidden transitions have probability 0 there): the closed
+  // form's optimality certificate, one Viterbi pass.
   static double closed_form_excess(ChainScratch& s, Workspace& ws, int64_t m, const double* w) {
     const double* mu = s.mu;
     double expected = 0.0, norm = 0.0;
@@ -913,9 +1008,13 @@ struct Sparsemap {
       ws.cost[i] = s.u[i] - mu[i];
     }
     for (int64_t i = 0; i + 1 < m; ++i) {
-      const double a = mu[i], b = mu[i + 1];
-      const double both = ws.flip ? std::max(0.0, a + b - 1.0) : std::min(a, b);
-      expected += w[0] * (1.0 - a - b + both) + w[1] * (b - both) + w[2] * (a - both) + w[3] * both;
+      const double a = mu[i], b = mu[i + 1], nu_a = nu_at(ws, i), nu_b = nu_at(ws, i + 1);
+      // (from ν, so that a constraint the projection met exactly gives exact zeros)
+      const double both = !ws.flip ? std::min(a, b) : std::max(0.0, (i & 1) ? nu_b - nu_a : nu_a - nu_b);
+      const double table[4] = {1.0 - a - b + both, b - both, a - both, both};
+      for (int ab = 0; ab < 4; ++ab) {
+        if (w[ab] > kNegInf) expected += w[ab] * table[ab];
+      }
     }
     return viterbi_value(ws.cost.get(), m, w) - (expected - norm);
   }
@@ -939,8 +1038,7 @@ struct Sparsemap {
     ws.k = 0;
     ws.closed = false;
     ws.oracle_calls = 1;
-    if (w[0] > kNegInf && w[1] > kNegInf && w[2] > kNegInf && w[3] > kNegInf) {
-      closed_form(s, ws, m, w);
+    if (closed_form(s, ws, m, w)) {
       if (closed_form_excess(s, ws, m, w) <= tol) {
         ws.closed = true;
         return true;
@@ -1033,11 +1131,11 @@ struct Sparsemap {
   }
 
   // The closed form's vector-Jacobian product. Within a run of equal prox
-  // values strictly inside (0, 1) the prox averages its inputs, and the run's
-  // value moves with λ = |c|/2 by (r − l)/size (r, l: the signs of the jumps
-  // to its right and from its left neighbour); a clamped run passes nothing.
-  // The mirroring flips the signs of the odd entries both ways, and W reaches
-  // μ through the two shifts of u and λ.
+  // values strictly inside (0, 1) the prox (or the projection) averages its
+  // inputs, and with TV the run's value moves with λ = |c|/2 by (r − l)/size
+  // (r, l: the signs of the jumps to its right and from its left neighbour);
+  // a clamped run passes nothing. The mirroring flips the signs of the odd
+  // entries both ways, and W reaches μ through the two shifts of u and λ.
   static void closed_form_backward(ChainScratch& s, Workspace& ws, int64_t m, const double* w, double* dw) {
     const double* y = ws.runs.get();
     double d_lam = 0.0, d_left = 0.0, d_right = 0.0;
@@ -1061,12 +1159,10 @@ struct Sparsemap {
       }
     }
     if (!dw) return;
-    const double c = w[0] - w[1] - w[2] + w[3];
-    const double d_c = 0.5 * double((c > 0.0) - (c < 0.0)) * d_lam;  // λ = |c|/2
-    dw[0] += -0.5 * d_left - 0.5 * d_right + d_c;
-    dw[1] += -0.5 * d_left + 0.5 * d_right - d_c;
-    dw[2] += 0.5 * d_left - 0.5 * d_right - d_c;
-    dw[3] += 0.5 * d_left + 0.5 * d_right + d_c;
+    // λ = |c|/2 (0 for the order-constrained forms, whose runs do not move with W).
+    static constexpr double kDc[4] = {1.0, -1.0, -1.0, 1.0};
+    const double d_c = 0.5 * ws.lam_sign * d_lam;
+    for (int ab = 0; ab < 4; ++ab) dw[ab] += ws.d_left[ab] * d_left + ws.d_right[ab] * d_right + kDc[ab] * d_c;
   }
 };
 
