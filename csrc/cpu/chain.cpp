@@ -641,7 +641,7 @@ struct Sparsemap {
     // TV prox's output before the clip, and `flip` its alternation); else the
     // support below holds it.
     bool closed = false, flip = false;
-    double lam = 0.0, lam_sign = 0.0;     // the TV prox's strength |c|/2 and sign(c)
+    double lam = 0.0, lam_sign = 0.0;     // the TV prox's strength |c|/2 and dλ/d(c/2)
     double d_left[4], d_right[4];         // the shifts' derivatives in W (closed_form)
     std::unique_ptr<uint8_t[]> labels;  // cap labelings of n entries
     std::unique_ptr<double[]> theta, xi, counts, gram, kkt, rhs;
@@ -892,7 +892,11 @@ struct Sparsemap {
     }
     ws.flip = count ? (forbidden == 0 || forbidden == 3) : c < 0.0;
     ws.lam = 0.5 * std::abs(c);
-    ws.lam_sign = double((c > 0.0) - (c < 0.0));
+    // λ = |c|/2 has a kink at c = 0, where the forward takes the unmirrored
+    // branch (c ≥ 0): its derivative is that branch's, so that W starting at
+    // zeros (the modules' start) still learns c. (No λ with a forbidden
+    // transition.)
+    ws.lam_sign = count ? 0.0 : c < 0.0 ? -1.0 : 1.0;
     double* x = ws.cost.get();
     for (int64_t i = 0; i < m; ++i) {
       const double shifted = s.u[i] + (i + 1 < m ? shift_left : 0.0) + (i > 0 ? shift_right : 0.0);
