@@ -29,7 +29,7 @@ make_inputs = functools.partial(make_qkv, grad_out=True, device=DEVICE)
 def run(backend, q, k, v, do, alpha, **kw):
     """Output and the gradients in q, k, v (and α when it is a tensor) of one call."""
     xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    a = alpha.detach().clone().requires_grad_() if isinstance(alpha, torch.Tensor) else alpha
+    a = alpha.detach().to(q.device).clone().requires_grad_() if isinstance(alpha, torch.Tensor) else alpha
     if backend == "reference":
         xs = [t.detach().double().requires_grad_() for t in xs]
         a = a.detach().double().requires_grad_() if isinstance(a, torch.Tensor) else a
@@ -95,7 +95,7 @@ def test_band_draws_the_cpu_dropout_mask(normalizer):
         results.append(run(backend, *(t.to(dev) for t in (q, k, v, do)), None,
                            **dict(kw, cache_seqlens=kw["cache_seqlens"].to(dev))))
     for g, w in zip(*results, strict=True):
-        torch.testing.assert_close(g.cpu(), w, **tolerance(torch.float32, "attention", "forward"))
+        torch.testing.assert_close(g.cpu(), w.cpu(), **tolerance(torch.float32, "attention", "forward"))
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15"])
