@@ -64,7 +64,12 @@ void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
     rows.buf.resize((kv_bytes + sizeof(double) - 1) / sizeof(double));
     FlushDenormals ftz;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = paged ? (task / (nchunks * P.H) * P.H + task % P.H) * nchunks + task / P.H % nchunks : task;
+      // t indexes the (batch, head, chunk) buffers; paged tasks run (batch, chunk, head), heads innermost.
+      int64_t t = task;
+      if (paged) {
+        const int64_t task_batch = task / (nchunks * P.H), task_chunk = task / P.H % nchunks, task_head = task % P.H;
+        t = (task_batch * P.H + task_head) * nchunks + task_chunk;
+      }
       const int64_t bh = t / nchunks, u = t % nchunks, bi = bh / P.H;
       const auto [jb, n] = range[bi];
       if (u * kDecodeKeys >= n) {  // (no key in this chunk)
