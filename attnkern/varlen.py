@@ -191,9 +191,8 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor | No
     rows = docs.decoding_rows(_decode_rows()) if paged_decoding else 0
     if rows:
         # Decoding from a paged cache: one call for every document, which
-        # copies a chunk of page rows at a time into its threads' scratch
-        # (gathering each document's keys into a new tensor would copy the
-        # cache on every call).
+        # reads the keys and values in their pages (gathering each document's
+        # keys into a new tensor would copy the cache on every call).
         N = len(docs)
         out, shift = torch.ops.attnkern.attention_decode_paged(
             q.reshape(N, rows, H, q.shape[2]).transpose(1, 2), k, v, block_table.to(torch.int64),

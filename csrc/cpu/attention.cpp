@@ -53,15 +53,13 @@ void decode_forward(const Problem<acc_t>& P, acc_t* out, float* shift) {
   const int64_t nchunks = std::max<int64_t>(1, (n_max + kDecodeKeys - 1) / kDecodeKeys);
   const int64_t heads = P.B * P.H;
   std::vector<acc_t> po(heads * nchunks * m * P.Ev), pm(heads * nchunks * m), pl(heads * nchunks * m);
-  // A paged cache's chunk rows (softmax_decode_chunk), in K's and V's dtype;
-  // its tasks run a chunk's heads back to back, so that the heads of a
-  // kv-head copy its rows once (the order changes no result).
+  // A paged cache's tasks run a chunk's heads back to back, so that the heads
+  // of a kv-head look up its rows' addresses once (softmax_decode_chunk) and
+  // find them in cache (the order changes no result).
   const bool paged = P.kv_pages != nullptr;
-  const int64_t kv_bytes = paged ? kDecodeKeys * (P.kv_e + P.kv_ev) * (P.k_half ? 2 : sizeof(acc_t)) : 0;
   at::parallel_for(0, heads * nchunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> y(m * std::min(n_max, kDecodeKeys));
     PagedRows rows;
-    rows.buf.resize((kv_bytes + sizeof(double) - 1) / sizeof(double));
     FlushDenormals ftz;
     for (int64_t task = begin; task < end; ++task) {
       // t indexes the (batch, head, chunk) buffers; paged tasks run (batch, chunk, head), heads innermost.
@@ -743,9 +741,8 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
 // query rows per document, K and V pools of pages (pages, page, Hk, E / Ev),
 // document d's keys [0, seqused_k[d]) in its pages block_table[d, :] in
 // order, its m queries the last m positions (the window bottom-right, as
-// attention_fwd's key_lengths). Each decoding chunk copies its rows from the
-// pages into the thread's scratch (Problem::kv_pages), not the whole cache
-// into a new tensor; the arithmetic is decode_forward's, so each document
+// attention_fwd's key_lengths). Each decoding chunk reads its rows in their
+// pages (Problem::kv_pages), with no copy of the cache; the arithmetic is decode_forward's, so each document
 // gets what attention_fwd gives on its keys gathered into (1, Hk, n, E) when
 // the head dims need no padding (otherwise the gathered call reads rows
 // padded with zeros and may round differently).

@@ -153,8 +153,8 @@ struct Problem {
   // v_half), key j of (batch bi, kv-head hk) in page kv_pages[bi·kv_max_pages
   // + j / kv_page] at row j % kv_page, that is at page·k_stride[0] +
   // hk·k_stride[1] + row·k_stride[2] (likewise v); kv_e and kv_ev values a
-  // row. Each decoding chunk copies its rows into the thread's scratch. Null
-  // when K and V are not paged.
+  // row. Each decoding chunk reads its rows where they are. Null when K and V
+  // are not paged.
   const int64_t* kv_pages = nullptr;
   int64_t kv_page = 0, kv_max_pages = 0, kv_e = 0, kv_ev = 0;
   // The forward of the heads that are not softmax, with bfloat16 / float16
@@ -684,12 +684,6 @@ inline void dot8_rows(const float* x, const float* const* rows, int64_t n, float
     for (int i = 0; i < 8; ++i) out[i] += x[e] * rows[i][e];
 }
 
-// The dot products of x[0:n] with the eight rows k, k + ld, ..., k + 7·ld.
-inline void dot8(const float* x, const float* k, int64_t ld, int64_t n, float* out) {
-  const float* rows[8];
-  for (int i = 0; i < 8; ++i) rows[i] = k + i * ld;
-  dot8_rows(x, rows, n, out);
-}
 #endif
 
 // out[t] = x[0:n] · v[idx[t], 0:n] (row stride ldv) for t < cnt: the sparse
@@ -849,11 +843,12 @@ template <typename acc_t>
 void softmax_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                             const float* c, const acc_t* delta, const acc_t* dob, acc_t* dqb, acc_t* dk,
                             acc_t* dv, acc_t* y, acc_t* d, acc_t* lse, std::vector<float>& keep);
-// A thread's copy of one decoding chunk's K and V rows from a paged cache
-// (kDecodeKeys rows of K, then of V, in their dtype) and which chunk it
-// holds: the query heads of a kv-head read it in turn.
+// The addresses of one decoding chunk's K and V rows in a paged cache (a
+// thread's, up to kDecodeKeys rows each) and which chunk they are: the query
+// heads of a kv-head read them in turn.
 struct PagedRows {
-  std::vector<double> buf;
+  const char* k_rows[kDecodeKeys];
+  const char* v_rows[kDecodeKeys];
   int64_t bi = -1, hk = -1, j = -1, w = -1;
 };
 

@@ -625,12 +625,30 @@ inline void load_pair(const kv_t* p, Vec<float>& a, Vec<float>& b) {
   }
 }
 
-// o[0:ev] = Σ_j y[j] v[j, 0:ev] over the keys with y[j] != 0 (o zero on
+// Where decode_chunk finds key or value row j of its chunk: at base + j·ld
+// (a contiguous or strided cache), or at the address listed for it (a paged
+// cache, whose rows' addresses are looked up once per chunk).
+template <typename kv_t>
+struct StridedRows {
+  using value_type = kv_t;
+  const kv_t* base;
+  int64_t ld;
+  const kv_t* operator()(int64_t j) const { return base + j * ld; }
+};
+template <typename kv_t>
+struct ListedRows {
+  using value_type = kv_t;
+  const char* const* rows;
+  const kv_t* operator()(int64_t j) const { return reinterpret_cast<const kv_t*>(rows[j]); }
+};
+
+// o[0:ev] = Σ_j y[j] v(j)[0:ev] over the keys with y[j] != 0 (o zero on
 // entry), the columns in register blocks of four vectors: an axpy per key
 // would carry every column through a store and a reload. Keys are added in
 // order, as by the axpys.
-template <typename kv_t>
-void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_t ev, float* o) {
+template <typename Rows>
+void accumulate_pv(const float* y, int64_t w, const Rows& v, int64_t ev, float* o) {
+  using kv_t = typename Rows::value_type;
   using Vf = Vec<float>;
   constexpr int64_t W2 = 2 * Vf::size();
   int64_t c = 0;
@@ -639,8 +657,8 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_
     for (int64_t j = 0; j < w; ++j) {
       if (y[j] == 0.f) continue;
       const Vf p(y[j]);
-      load_pair(v + j * ldv + c, x0, x1);
-      load_pair(v + j * ldv + c + W2, x2, x3);
+      load_pair(v(j) + c, x0, x1);
+      load_pair(v(j) + c + W2, x2, x3);
       a0 = a0 + p * x0, a1 = a1 + p * x1, a2 = a2 + p * x2, a3 = a3 + p * x3;
     }
     a0.store(o + c), a1.store(o + c + Vf::size()), a2.store(o + c + W2), a3.store(o + c + W2 + Vf::size());
@@ -650,7 +668,7 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_
     for (int64_t j = 0; j < w; ++j) {
       if (y[j] == 0.f) continue;
       const Vf p(y[j]);
-      load_pair(v + j * ldv + c, x0, x1);
+      load_pair(v(j) + c, x0, x1);
       a0 = a0 + p * x0, a1 = a1 + p * x1;
     }
     a0.store(o + c), a1.store(o + c + Vf::size());
@@ -659,9 +677,9 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_
   for (int64_t j = 0; j < w; ++j) {  // the last columns (fewer than a pair of vectors)
     if (y[j] == 0.f) continue;
     if constexpr (std::is_same_v<kv_t, float>) {
-      axpy(o + c, v + j * ldv + c, y[j], ev - c);
+      axpy(o + c, v(j) + c, y[j], ev - c);
     } else {
-      for (int64_t e = c; e < ev; ++e) o[e] += y[j] * static_cast<float>(v[j * ldv + e]);
+      for (int64_t e = c; e < ev; ++e) o[e] += y[j] * static_cast<float>(v(j)[e]);
     }
   }
 }
@@ -672,12 +690,13 @@ void accumulate_pv(const float* y, int64_t w, const kv_t* v, int64_t ldv, int64_
 // unnormalised P·V, l = its row sums. softmax_merge_chunks combines the
 // chunks. K and V are read in place (no packing: with one query row the
 // packing would cost as much as the product). y: m x w scratch.
-// K and V rows hold ek and ev values of kv_t (float, or the half type of the
-// inputs), kld and vld apart.
-template <typename acc_t, typename kv_t>
+// K and V rows (found by k_rows and v_rows: StridedRows or ListedRows) hold
+// ek and ev values of kv_t (float, or the half type of the inputs).
+template <typename acc_t, typename Rows>
 void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t w,
-                  const kv_t* kh, int64_t ek, int64_t kld, const kv_t* vh, int64_t ev, int64_t vld, acc_t* y,
-                  acc_t* o, acc_t* mx, acc_t* l) {
+                  const Rows& k_rows, int64_t ek, const Rows& v_rows, int64_t ev, acc_t* y, acc_t* o, acc_t* mx,
+                  acc_t* l) {
+  using kv_t = typename Rows::value_type;
   constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   // A few query rows: dot products and axpys, each key and value row read
   // once for all the rows (BLAS calls on 1-row products cost more than they do).
@@ -686,15 +705,18 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
 #if ATTNKERN_HAS(AVX2)
   if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<kv_t, float>) {
     float s[8];
-    for (; j + 8 <= w; j += 8)
+    const float* rows8[8];
+    for (; j + 8 <= w; j += 8) {
+      for (int i = 0; i < 8; ++i) rows8[i] = k_rows(j + i);
       for (int64_t r = 0; r < m; ++r) {
-        dot8(qr + r * P.E, kh + j * kld, kld, ek, s);
+        dot8_rows(qr + r * P.E, rows8, ek, s);
         for (int i = 0; i < 8; ++i) y[r * w + j + i] = P.scale * s[i];
       }
+    }
   }
 #endif
   for (; j < w; ++j)
-    for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, kh + j * kld, ek);
+    for (int64_t r = 0; r < m; ++r) y[r * w + j] = P.scale * dot(qr + r * P.E, k_rows(j), ek);
   mask_scores(P, bi, h, i0, m, j0, w, y, w);
   for (int64_t r = 0; r < m; ++r) {
     acc_t* row = y + r * w;
@@ -710,30 +732,25 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   if (P.drop.on) apply_dropout(P.drop, y, m, w, w, P.row_id(bi, h, i0), P.key0 + j0);
   std::fill(o, o + m * P.Ev, acc_t(0));  // (columns ev.. of o are padding: zeros)
   if constexpr (std::is_same_v<acc_t, float>) {
-    for (int64_t r = 0; r < m; ++r) accumulate_pv(y + r * w, w, vh, vld, ev, o + r * P.Ev);
+    for (int64_t r = 0; r < m; ++r) accumulate_pv(y + r * w, w, v_rows, ev, o + r * P.Ev);
   } else {
     for (int64_t j = 0; j < w; ++j)
       for (int64_t r = 0; r < m; ++r)
-        if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, vh + j * vld, y[r * w + j], ev);
+        if (y[r * w + j] != acc_t(0)) axpy(o + r * P.Ev, v_rows(j), y[r * w + j], ev);
   }
 }
 
-// Rows j .. j + w - 1 of one (batch bi, kv-head) of a paged K or V
-// (Problem::kv_pages) copied into dst, e values a row: head is the kv-head's
-// row 0 in page 0 of the pool, rows are ld apart within a page and pages
-// page_stride apart.
+// The addresses of rows j .. j + w - 1 of one (batch bi, kv-head) of a paged
+// K or V (Problem::kv_pages) into dst: head is the kv-head's row 0 in page 0
+// of the pool, rows are ld apart within a page and pages page_stride apart.
 template <typename acc_t, typename kv_t>
-void gather_pages(const Problem<acc_t>& P, const kv_t* head, int64_t ld, int64_t page_stride, int64_t e, int64_t bi,
-                  int64_t j, int64_t w, kv_t* dst) {
+void page_rows(const Problem<acc_t>& P, const kv_t* head, int64_t ld, int64_t page_stride, int64_t bi, int64_t j,
+               int64_t w, const char** dst) {
   const int64_t* pages = P.kv_pages + bi * P.kv_max_pages;
   for (int64_t t = 0; t < w;) {
     const int64_t page = (j + t) / P.kv_page, row = (j + t) % P.kv_page, run = std::min(w - t, P.kv_page - row);
     const kv_t* src = head + pages[page] * page_stride + row * ld;
-    for (int64_t r = 0; r < run; ++r) {  // (a loop the compiler vectorizes: a memcpy call a row costs more)
-      const kv_t* from = src + r * ld;
-      kv_t* to = dst + (t + r) * e;
-      for (int64_t c = 0; c < e; ++c) to[c] = from[c];
-    }
+    for (int64_t r = 0; r < run; ++r) dst[t + r] = reinterpret_cast<const char*>(src + r * ld);
     t += run;
   }
 }
@@ -743,22 +760,20 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
                           int64_t w, acc_t* y, acc_t* o, acc_t* mx, acc_t* l, PagedRows& paged) {
   const int64_t hk = h / P.group(), j = P.key0 + j0;
   if (P.kv_pages) {
-    // A paged cache: the chunk's rows copied from their pages into the
-    // thread's PagedRows unless it holds them, then decoded as one run (the
-    // arithmetic of the contiguous call, and memory for a chunk's rows, not
-    // the cache's).
+    // A paged cache: the chunk's rows read in place, their addresses looked
+    // up from the page table into the thread's PagedRows unless it holds
+    // them (the query heads of a kv-head run back to back). The arithmetic is
+    // the contiguous call's.
     auto run = [&](auto tag, const void* k, const void* v, int64_t ek, int64_t ev) {
       using kv_t = decltype(tag);
-      kv_t* kc = reinterpret_cast<kv_t*>(paged.buf.data());
-      kv_t* vc = kc + kDecodeKeys * ek;
       if (paged.bi != bi || paged.hk != hk || paged.j != j || paged.w != w) {
-        gather_pages(P, static_cast<const kv_t*>(k) + hk * P.k_stride[1], P.k_stride[2], P.k_stride[0], ek, bi, j,
-                     w, kc);
-        gather_pages(P, static_cast<const kv_t*>(v) + hk * P.v_stride[1], P.v_stride[2], P.v_stride[0], ev, bi, j,
-                     w, vc);
+        page_rows(P, static_cast<const kv_t*>(k) + hk * P.k_stride[1], P.k_stride[2], P.k_stride[0], bi, j, w,
+                  paged.k_rows);
+        page_rows(P, static_cast<const kv_t*>(v) + hk * P.v_stride[1], P.v_stride[2], P.v_stride[0], bi, j, w,
+                  paged.v_rows);
         paged.bi = bi, paged.hk = hk, paged.j = j, paged.w = w;
       }
-      decode_chunk(P, bi, h, i0, m, j0, w, static_cast<const kv_t*>(kc), ek, ek, static_cast<const kv_t*>(vc), ev, ev,
+      decode_chunk(P, bi, h, i0, m, j0, w, ListedRows<kv_t>{paged.k_rows}, ek, ListedRows<kv_t>{paged.v_rows}, ev,
                    y, o, mx, l);
     };
     if constexpr (std::is_same_v<acc_t, float>) {
@@ -776,7 +791,8 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
         using half_t = decltype(tag);
         const half_t* kh = static_cast<const half_t*>(P.k_half) + (head * P.S + j) * P.e_half;
         const half_t* vh = static_cast<const half_t*>(P.v_half) + (head * P.S + j) * P.ev_half;
-        decode_chunk(P, bi, h, i0, m, j0, w, kh, P.e_half, P.e_half, vh, P.ev_half, P.ev_half, y, o, mx, l);
+        decode_chunk(P, bi, h, i0, m, j0, w, StridedRows<half_t>{kh, P.e_half}, P.e_half,
+                     StridedRows<half_t>{vh, P.ev_half}, P.ev_half, y, o, mx, l);
       };
       return P.half_is_bf16 ? run(c10::BFloat16()) : run(c10::Half());
     }
@@ -784,10 +800,11 @@ void softmax_decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_
   if (P.kv_strided) {
     const acc_t* kh = P.k + bi * P.k_stride[0] + hk * P.k_stride[1] + j * P.k_stride[2];
     const acc_t* vh = P.v + bi * P.v_stride[0] + hk * P.v_stride[1] + j * P.v_stride[2];
-    return decode_chunk(P, bi, h, i0, m, j0, w, kh, P.E, P.k_stride[2], vh, P.Ev, P.v_stride[2], y, o, mx, l);
+    return decode_chunk(P, bi, h, i0, m, j0, w, StridedRows<acc_t>{kh, P.k_stride[2]}, P.E,
+                        StridedRows<acc_t>{vh, P.v_stride[2]}, P.Ev, y, o, mx, l);
   }
-  decode_chunk(P, bi, h, i0, m, j0, w, P.k_head(bi, hk) + j0 * P.E, P.E, P.E, P.v_head(bi, hk) + j0 * P.Ev, P.Ev,
-               P.Ev, y, o, mx, l);
+  decode_chunk(P, bi, h, i0, m, j0, w, StridedRows<acc_t>{P.k_head(bi, hk) + j0 * P.E, P.E}, P.E,
+               StridedRows<acc_t>{P.v_head(bi, hk) + j0 * P.Ev, P.Ev}, P.Ev, y, o, mx, l);
 }
 
 // The output rows (m x Ev) and log-sum-exp c of one head from its nchunks
