@@ -739,13 +739,13 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
 
 // Softmax decoding from a paged cache: q (N, H, m, E) with m <= kDecodeRows
 // query rows per document, K and V pools of pages (pages, page, Hk, E / Ev),
-// document d's keys [0, seqused_k[d]) in its pages block_table[d, :] in
-// order, its m queries the last m positions (the window bottom-right, as
+// document d's keys [0, seqused_k[d]) in its pages block_table[d, :] in order,
+// its m queries the last m positions (the window bottom-right, as
 // attention_fwd's key_lengths). Each decoding chunk reads its rows in their
-// pages (Problem::kv_pages), with no copy of the cache; the arithmetic is decode_forward's, so each document
-// gets what attention_fwd gives on its keys gathered into (1, Hk, n, E) when
-// the head dims need no padding (otherwise the gathered call reads rows
-// padded with zeros and may round differently).
+// pages (Problem::kv_pages), with no copy of the cache; the arithmetic is
+// decode_forward's, so each document gets what attention_fwd gives on its keys
+// gathered into (1, Hk, n, E) when the head dims need no padding (otherwise the
+// gathered call reads rows padded with zeros and may round differently).
 std::tuple<Tensor, Tensor> attention_decode_paged(const Tensor& q_in, const Tensor& k_pages, const Tensor& v_pages,
                                                   const Tensor& block_table, const Tensor& seqused_k, double scale,
                                                   int64_t window_left, int64_t window_right) {
