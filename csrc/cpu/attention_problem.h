@@ -656,9 +656,37 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// out[i] = x[0:n] · rows[i][0:n] for the eight rows, reduced together
-// (hsum8): with E = 64 separate sums were a third of a decoding's score work.
-inline void dot8_rows(const float* x, const float* const* rows, int64_t n, float* out) {
+#if ATTNKERN_HAS(AVX512)
+// 16 values of a float, bfloat16 or float16 row from p, widened to float32.
+template <typename kv_t>
+inline __m512 load16_float(const kv_t* p) {
+  if constexpr (std::is_same_v<kv_t, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<kv_t, c10::Half>) return _mm512_cvtph_ps(bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+#endif
+
+// 8 values of a float, bfloat16 or float16 row from p, widened to float32.
+template <typename kv_t>
+inline __m256 load8_float(const kv_t* p) {
+  if constexpr (std::is_same_v<kv_t, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<kv_t, c10::Half>) return _mm256_cvtph_ps(bits);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// out[i] = x[0:n] · rows[i][0:n] for the eight rows (float, or bfloat16 /
+// float16 widened as they are read), reduced together (hsum8): with E = 64
+// separate sums were a third of a decoding's score work.
+template <typename kv_t>
+inline void dot8_rows(const float* x, const kv_t* const* rows, int64_t n, float* out) {
   __m256 a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
   int64_t e = 0;
@@ -668,7 +696,7 @@ inline void dot8_rows(const float* x, const float* const* rows, int64_t n, float
     for (int i = 0; i < 8; ++i) w[i] = _mm512_setzero_ps();
     for (; e + 16 <= n; e += 16) {
       const __m512 xv = _mm512_loadu_ps(x + e);
-      for (int i = 0; i < 8; ++i) w[i] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(rows[i] + e), w[i]);
+      for (int i = 0; i < 8; ++i) w[i] = _mm512_fmadd_ps(xv, load16_float(rows[i] + e), w[i]);
     }
     for (int i = 0; i < 8; ++i)
       a[i] = _mm256_add_ps(_mm512_castps512_ps256(w[i]),
@@ -677,11 +705,11 @@ inline void dot8_rows(const float* x, const float* const* rows, int64_t n, float
 #endif
   for (; e + 8 <= n; e += 8) {
     const __m256 xv = _mm256_loadu_ps(x + e);
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows[i] + e), a[i]);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(xv, load8_float(rows[i] + e), a[i]);
   }
   _mm256_storeu_ps(out, hsum8(a));
   for (; e < n; ++e)
-    for (int i = 0; i < 8; ++i) out[i] += x[e] * rows[i][e];
+    for (int i = 0; i < 8; ++i) out[i] += x[e] * static_cast<float>(rows[i][e]);
 }
 
 #endif

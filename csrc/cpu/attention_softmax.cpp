@@ -703,9 +703,9 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   const acc_t* qr = P.q_rows(bi, h, i0);
   int64_t j = 0;
 #if ATTNKERN_HAS(AVX2)
-  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<kv_t, float>) {
+  if constexpr (std::is_same_v<acc_t, float>) {
     float s[8];
-    const float* rows8[8];
+    const kv_t* rows8[8];
     for (; j + 8 <= w; j += 8) {
       for (int i = 0; i < 8; ++i) rows8[i] = k_rows(j + i);
       for (int64_t r = 0; r < m; ++r) {
