@@ -136,13 +136,15 @@ def _check_cache_seqlens(cache_seqlens, batch, S, device, compiling: bool):
 
 # Normalizers that take no α: a call with one of them can skip the α handling.
 _PLAIN_NORMALIZERS = frozenset({"softmax", "sparsemax", "entmax15"})
+_PLAIN_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 
 
 def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, normalizer, alpha,
                 backend, return_weights) -> bool:
     """True for the call that needs none of attention()'s preparation: CPU
-    tensors of one float32/float64 dtype, all 4-d (B, H, seq, dim) with equal
-    batch and heads, no mask, no dropout, no α, the default backend. These
+    tensors of one float32, float64, bfloat16 or float16 dtype (the kernel
+    takes each as it is), all 4-d (B, H, seq, dim) with equal batch and
+    heads, no mask, no dropout, no α, the default backend. These
     calls go straight to the autograd Function, skipping a validation and
     reshaping worth about 30 us a call, which at decoding sizes (one query,
     ~150 us in all) is a fifth of the time. Any other call, valid or not,
@@ -155,7 +157,7 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
             and _extension.LOADED and query.is_cpu and key.is_cpu and value.is_cpu):
         return False
     dtype = query.dtype
-    if dtype not in (torch.float32, torch.float64) or key.dtype != dtype or value.dtype != dtype:
+    if dtype not in _PLAIN_DTYPES or key.dtype != dtype or value.dtype != dtype:
         return False
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return False

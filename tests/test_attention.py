@@ -325,6 +325,37 @@ def test_half_decoding_with_gradients(dtype):
                                    atol=4 * torch.finfo(dtype).eps * scale)
 
 
+def _output_and_grads(q, k, v, go, **kwargs):
+    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attnkern.attention(*xs, **kwargs)
+    return [out, *torch.autograd.grad(out, xs, go)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, causal, normalizer", [(1, False, "softmax"), (3, True, "entmax15"),
+                                                      (97, False, "sparsemax")])
+def test_plain_call_skips_preparation_and_gives_the_prepared_result(dtype, rows, causal, normalizer,
+                                                                     monkeypatch):
+    """A plain CPU call (4-d tensors of one dtype, equal batch and heads, no
+    mask, dropout or α, backend="auto") goes straight to the autograd
+    Function, in each dtype the kernel takes as it is; its output and
+    gradients are bitwise those of the prepared call (backend="cpu")."""
+    import sys
+
+    q, k, v = make_qkv(2, 3, 3, rows, 97, 59, 40, dtype=dtype, seed=rows)
+    go = torch.randn(2, 3, rows, 40, generator=torch.Generator().manual_seed(9)).to(dtype)
+    prepared = _output_and_grads(q, k, v, go, is_causal=causal, normalizer=normalizer, backend="cpu")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plain call took the prepared path")
+
+    monkeypatch.setattr(sys.modules["attnkern.attention"], "_check_inputs", refuse)
+    plain = _output_and_grads(q, k, v, go, is_causal=causal, normalizer=normalizer)
+    for a, b in zip(plain, prepared, strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_softmax_decoding_reads_other_layouts_in_place(dtype):
     """float32 / float64 decoding reads K and V where they are when their rows
