@@ -206,6 +206,36 @@ def test_leave_one_out_matches_explicit_removal():
         assert float(loo[1][t]) == pytest.approx(float(tvd(p[0], enc.probs[1])), abs=1e-6)
 
 
+@pytest.mark.parametrize("normalizer, encoder, exact", [("sparsemax", "average", True),
+                                                         ("entmax15", "average", True),
+                                                         ("sparsemax", "bilstm", False),
+                                                         ("fusedmax", "average", False)])
+def test_leave_one_out_is_exactly_zero_where_removal_changes_nothing(normalizer, encoder, exact):
+    """Average encoder, entmax family: a token of zero weight is exactly unimportant (its removal changes
+    neither the support nor the output), whatever rounding the removal's recomputation gives; a contextual
+    encoder or a structured normalizer keeps the computed value, which there is real."""
+    torch.manual_seed(3)
+    model = AttentionClassifier(30, 2, encoder=encoder, normalizer=normalizer, embed_dim=8, hidden_dim=8).eval()
+    with torch.no_grad():
+        model.attention.v.weight.mul_(50.0)  # (peaked scores: most weights zero)
+    tokens = torch.arange(1, 25).reshape(2, 12)
+    mask = tokens != 0
+    enc = shared.encode_batch(model, tokens, mask)
+    zero = enc.weights == 0
+    assert zero.any() and (~zero).any()
+    loo = shared.leave_one_out_importance(model, enc)
+    for i in range(2):
+        x = tokens[i]
+        for t in range(12):
+            rest = torch.cat([x[:t], x[t + 1:]]).unsqueeze(0)
+            p = shared.output_probs(model, rest, torch.ones_like(rest, dtype=torch.bool))
+            computed = float(tvd(p[0], enc.probs[i]))
+            if exact and zero[i, t]:
+                assert float(loo[i][t]) == 0.0 and computed <= 1e-6
+            else:
+                assert float(loo[i][t]) == pytest.approx(computed, abs=1e-6)
+
+
 def test_encoded_decode_reproduces_the_model():
     model = _tiny_model("sparsemax", "cnn")
     tokens, mask = _batch()
