@@ -299,23 +299,30 @@ def importance_cross_machine() -> str:
                 "its results under `results/experiments/<name>-<cpu>/`; this check then compares every row with "
                 f"`{ref_path.relative_to(ROOT).as_posix()}`.")
     keyed = {(r["dataset"], r["encoder"], r["normalizer"]): r for r in ref["rows"]}
-    header = "| data | encoder | attention | statistic | reference mean [95%] | rerun mean | rerun machine | within |"
+    # Each row from the latest rerun that has it (a later rerun of some rows, after a fix, replaces them).
+    latest = {}
+    for _, d in sorted(others, key=lambda pd: _first_date(pd[1])):
+        for r in d["rows"]:
+            latest[(r["dataset"], r["encoder"], r["normalizer"])] = (r, d)
+    header = ("| data | encoder | attention | statistic | reference mean [95%] | rerun mean | rerun machine, commit "
+              "| within |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     inside = total = 0
-    for _, d in others:
-        for r in d["rows"]:
-            base = keyed.get((r["dataset"], r["encoder"], r["normalizer"]))
-            if base is None:
+    for r, d in (latest[key] for key in sorted(latest)):
+        base = keyed.get((r["dataset"], r["encoder"], r["normalizer"]))
+        if base is None:
+            continue
+        for prefix, label in (("gradient", "τ_g"), ("loo", "τ_loo")):
+            lo_hi, mean = base.get(f"{prefix}_tau_ci"), r.get(f"{prefix}_tau_mean")
+            if not lo_hi or None in lo_hi or mean is None or mean != mean:
                 continue
-            for prefix, label in (("gradient", "τ_g"), ("loo", "τ_loo")):
-                lo_hi, mean = base.get(f"{prefix}_tau_ci"), r.get(f"{prefix}_tau_mean")
-                if not lo_hi or None in lo_hi or mean is None or mean != mean:
-                    continue
-                ok = lo_hi[0] <= mean <= lo_hi[1]
-                inside, total = inside + ok, total + 1
-                lines.append(f"| {r['dataset']} | {r['encoder']} | {r['normalizer']} | {label} | "
-                             f"{base[f'{prefix}_tau_mean']:.3f} [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}] | {mean:.3f} | "
-                             f"{', '.join(_processors(d))} | {'yes' if ok else 'no'} |")
+            ok = lo_hi[0] <= mean <= lo_hi[1]
+            inside, total = inside + ok, total + 1
+            lines.append(f"| {r['dataset']} | {r['encoder']} | {r['normalizer']} | {label} | "
+                         f"{base[f'{prefix}_tau_mean']:.3f} [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}] | {mean:.3f} | "
+                         f"{', '.join(_processors(d))}, "
+                         f"{', '.join(c[:7] for c in d['sweep']['provenance']['commits'])} | "
+                         f"{'yes' if ok else 'no'} |")
     return (f"The reference run rerun on another machine: {inside} of {total} means within the reference's 95% "
             "intervals.\n\n" + "\n".join(lines) + "\n\n"
             + _provenance_line([ref] + [d for _, d in others], [ref_path] + [p for p, _ in others]))

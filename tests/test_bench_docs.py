@@ -102,13 +102,15 @@ root = Path(sys.argv[1])
 docs.ROOT, docs.EXPERIMENTS = root, root / "results" / "experiments"
 row = dict(dataset="rt", encoder="bilstm", normalizer="softmax", gradient_tau_mean=0.30, gradient_tau_ci=[0.28, 0.32],
            loo_tau_mean=0.25, loo_tau_ci=[0.23, 0.27])
-def result(cpu, day, grad, loo):
-    prov = dict(commits=["abc1234"], processors=[cpu], isa_levels=["AVX512"], backends=["cpu"],
-                started=[f"2026-11-{day} 10:00:00 UTC"] * 2)
+other = dict(row, normalizer="sparsemax")
+def result(cpu, day, grad, loo, commit="abc1234", rows=(row, other)):
+    prov = dict(commits=[commit], processors=[cpu], isa_levels=["AVX512"], backends=["cpu"],
+                started=[f"2026-{day} 10:00:00 UTC"] * 2)
     return dict(experiment="importance", quick=False, embeddings="scratch", seeds=5, sweep=dict(provenance=prov),
-                rows=[dict(row, gradient_tau_mean=grad, loo_tau_mean=loo)])
+                rows=[dict(r, gradient_tau_mean=grad, loo_tau_mean=loo) for r in rows])
 out = []
-runs = (("a-amd", result("AMD EPYC", "29", 0.30, 0.25)), ("b-intel", result("Intel Xeon", "30", 0.31, 0.29)))
+runs = (("a-amd", result("AMD EPYC", "11-29", 0.30, 0.25)), ("b-intel", result("Intel Xeon", "11-30", 0.31, 0.29)),
+        ("c-intel-fixed", result("Intel Xeon", "12-01", 0.31, 0.26, commit="def5678", rows=(row,))))
 for name, data in runs:
     folder = docs.EXPERIMENTS / name
     folder.mkdir(parents=True)
@@ -120,14 +122,18 @@ print(json.dumps(out))
 
 def test_cross_machine_check_compares_a_rerun_with_the_first_runs_intervals(tmp_path):
     """The rerun on another CPU is checked against the earlier run's 95% intervals: τ_g 0.31 lies in
-    [0.28, 0.32], τ_loo 0.29 outside [0.23, 0.27]."""
+    [0.28, 0.32], τ_loo 0.29 outside [0.23, 0.27]. A later rerun of some rows (after a fix) replaces those rows
+    and names its commit; the other rows stay the first rerun's."""
     res = _script("-c", _CROSS_MACHINE, str(tmp_path), cwd=BENCH)
     assert res.returncode == 0, res.stderr[-3000:]
-    alone, both = json.loads(res.stdout)
+    alone, both, fixed = json.loads(res.stdout)
     assert alone.startswith("Not yet rerun on another machine")
-    assert "1 of 2 means within" in both
-    assert "| rt | bilstm | softmax | τ_g | 0.300 [0.280, 0.320] | 0.310 | Intel Xeon | yes |" in both
-    assert "| rt | bilstm | softmax | τ_loo | 0.250 [0.230, 0.270] | 0.290 | Intel Xeon | no |" in both
+    assert "2 of 4 means within" in both
+    assert "| rt | bilstm | softmax | τ_g | 0.300 [0.280, 0.320] | 0.310 | Intel Xeon, abc1234 | yes |" in both
+    assert "| rt | bilstm | softmax | τ_loo | 0.250 [0.230, 0.270] | 0.290 | Intel Xeon, abc1234 | no |" in both
+    assert "3 of 4 means within" in fixed
+    assert "| rt | bilstm | softmax | τ_loo | 0.250 [0.230, 0.270] | 0.260 | Intel Xeon, def5678 | yes |" in fixed
+    assert "| rt | bilstm | sparsemax | τ_loo | 0.250 [0.230, 0.270] | 0.290 | Intel Xeon, abc1234 | no |" in fixed
 
 
 _TABLE2_RUNS = """
