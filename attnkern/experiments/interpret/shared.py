@@ -145,8 +145,8 @@ def leave_one_out_importance(model, enc: Encoded, chunk: int = 256) -> list[torc
     With a non-contextual encoder (the average encoder: each token's hidden state and score depend on that token
     alone) and a normalizer of the entmax family, removing a token of zero attention weight leaves the support,
     its weights and the output unchanged, so its importance is exactly 0 and is set so: computed, it is rounding
-    noise whose size depends on the BLAS's blocking, and decides the ties of sparse attention's zeros (between an
-    AMD EPYC and an Intel Xeon it moved the all-token τ of sparse rows by 0.04-0.06)."""
+    noise whose size depends on the BLAS's blocking, and Kendall's τ would rank it against the ties of sparse
+    attention's zeros differently on different CPUs."""
     model.eval()
     exact_zeros = _removal_leaves_zero_weights_out(model)
     out = []
