@@ -268,20 +268,53 @@ def _all_importance_results() -> list[tuple[Path, dict]]:
     return pairs
 
 
+def _row_key(row: dict) -> tuple[str, str, str]:
+    return row["dataset"], row["encoder"], row["normalizer"]
+
+
+def _with_row_reruns(first: tuple[Path, dict], pairs: list[tuple[Path, dict]]) -> tuple[list[Path], dict]:
+    """A full-scale `importance` result with its rows rerun: a later result on the same machine with the same
+    embeddings whose rows are all rows of this one (a rerun of some of them, after a fix) replaces those rows,
+    the latest last; its provenance joins this one's. Returns the source files and the merged result."""
+    path, data = first
+    keys = {_row_key(r) for r in data["rows"]}
+    later = sorted(((p, d) for p, d in pairs if p != path and _processors(d) == _processors(data)
+                    and d.get("embeddings", "scratch") == data.get("embeddings", "scratch")
+                    and _first_date(d) > _first_date(data) and {_row_key(r) for r in d["rows"]} <= keys),
+                   key=lambda pd: _first_date(pd[1]))
+    if not later:
+        return [path], data
+    rows = {_row_key(r): r for r in data["rows"]}
+    provenance = {k: list(v) if isinstance(v, list) else v for k, v in data["sweep"]["provenance"].items()}
+    for _, d in later:
+        rows.update((_row_key(r), r) for r in d["rows"])
+        for k, v in d["sweep"]["provenance"].items():
+            if isinstance(v, list):
+                provenance[k] = list(dict.fromkeys(provenance.get(k, []) + v))
+    merged = dict(data, rows=[rows[_row_key(r)] for r in data["rows"]],
+                  sweep=dict(data["sweep"], provenance=provenance))
+    return [path] + [p for p, _ in later], merged
+
+
 def _importance_results() -> tuple[list[Path], list[dict]]:
     """The committed full-scale `importance` results of the reference machine (the CPU of the first result with
-    embeddings from scratch), that one first, and the earliest of each other kind of embeddings: Table 2's runs.
-    Reruns on other machines are for importance_cross_machine; a later run with the same embeddings is another
-    study (the structured normalizers'), which docs/experiments.md links and committed_experiments lists."""
+    embeddings from scratch), that one first, and the earliest of each other kind of embeddings: Table 2's runs,
+    each with its rows rerun on that machine (_with_row_reruns). Reruns on other machines are for
+    importance_cross_machine; a later run with the same embeddings and rows of its own is another study (the
+    structured normalizers'), which docs/experiments.md links and committed_experiments lists."""
     pairs = _all_importance_results()
+    paths, results = [], []
     if pairs:
         reference = _processors(pairs[0][1])
-        pairs = [(p, d) for p, d in pairs if _processors(d) == reference]
+        same = [(p, d) for p, d in pairs if _processors(d) == reference]
         first_of_each = {}
-        for p, d in pairs:
+        for p, d in same:
             first_of_each.setdefault(d.get("embeddings", "scratch"), (p, d))
-        pairs = list(first_of_each.values())
-    return [p for p, _ in pairs], [d for _, d in pairs]
+        for first in first_of_each.values():
+            sources, merged = _with_row_reruns(first, same)
+            paths += sources
+            results.append(merged)
+    return paths, results
 
 
 def importance_cross_machine() -> str:
@@ -291,7 +324,8 @@ def importance_cross_machine() -> str:
     pairs = _all_importance_results()
     if not pairs:
         return "No full-scale `importance` result is committed yet (`results/experiments/`)."
-    ref_path, ref = pairs[0]
+    ref_paths, ref = _with_row_reruns(pairs[0], pairs)
+    ref_path = ref_paths[0]
     others = [(p, d) for p, d in pairs if _processors(d) != _processors(ref)
               and d.get("embeddings", "scratch") == ref.get("embeddings", "scratch")]
     if not others:
@@ -325,7 +359,7 @@ def importance_cross_machine() -> str:
                          f"{'yes' if ok else 'no'} |")
     return (f"The reference run rerun on another machine: {inside} of {total} means within the reference's 95% "
             "intervals.\n\n" + "\n".join(lines) + "\n\n"
-            + _provenance_line([ref] + [d for _, d in others], [ref_path] + [p for p, _ in others]))
+            + _provenance_line([ref] + [d for _, d in others], ref_paths + [p for p, _ in others]))
 
 
 def importance_table() -> str:

@@ -157,6 +157,47 @@ print(json.dumps([p.parent.name for p in docs._importance_results()[0]]))
 """
 
 
+_ROW_RERUNS = """
+import json, sys
+from pathlib import Path
+import docs
+root = Path(sys.argv[1])
+docs.ROOT, docs.EXPERIMENTS = root, root / "results" / "experiments"
+def result(day, normalizers, loo, commit, cpu="AMD EPYC"):
+    prov = dict(commits=[commit], processors=[cpu], isa_levels=["AVX512"], backends=["cpu"],
+                started=[f"2026-11-{day} 10:00:00 UTC"])
+    rows = [dict(dataset="rt", encoder="average", normalizer=n, gradient_tau_mean=0.9, gradient_tau_ci=[0.8, 1.0],
+                 loo_tau_mean=loo, loo_tau_ci=[loo - 0.01, loo + 0.01]) for n in normalizers]
+    return dict(experiment="importance", quick=False, embeddings="scratch", seeds=5, sweep=dict(provenance=prov),
+                rows=rows)
+runs = (("table2", result("26", ["softmax", "sparsemax"], 0.90, "aaa1111")),
+        ("structured", result("27", ["softmax", "crf"], 0.70, "bbb2222")),
+        ("average-rerun", result("28", ["sparsemax"], 0.95, "ccc3333")),
+        ("other-cpu", result("29", ["softmax", "sparsemax"], 0.955, "ddd4444", cpu="Intel Xeon")))
+for name, data in runs:
+    folder = docs.EXPERIMENTS / name
+    folder.mkdir(parents=True)
+    (folder / "importance.json").write_text(json.dumps(data))
+paths, results = docs._importance_results()
+print(json.dumps([[p.parent.name for p in paths], [(r["normalizer"], r["loo_tau_mean"]) for r in results[0]["rows"]],
+                  results[0]["sweep"]["provenance"]["commits"], docs.importance_cross_machine()]))
+"""
+
+
+def test_a_later_rerun_of_some_rows_replaces_them_in_the_reference(tmp_path):
+    """A later run on the reference machine whose rows are all rows of the reference (a rerun after a fix)
+    replaces them in Table 2 and in the reference of the cross-machine check; a later run with rows of its own
+    (another study) does not."""
+    res = _script("-c", _ROW_RERUNS, str(tmp_path), cwd=BENCH)
+    assert res.returncode == 0, res.stderr[-3000:]
+    paths, rows, commits, check = json.loads(res.stdout)
+    assert paths == ["table2", "average-rerun"]
+    assert rows == [["softmax", 0.90], ["sparsemax", 0.95]]
+    assert commits == ["aaa1111", "ccc3333"]
+    assert "| rt | average | sparsemax | τ_loo | 0.950 [0.940, 0.960] | 0.955 | Intel Xeon, ddd4444 | yes |" in check
+    assert "| rt | average | softmax | τ_loo | 0.900 [0.890, 0.910] | 0.955 | Intel Xeon, ddd4444 | no |" in check
+
+
 def test_table2_takes_the_first_full_run_of_each_kind_of_embeddings(tmp_path):
     """A later full-scale run with the same embeddings (another study: its softmax rows would repeat Table 2's)
     stays out of the README's Table 2."""
