@@ -332,18 +332,19 @@ def importance_cross_machine() -> str:
         return ("Not yet rerun on another machine: run the same command on a CPU of the other vendor and commit "
                 "its results under `results/experiments/<name>-<cpu>/`; this check then compares every row with "
                 f"`{ref_path.relative_to(ROOT).as_posix()}`.")
-    keyed = {(r["dataset"], r["encoder"], r["normalizer"]): r for r in ref["rows"]}
+    keyed = {_row_key(r): r for r in ref["rows"]}
     # Each row from the latest rerun that has it (a later rerun of some rows, after a fix, replaces them).
     latest = {}
     for _, d in sorted(others, key=lambda pd: _first_date(pd[1])):
         for r in d["rows"]:
-            latest[(r["dataset"], r["encoder"], r["normalizer"])] = (r, d)
+            latest[_row_key(r)] = (r, d)
     header = ("| data | encoder | attention | statistic | reference mean [95%] | rerun mean | rerun machine, commit "
               "| within |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     inside = total = 0
-    for r, d in (latest[key] for key in sorted(latest)):
-        base = keyed.get((r["dataset"], r["encoder"], r["normalizer"]))
+    for key in sorted(latest):
+        r, d = latest[key]
+        base = keyed.get(key)
         if base is None:
             continue
         for prefix, label in (("gradient", "τ_g"), ("loo", "τ_loo")):
