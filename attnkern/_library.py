@@ -52,6 +52,16 @@ def _register() -> None:
                 return _like(x), _alpha_rows_like(x, dim).to(torch.float64)
             return _like(x), x.new_empty((0,), dtype=torch.float64)
 
+    @torch.library.register_fake("attnkern::fusedmax_fwd_segments")
+    def _fusedmax_fwd_segments(x, lam, dim):
+        return _like(x), torch.empty_like(x, dtype=torch.uint8, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("attnkern::fusedmax_bwd_segments")
+    def _fusedmax_bwd_segments(segments, grad, lam, dim, lam_grad):
+        if lam_grad:
+            return _like(grad), _alpha_rows_like(grad, dim).to(torch.float64)
+        return _like(grad), grad.new_empty((0,), dtype=torch.float64)
+
     for name in ("crf_marginals", "sparsemap_chain"):
 
         @torch.library.register_fake(f"attnkern::{name}_fwd")

@@ -368,9 +368,10 @@ _NO_SECOND_ORDER = {
 
 
 def _structured_backward(ctx, grad: torch.Tensor, name: str):
-    """The backward of a structured op (fusedmax, oscarmax: the kernel
-    recomputes the prox from x; crf_marginals, sparsemap_chain: the messages or
-    the solution from the unary scores); first derivatives only."""
+    """The backward of a structured op (fusedmax on CUDA, oscarmax: the kernel
+    recomputes the prox from x, which FusedmaxSegmentsFunction avoids on the
+    CPU; crf_marginals, sparsemap_chain: the messages or the solution from the
+    unary scores); first derivatives only."""
     if torch.is_grad_enabled():
         raise NotImplementedError(f"attnkern.{name}: double backward is not implemented ({_NO_SECOND_ORDER[name]})")
     x, param = ctx.saved_tensors
@@ -406,6 +407,52 @@ def _structured_function(name: str) -> type[torch.autograd.Function]:
     methods = {"forward": forward, "setup_context": setup_context, "jvp": jvp, "backward": backward}
     class_name = "".join(part.capitalize() for part in name.split("_")) + "Function"
     return type(class_name, (torch.autograd.Function,), {k: staticmethod(f) for k, f in methods.items()})
+
+
+class FusedmaxSegmentsFunction(torch.autograd.Function):
+    """fusedmax along `dim` on CPU tensors, through attnkern::fusedmax_fwd_segments:
+    it also returns the segments of the prox (uint8, not differentiable), which
+    the backward reads instead of solving the prox again as fusedmax_bwd does.
+    First derivatives only, as the other structured ops."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, lam: torch.Tensor, dim: int):
+        return _ops.fusedmax_fwd_segments(x, lam, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, lam, ctx.dim = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(output[1], lam)
+
+    @staticmethod
+    def jvp(ctx, x_t, lam_t, dim_t):
+        raise NotImplementedError("attnkern.fusedmax: forward-mode derivatives are not implemented")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _):
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"attnkern.fusedmax: double backward is not implemented ({_NO_SECOND_ORDER['fusedmax']})")
+        segments, lam = ctx.saved_tensors
+        want_lam = ctx.needs_input_grad[1]
+        dx, dlam = _ops.fusedmax_bwd_segments(segments, grad, lam, ctx.dim, want_lam)
+        if not want_lam:
+            return dx, None, None
+        return dx, sum_to_size_fixed_order(dlam, lam.shape).to(lam.dtype), None
+
+
+_fusedmax_segments_apply = traceable_apply(FusedmaxSegmentsFunction)
+
+
+def fusedmax_cpu_apply(x: torch.Tensor, lam: torch.Tensor, dim: int) -> torch.Tensor:
+    """fusedmax of a CPU tensor: with its segments kept for the backward where
+    autograd records one, the forward alone otherwise."""
+    args = (x, lam)
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or _needs_grad(args)
+            or _has_tangent(args)):
+        return _fusedmax_segments_apply(x, lam, dim)[0]
+    return _ops.fusedmax_fwd(x, lam, dim)
 
 
 FusedmaxFunction = _structured_function("fusedmax")

@@ -74,9 +74,15 @@ TORCH_LIBRARY(attnkern, m) {
   //     entmax_fwd's alpha, >= 0)
   // fusedmax_bwd(x, grad_p, lam, dim, lam_grad) -> (grad_x, grad_lam per row
   //     (float64, size 1 along dim) or empty); recomputes the prox from x
+  // fusedmax_fwd_segments(x, lam, dim) -> (p, segments: uint8 like x, what
+  //     the backward needs of the prox: csrc/cpu/structured.cpp) (CPU)
+  // fusedmax_bwd_segments(segments, grad_p, lam, dim, lam_grad) -> as
+  //     fusedmax_bwd, without solving the prox again (CPU)
   // oscarmax_fwd / _bwd: the same with the OSCAR penalty's prox.
   m.def("fusedmax_fwd(Tensor x, Tensor lam, int dim) -> Tensor");
   m.def("fusedmax_bwd(Tensor x, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
+  m.def("fusedmax_fwd_segments(Tensor x, Tensor lam, int dim) -> (Tensor, Tensor)");
+  m.def("fusedmax_bwd_segments(Tensor segments, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
   m.def("oscarmax_fwd(Tensor x, Tensor lam, int dim) -> Tensor");
   m.def("oscarmax_bwd(Tensor x, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
   // crf_marginals_fwd(unary, pairwise, dim) -> P(z_i = 1) of the binary

@@ -340,6 +340,47 @@ def test_opcheck_and_compile(name):
     assert torch.equal(out, f(x, lam)) and torch.equal(xs.grad, xe.grad) and torch.equal(ls.grad, le.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fusedmax_backward_from_saved_segments_equals_solving_again(dtype):
+    """attnkern.fusedmax's autograd on CPU keeps the prox's segments
+    (fusedmax_fwd_segments) instead of solving the prox again in the backward
+    (fusedmax_bwd): the two backwards agree bit for bit, on masks, ties,
+    plateaus, NaN and fully masked rows, along any dim."""
+    ops = torch.ops.attnkern
+    g = torch.Generator().manual_seed(5)
+    for shape, dim in (((7, 33), -1), ((5, 97, 3), 1), ((4, 1), -1), ((2, 1025), -1), ((6, 2), 0), ((0, 4), -1)):
+        for lam in (0.0, 0.1, 1.0, 30.0):
+            x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+            if x.numel() > 8:
+                x.view(-1)[::5] = -math.inf
+                x.view(-1)[3] = x.view(-1)[4]
+            if shape == (7, 33):
+                x[2] = -math.inf
+                x[3, 4] = math.nan
+                x[4] = torch.round(x[4] * 2) / 2  # plateaus
+            rows = list(shape)
+            rows[dim] = 1
+            lam_rows = torch.rand(rows, generator=g, dtype=torch.float64) * lam
+            grad = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+            p, segments = ops.fusedmax_fwd_segments(x, lam_rows, dim)
+            assert segments.dtype == torch.uint8 and segments.shape == x.shape
+            assert torch.equal(p.nan_to_num(7.0), ops.fusedmax_fwd(x, lam_rows, dim).nan_to_num(7.0))
+            dx, dlam = ops.fusedmax_bwd_segments(segments, grad, lam_rows, dim, True)
+            want_dx, want_dlam = ops.fusedmax_bwd(x, grad, lam_rows, dim, True)
+            assert torch.equal(dx.nan_to_num(7.0), want_dx.nan_to_num(7.0)), (shape, lam)
+            assert torch.equal(dlam.nan_to_num(7.0), want_dlam.nan_to_num(7.0)), (shape, lam)
+    x = random_rows(23, rows=3, seed=13).float()
+    lam = torch.tensor([[0.1], [0.0], [0.4]])
+    _, segments = ops.fusedmax_fwd_segments(x, lam, -1)
+    torch.library.opcheck(ops.fusedmax_fwd_segments, (x, lam, -1))
+    torch.library.opcheck(ops.fusedmax_bwd_segments, (segments, torch.randn_like(x), lam, -1, True))
+    torch.library.opcheck(ops.fusedmax_bwd_segments, (segments, torch.randn_like(x), lam, -1, False))
+    with pytest.raises(RuntimeError, match="segments must be the uint8"):
+        ops.fusedmax_bwd_segments(x, x, lam, -1, True)
+    with pytest.raises(ValueError, match="does not match segments"):
+        ops.fusedmax_bwd_segments(segments, x[:, :5], lam, -1, True)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_module(name):
     lam = torch.nn.Parameter(torch.tensor(0.2))

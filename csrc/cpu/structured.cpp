@@ -18,8 +18,10 @@
 // equal |y| form regardless of position. (Not the simplex-constrained minimiser
 // of ½‖p - x‖² + the penalty: the composition, as Niculae & Blondel compute it.)
 //
-// The backwards recompute y from x (the saved p, rounded to the input's dtype,
-// cannot tell two neighbouring segments apart), then with v = Jᵀ_sparsemax g
+// The backwards need y's segments, which the saved p, rounded to the input's
+// dtype, cannot tell apart: fusedmax_bwd and oscarmax_bwd solve the prox again
+// from x; fusedmax_bwd_segments reads the bytes of fusedmax_fwd_segments
+// (below). Then, with v = Jᵀ_sparsemax g
 // (g minus its mean on the support S, 0 off it). fusedmax: dx averages v over
 // each segment of y inside S, and dλ = Σ_segments (σ_right - σ_left) / |G| ·
 // Σ_G v, σ the sign of y's jump at the segment's right and left ends (0 at a
@@ -232,15 +234,26 @@ double Oscarmax::backward(ProxScratch& s, int64_t m, double /*tau: v is 0 off th
   return dlam;
 }
 
+// fusedmax's segments, one byte per entry of x: what its backward needs of
+// y = prox(x), so that it need not solve the prox again. Over the row's finite
+// entries in order: kFirst on the first, kStart where a segment of y starts
+// (the first entry, or y differs from the previous one: the segments of
+// math::fusedmax_vjp), kUp where y rises from the previous entry, kSupport
+// where y > τ; kNanRow on every entry of a row holding NaN or +inf; 0 on -inf.
+constexpr uint8_t kSegStart = 1, kSegUp = 2, kSegSupport = 4, kSegFirst = 8, kSegNanRow = 16;
+
+// segments: null, or the row's n bytes of fusedmax's segments.
 template <typename Op, typename scalar_t>
-void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, int64_t dim) {
+void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Tensor* segments, int64_t dim) {
   const RowLayout lay = RowLayout::of(x, dim);
   const scalar_t* xp = x.const_data_ptr<scalar_t>();
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
+  uint8_t* sp = segments ? segments->mutable_data_ptr<uint8_t>() : nullptr;
   const double* lp = lam.const_data_ptr<double>();
   const int64_t n = lay.n;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ProxScratch s(n);
+    std::unique_ptr<uint8_t[]> seg(sp ? new uint8_t[n] : nullptr);
     double* p = s.out;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
@@ -248,32 +261,150 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, int64_
       int64_t m = 0;
       if (!finite_entries(s.row, n, s.xs, s.pos, m)) {
         std::fill(p, p + n, std::numeric_limits<double>::quiet_NaN());
+        if (sp) std::fill(seg.get(), seg.get() + n, kSegNanRow);
       } else {
         std::fill(p, p + n, 0.0);
+        if (sp) std::fill(seg.get(), seg.get() + n, uint8_t(0));
         if (m > 0) {
           Op::prox(s, m, lp[r]);
           const double tau = math::sparsemax_threshold(s.y, m, s.dxs);
           for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
+          if (sp) {
+            const double* y = s.y;
+            seg[s.pos[0]] = kSegFirst | kSegStart | (y[0] > tau ? kSegSupport : 0);
+            for (int64_t i = 1; i < m; ++i) {
+              seg[s.pos[i]] = (y[i] != y[i - 1] ? kSegStart : 0) | (y[i] > y[i - 1] ? kSegUp : 0) |
+                              (y[i] > tau ? kSegSupport : 0);
+            }
+          }
         }
       }
       lay.store(p, op + base);
+      if (sp) lay.store(seg.get(), sp + base);
     }
   });
 }
 
 template <typename Op>
-Tensor structured_fwd(const Tensor& x_in, const Tensor& lam_in, int64_t dim) {
+Tensor structured_forward(const Tensor& x_in, const Tensor& lam_in, int64_t dim, Tensor* segments) {
   check_cpu_float(x_in, "x");
   dim = x_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, x_in.dim());
   check_row_length(x_in, dim);
   const Tensor x = x_in.contiguous();
   const Tensor lam = checked_lam(lam_in, x, dim, Op::kName);
   Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (segments) *segments = at::empty(x.sizes(), x.options().dtype(at::kByte));
   if (x.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_structured_fwd",
-                                    [&] { structured_fwd_impl<Op, scalar_t>(x, lam, out, dim); });
+                                    [&] { structured_fwd_impl<Op, scalar_t>(x, lam, out, segments, dim); });
   }
   return out;
+}
+
+template <typename Op>
+Tensor structured_fwd(const Tensor& x, const Tensor& lam, int64_t dim) {
+  return structured_forward<Op>(x, lam, dim, nullptr);
+}
+
+std::tuple<Tensor, Tensor> fusedmax_fwd_segments(const Tensor& x, const Tensor& lam, int64_t dim) {
+  Tensor segments;
+  Tensor p = structured_forward<Fusedmax>(x, lam, dim, &segments);
+  return {p, segments};
+}
+
+// fusedmax's backward from its segments: math::sparsemax_vjp and
+// math::fusedmax_vjp walked over the row's entries with the same operations in
+// the same order, so it equals the backward that solves the prox again, bit
+// for bit.
+template <typename scalar_t>
+void fusedmax_bwd_segments_impl(const Tensor& segments, const Tensor& grad, Tensor& dx, Tensor& dlam, int64_t dim) {
+  const RowLayout lay = RowLayout::of(segments, dim);
+  const uint8_t* sp = segments.const_data_ptr<uint8_t>();
+  const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+  scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+  double* dlp = dlam.defined() ? dlam.mutable_data_ptr<double>() : nullptr;
+  const int64_t n = lay.n;
+  at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    std::unique_ptr<double[]> buf(new double[2 * n]);
+    std::unique_ptr<uint8_t[]> seg(new uint8_t[n]);
+    double *g = buf.get(), *out = g + n;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = lay.base(r);
+      lay.load(sp + base, seg.get());
+      lay.load(gp + base, g);
+      double dl = 0.0;
+      if (n > 0 && (seg[0] & kSegNanRow)) {
+        std::fill(out, out + n, std::numeric_limits<double>::quiet_NaN());
+        dl = std::numeric_limits<double>::quiet_NaN();
+      } else {
+        double gsum = 0.0;
+        int64_t support = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          if (seg[j] & kSegSupport) {
+            gsum += g[j];
+            ++support;
+          }
+        }
+        const double gmean = support > 0 ? gsum / double(support) : 0.0;
+        std::fill(out, out + n, 0.0);
+        // The open segment on the support: its first entry, last entry, size,
+        // Σ v and the sign of y's jump into it (0 at the row's first entry).
+        int64_t first = -1, last = -1;
+        double size = 0.0, vsum = 0.0, left = 0.0;
+        auto close = [&](double right) {
+          for (int64_t j = first; j <= last; ++j) {
+            if (seg[j] & kSegSupport) out[j] = vsum / size;
+          }
+          dl += (right - left) / size * vsum;
+          first = -1;
+        };
+        for (int64_t j = 0; j < n; ++j) {
+          const uint8_t b = seg[j];
+          if (b & kSegStart) {
+            const double jump = (b & kSegFirst) ? 0.0 : ((b & kSegUp) ? 1.0 : -1.0);
+            if (first >= 0) close(jump);
+            if (b & kSegSupport) {
+              first = j;
+              size = 0.0;
+              vsum = 0.0;
+              left = jump;
+            }
+          }
+          if (b & kSegSupport) {
+            last = j;
+            size += 1.0;
+            vsum += g[j] - gmean;
+          }
+        }
+        if (first >= 0) close(0.0);
+      }
+      lay.store(out, dp + base);
+      if (dlp) dlp[r] = dl;
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> fusedmax_bwd_segments(const Tensor& segments_in, const Tensor& grad_in,
+                                                 const Tensor& lam_in, int64_t dim, bool lam_grad) {
+  TORCH_CHECK(segments_in.device().is_cpu() && segments_in.scalar_type() == at::kByte,
+              "attnkern: fusedmax_bwd_segments: segments must be the uint8 CPU tensor of fusedmax_fwd_segments");
+  check_cpu_float(grad_in, "grad");
+  TORCH_CHECK_VALUE(grad_in.sizes() == segments_in.sizes(), "attnkern: fusedmax_bwd_segments: grad of shape ",
+                    grad_in.sizes(), " does not match segments of shape ", segments_in.sizes());
+  dim = segments_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, segments_in.dim());
+  check_row_length(segments_in, dim);
+  const Tensor segments = segments_in.contiguous();
+  const Tensor grad = grad_in.contiguous();
+  Tensor dx = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  Tensor dl = lam_grad ? at::empty_like(per_row(lam_in, segments, dim, at::kDouble)) : Tensor();
+  if (segments.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "attnkern_fusedmax_bwd_segments",
+                                    [&] { fusedmax_bwd_segments_impl<scalar_t>(segments, grad, dx, dl, dim); });
+  } else if (dl.defined()) {
+    dl.zero_();
+  }
+  if (!dl.defined()) dl = at::empty({0}, grad.options().dtype(at::kDouble));
+  return {dx, dl};
 }
 
 template <typename Op, typename scalar_t>
@@ -391,6 +522,8 @@ template double ProxRow::vjp<double>(Prox, double*, int64_t, double);
 void add_structured_kernels(KernelTable& t) {
   t.fusedmax_fwd = &structured_fwd<Fusedmax>;
   t.fusedmax_bwd = &structured_bwd<Fusedmax>;
+  t.fusedmax_fwd_segments = &fusedmax_fwd_segments;
+  t.fusedmax_bwd_segments = &fusedmax_bwd_segments;
   t.oscarmax_fwd = &structured_fwd<Oscarmax>;
   t.oscarmax_bwd = &structured_bwd<Oscarmax>;
 }

@@ -157,6 +157,8 @@ TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
   m.impl("entmax_loss_fwd", &Forward<&KernelTable::entmax_loss_fwd>::call);
   m.impl("fusedmax_fwd", &Forward<&KernelTable::fusedmax_fwd>::call);
   m.impl("fusedmax_bwd", &Forward<&KernelTable::fusedmax_bwd>::call);
+  m.impl("fusedmax_fwd_segments", &Forward<&KernelTable::fusedmax_fwd_segments>::call);
+  m.impl("fusedmax_bwd_segments", &Forward<&KernelTable::fusedmax_bwd_segments>::call);
   m.impl("oscarmax_fwd", &Forward<&KernelTable::oscarmax_fwd>::call);
   m.impl("oscarmax_bwd", &Forward<&KernelTable::oscarmax_bwd>::call);
   m.impl("crf_marginals_fwd", &Forward<&KernelTable::crf_marginals_fwd>::call);

@@ -44,6 +44,9 @@ struct KernelTable {
   Tensor (*fusedmax_fwd)(const Tensor& x, const Tensor& lam, int64_t dim);
   std::tuple<Tensor, Tensor> (*fusedmax_bwd)(const Tensor& x, const Tensor& grad, const Tensor& lam, int64_t dim,
                                              bool lam_grad);
+  std::tuple<Tensor, Tensor> (*fusedmax_fwd_segments)(const Tensor& x, const Tensor& lam, int64_t dim);
+  std::tuple<Tensor, Tensor> (*fusedmax_bwd_segments)(const Tensor& segments, const Tensor& grad,
+                                                      const Tensor& lam, int64_t dim, bool lam_grad);
   Tensor (*oscarmax_fwd)(const Tensor& x, const Tensor& lam, int64_t dim);
   std::tuple<Tensor, Tensor> (*oscarmax_bwd)(const Tensor& x, const Tensor& grad, const Tensor& lam, int64_t dim,
                                              bool lam_grad);
