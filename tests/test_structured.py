@@ -379,6 +379,8 @@ def test_fusedmax_backward_from_saved_segments_equals_solving_again(dtype):
         ops.fusedmax_bwd_segments(x, x, lam, -1, True)
     with pytest.raises(ValueError, match="does not match segments"):
         ops.fusedmax_bwd_segments(segments, x[:, :5], lam, -1, True)
+    with pytest.raises(RuntimeError, match="lam must be a floating-point"):
+        ops.fusedmax_bwd_segments(segments, x, torch.ones(3, 1, dtype=torch.int64), -1, True)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -389,6 +389,7 @@ std::tuple<Tensor, Tensor> fusedmax_bwd_segments(const Tensor& segments_in, cons
   TORCH_CHECK(segments_in.device().is_cpu() && segments_in.scalar_type() == at::kByte,
               "attnkern: fusedmax_bwd_segments: segments must be the uint8 CPU tensor of fusedmax_fwd_segments");
   check_cpu_float(grad_in, "grad");
+  check_cpu_float(lam_in, "lam");  // (its shape only: one dλ per row)
   TORCH_CHECK_VALUE(grad_in.sizes() == segments_in.sizes(), "attnkern: fusedmax_bwd_segments: grad of shape ",
                     grad_in.sizes(), " does not match segments of shape ", segments_in.sizes());
   dim = segments_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, segments_in.dim());
