@@ -206,11 +206,13 @@ def _first_order_only(name: str):
     return wrap
 
 
-def traceable_apply(cls):
+def traceable_apply(cls, unrecorded=None):
     """cls.apply, except under torch.compile, where it is the apply of a copy of
     cls without its jvp rule: Dynamo cannot trace a Function that defines jvp
     (a graph break; an error under fullgraph). Torch.compile has no forward
-    mode, so nothing is lost there."""
+    mode, so nothing is lost there. Where autograd records nothing, the
+    forward alone: cls.forward, or `unrecorded` (same arguments and outputs)
+    where that skips work only the backward needs."""
     _cache_forward_signature(cls)  # (the copy below shares forward)
     attrs = {k: v for k, v in vars(cls).items() if k not in ("jvp", "__dict__", "__weakref__")}
     traceable = type(cls.__name__, (torch.autograd.Function,), attrs)
@@ -226,7 +228,7 @@ def traceable_apply(cls):
         # Nothing to record (inference, or no input needs a gradient): the
         # forward alone, without Function.apply's node and argument binding,
         # which cost more than the forward itself on small tensors.
-        return cls.forward(*args)
+        return (unrecorded or cls.forward)(*args)
 
     return apply
 
@@ -367,19 +369,25 @@ _NO_SECOND_ORDER = {
 }
 
 
-def _structured_backward(ctx, grad: torch.Tensor, name: str):
-    """The backward of a structured op (fusedmax on CUDA, oscarmax: the kernel
-    recomputes the prox from x, which FusedmaxSegmentsFunction avoids on the
-    CPU; crf_marginals, sparsemap_chain: the messages or the solution from the
-    unary scores); first derivatives only."""
+def _structured_backward(ctx, grad: torch.Tensor, name: str, bwd_op: str = ""):
+    """The backward of a structured op through attnkern::<bwd_op> (default
+    <name>_bwd) from the saved (x or what the forward kept, parameter):
+    fusedmax on CUDA and oscarmax recompute the prox from x, fusedmax on the
+    CPU reads its saved segments (FusedmaxSegmentsFunction); crf_marginals and
+    sparsemap_chain recompute the messages or the solution from the unary
+    scores. First derivatives only."""
     if torch.is_grad_enabled():
         raise NotImplementedError(f"attnkern.{name}: double backward is not implemented ({_NO_SECOND_ORDER[name]})")
-    x, param = ctx.saved_tensors
+    saved, param = ctx.saved_tensors
     want_param = ctx.needs_input_grad[1]
-    dx, dparam = getattr(_ops, f"{name}_bwd")(x, grad, param, ctx.dim, want_param)
+    dx, dparam = getattr(_ops, bwd_op or f"{name}_bwd")(saved, grad, param, ctx.dim, want_param)
     if not want_param:
         return dx, None, None
     return dx, sum_to_size_fixed_order(dparam, param.shape).to(param.dtype), None
+
+
+def _refuse_forward_mode(name: str):
+    raise NotImplementedError(f"attnkern.{name}: forward-mode derivatives are not implemented")
 
 
 def _structured_function(name: str) -> type[torch.autograd.Function]:
@@ -399,7 +407,7 @@ def _structured_function(name: str) -> type[torch.autograd.Function]:
         ctx.save_for_backward(x, param)
 
     def jvp(ctx, x_t, param_t, dim_t):
-        raise NotImplementedError(f"attnkern.{name}: forward-mode derivatives are not implemented")
+        _refuse_forward_mode(name)
 
     def backward(ctx, grad: torch.Tensor):
         return _structured_backward(ctx, grad, name)
@@ -427,32 +435,24 @@ class FusedmaxSegmentsFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_t, lam_t, dim_t):
-        raise NotImplementedError("attnkern.fusedmax: forward-mode derivatives are not implemented")
+        _refuse_forward_mode("fusedmax")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _):
-        if torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"attnkern.fusedmax: double backward is not implemented ({_NO_SECOND_ORDER['fusedmax']})")
-        segments, lam = ctx.saved_tensors
-        want_lam = ctx.needs_input_grad[1]
-        dx, dlam = _ops.fusedmax_bwd_segments(segments, grad, lam, ctx.dim, want_lam)
-        if not want_lam:
-            return dx, None, None
-        return dx, sum_to_size_fixed_order(dlam, lam.shape).to(lam.dtype), None
+        return _structured_backward(ctx, grad, "fusedmax", "fusedmax_bwd_segments")
 
 
-_fusedmax_segments_apply = traceable_apply(FusedmaxSegmentsFunction)
+def _fusedmax_unrecorded(x: torch.Tensor, lam: torch.Tensor, dim: int):
+    return _ops.fusedmax_fwd(x, lam, dim), None
+
+
+_fusedmax_segments_apply = traceable_apply(FusedmaxSegmentsFunction, unrecorded=_fusedmax_unrecorded)
 
 
 def fusedmax_cpu_apply(x: torch.Tensor, lam: torch.Tensor, dim: int) -> torch.Tensor:
     """fusedmax of a CPU tensor: with its segments kept for the backward where
     autograd records one, the forward alone otherwise."""
-    args = (x, lam)
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or _needs_grad(args)
-            or _has_tangent(args)):
-        return _fusedmax_segments_apply(x, lam, dim)[0]
-    return _ops.fusedmax_fwd(x, lam, dim)
+    return _fusedmax_segments_apply(x, lam, dim)[0]
 
 
 FusedmaxFunction = _structured_function("fusedmax")
