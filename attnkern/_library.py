@@ -62,6 +62,17 @@ def _register() -> None:
             return _like(grad), _alpha_rows_like(grad, dim).to(torch.float64)
         return _like(grad), grad.new_empty((0,), dtype=torch.float64)
 
+    @torch.library.register_fake("attnkern::oscarmax_fwd_clusters")
+    def _oscarmax_fwd_clusters(x, lam, dim):
+        return (_like(x), torch.empty_like(x, dtype=torch.uint8, memory_format=torch.contiguous_format),
+                torch.empty_like(x, dtype=torch.int32, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("attnkern::oscarmax_bwd_clusters")
+    def _oscarmax_bwd_clusters(flags, ranks, grad, lam, dim, lam_grad):
+        if lam_grad:
+            return _like(grad), _alpha_rows_like(grad, dim).to(torch.float64)
+        return _like(grad), grad.new_empty((0,), dtype=torch.float64)
+
     for name in ("crf_marginals", "sparsemap_chain"):
 
         @torch.library.register_fake(f"attnkern::{name}_fwd")

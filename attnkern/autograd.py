@@ -371,16 +371,16 @@ _NO_SECOND_ORDER = {
 
 def _structured_backward(ctx, grad: torch.Tensor, name: str, bwd_op: str = ""):
     """The backward of a structured op through attnkern::<bwd_op> (default
-    <name>_bwd) from the saved (x or what the forward kept, parameter):
-    fusedmax on CUDA and oscarmax recompute the prox from x, fusedmax on the
-    CPU reads its saved segments (FusedmaxSegmentsFunction); crf_marginals and
-    sparsemap_chain recompute the messages or the solution from the unary
-    scores. First derivatives only."""
+    <name>_bwd) from the saved (x or what the forward kept, ..., parameter):
+    fusedmax and oscarmax on CUDA recompute the prox from x, on the CPU they
+    read what their forward kept (FusedmaxSegmentsFunction,
+    OscarmaxClustersFunction); crf_marginals and sparsemap_chain recompute the
+    messages or the solution from the unary scores. First derivatives only."""
     if torch.is_grad_enabled():
         raise NotImplementedError(f"attnkern.{name}: double backward is not implemented ({_NO_SECOND_ORDER[name]})")
-    saved, param = ctx.saved_tensors
+    *saved, param = ctx.saved_tensors
     want_param = ctx.needs_input_grad[1]
-    dx, dparam = getattr(_ops, bwd_op or f"{name}_bwd")(saved, grad, param, ctx.dim, want_param)
+    dx, dparam = getattr(_ops, bwd_op or f"{name}_bwd")(*saved, grad, param, ctx.dim, want_param)
     if not want_param:
         return dx, None, None
     return dx, sum_to_size_fixed_order(dparam, param.shape).to(param.dtype), None
@@ -417,42 +417,46 @@ def _structured_function(name: str) -> type[torch.autograd.Function]:
     return type(class_name, (torch.autograd.Function,), {k: staticmethod(f) for k, f in methods.items()})
 
 
-class FusedmaxSegmentsFunction(torch.autograd.Function):
-    """fusedmax along `dim` on CPU tensors, through attnkern::fusedmax_fwd_segments:
-    it also returns the segments of the prox (uint8, not differentiable), which
-    the backward reads instead of solving the prox again as fusedmax_bwd does.
-    First derivatives only, as the other structured ops."""
-
-    @staticmethod
+def _kept_prox_function(name: str, kept: str, count: int) -> type[torch.autograd.Function]:
+    """The autograd.Function of fusedmax or oscarmax along `dim` on CPU tensors,
+    through attnkern::<name>_fwd_<kept>: it also returns what the backward
+    needs of the prox (`count` tensors, not differentiable: fusedmax's segments,
+    oscarmax's cluster flags and ranks), which attnkern::<name>_bwd_<kept> reads
+    instead of solving the prox again as <name>_bwd does. First derivatives
+    only, as the other structured ops."""
     def forward(x: torch.Tensor, lam: torch.Tensor, dim: int):
-        return _ops.fusedmax_fwd_segments(x, lam, dim)
+        return getattr(_ops, f"{name}_fwd_{kept}")(x, lam, dim)
 
-    @staticmethod
     def setup_context(ctx, inputs, output):
         _, lam, ctx.dim = inputs
-        ctx.mark_non_differentiable(output[1])
-        ctx.save_for_backward(output[1], lam)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(*output[1:], lam)
 
-    @staticmethod
     def jvp(ctx, x_t, lam_t, dim_t):
-        _refuse_forward_mode("fusedmax")
+        _refuse_forward_mode(name)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, _):
-        return _structured_backward(ctx, grad, "fusedmax", "fusedmax_bwd_segments")
+    def backward(ctx, grad: torch.Tensor, *kept_grads):
+        return _structured_backward(ctx, grad, name, f"{name}_bwd_{kept}")
+
+    methods = {"forward": forward, "setup_context": setup_context, "jvp": jvp, "backward": backward}
+    cls = type(f"{name.capitalize()}{kept.capitalize()}Function", (torch.autograd.Function,),
+               {k: staticmethod(f) for k, f in methods.items()})
+
+    def unrecorded(x: torch.Tensor, lam: torch.Tensor, dim: int):
+        return (getattr(_ops, f"{name}_fwd")(x, lam, dim),) + (None,) * count
+
+    apply = traceable_apply(cls, unrecorded=unrecorded)
+
+    def cpu_apply(x: torch.Tensor, lam: torch.Tensor, dim: int) -> torch.Tensor:
+        return apply(x, lam, dim)[0]
+
+    cpu_apply.__doc__ = (f"{name} of a CPU tensor: with its {kept} kept for the backward where autograd records "
+                         "one, the forward alone otherwise.")
+    return cls, cpu_apply
 
 
-def _fusedmax_unrecorded(x: torch.Tensor, lam: torch.Tensor, dim: int):
-    return _ops.fusedmax_fwd(x, lam, dim), None
-
-
-_fusedmax_segments_apply = traceable_apply(FusedmaxSegmentsFunction, unrecorded=_fusedmax_unrecorded)
-
-
-def fusedmax_cpu_apply(x: torch.Tensor, lam: torch.Tensor, dim: int) -> torch.Tensor:
-    """fusedmax of a CPU tensor: with its segments kept for the backward where
-    autograd records one, the forward alone otherwise."""
-    return _fusedmax_segments_apply(x, lam, dim)[0]
+FusedmaxSegmentsFunction, fusedmax_cpu_apply = _kept_prox_function("fusedmax", "segments", 1)
+OscarmaxClustersFunction, oscarmax_cpu_apply = _kept_prox_function("oscarmax", "clusters", 2)
 
 
 FusedmaxFunction = _structured_function("fusedmax")

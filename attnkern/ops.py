@@ -203,8 +203,8 @@ def _structured(name: str, X: torch.Tensor, dim: int, param, backend: str) -> to
 
     if not isinstance(param, torch.Tensor):
         param = torch.tensor(param, dtype=acc_dtype(X.dtype), device=X.device)
-    if name == "fusedmax" and not on_cuda:
-        return autograd.fusedmax_cpu_apply(X, param, dim)
+    if name in ("fusedmax", "oscarmax") and not on_cuda:
+        return getattr(autograd, f"{name}_cpu_apply")(X, param, dim)
     return getattr(autograd, f"{name}_apply")(X, param, dim)
 
 

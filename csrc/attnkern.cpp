@@ -79,12 +79,20 @@ TORCH_LIBRARY(attnkern, m) {
   // fusedmax_bwd_segments(segments, grad_p, lam, dim, lam_grad) -> as
   //     fusedmax_bwd, without solving the prox again (CPU)
   // oscarmax_fwd / _bwd: the same with the OSCAR penalty's prox.
+  // oscarmax_fwd_clusters(x, lam, dim) -> (p, flags: uint8 like x, ranks:
+  //     int32 like x; what the backward needs of the prox:
+  //     csrc/cpu/structured.cpp) (CPU)
+  // oscarmax_bwd_clusters(flags, ranks, grad_p, lam, dim, lam_grad) -> as
+  //     oscarmax_bwd, without solving the prox again (CPU)
   m.def("fusedmax_fwd(Tensor x, Tensor lam, int dim) -> Tensor");
   m.def("fusedmax_bwd(Tensor x, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
   m.def("fusedmax_fwd_segments(Tensor x, Tensor lam, int dim) -> (Tensor, Tensor)");
   m.def("fusedmax_bwd_segments(Tensor segments, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
   m.def("oscarmax_fwd(Tensor x, Tensor lam, int dim) -> Tensor");
   m.def("oscarmax_bwd(Tensor x, Tensor grad, Tensor lam, int dim, bool lam_grad) -> (Tensor, Tensor)");
+  m.def("oscarmax_fwd_clusters(Tensor x, Tensor lam, int dim) -> (Tensor, Tensor, Tensor)");
+  m.def("oscarmax_bwd_clusters(Tensor flags, Tensor ranks, Tensor grad, Tensor lam, int dim, bool lam_grad) -> "
+        "(Tensor, Tensor)");
   // crf_marginals_fwd(unary, pairwise, dim) -> P(z_i = 1) of the binary
   //     linear-chain CRF along dim (pairwise: (2, 2), or one 2×2 per row:
   //     unary's shape without dim, then (2, 2)); -inf entries removed

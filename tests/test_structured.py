@@ -183,15 +183,20 @@ def test_oscarmax_kernel_matches_the_reference(n, lam):
                                rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_oscarmax_long_rows_with_tied_magnitudes(dtype):
+@pytest.mark.parametrize("dtype, float_valued", [(torch.float32, True), (torch.float64, False),
+                                                 (torch.float64, True)])
+def test_oscarmax_long_rows_with_tied_magnitudes(dtype, float_valued):
     # Rows of more than 64 entries are sorted by a radix sort on the bits of
-    # |x| that skips the bytes all keys share (float32 values leave three of
-    # them zero); ties of either sign must pool exactly as the reference's.
+    # |x| that skips the bytes all keys share, on 64-bit keys of |x| and index
+    # when every |x| is a float (float32 rows, or float64 rows of float values),
+    # else on |x|'s 64 bits; ties of either sign must pool exactly as the
+    # reference's.
     x = random_rows(1025, rows=3, seed=17)
     x[:, ::5] = 0.25
     x[:, 2::5] = -0.25
     x[1] = x[1].round()  # a handful of distinct magnitudes
+    if float_valued:
+        x = x.float().double()
     x = x.to(dtype).requires_grad_()
     xr = x.detach().clone().requires_grad_()
     g = random_rows(1025, rows=3, seed=18).to(dtype)
@@ -203,6 +208,35 @@ def test_oscarmax_long_rows_with_tied_magnitudes(dtype):
     (want * g).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=tol)
     assert (p[1] > 0).sum() > 1  # (the tied rows keep a support of several entries)
+
+
+@pytest.mark.parametrize("n", [2, 97, 1025])
+def test_oscarmax_zero_prox_without_sorting_matches_the_reference(n):
+    # When max|x| is below lam·(n-1)/2 the prox is 0 and the kernel skips the
+    # sort (uniform output, zero gradients); above, it must sort (the bound is
+    # loose: rows up to twice above it can still have y = 0). Rows
+    # scaled to either side of the bound, in value and in both gradients.
+    lam = 0.01
+    bound = lam * (n - 1) / 2
+    x = random_rows(n, rows=6, seed=19)
+    x = x / x.abs().amax(-1, keepdim=True) * bound
+    x = x * torch.tensor([0.5, 1 - 1e-5, 1 - 1e-7, 1.0, 1 + 1e-3, 4.0], dtype=torch.float64).view(6, 1)
+    go = random_rows(n, rows=6, seed=20)
+    grads, outs = [], []
+    for backend in ("cpu", "reference"):
+        xs = x.clone().requires_grad_()
+        ls = torch.full((6, 1), lam, dtype=torch.float64, requires_grad=True)
+        p = attnkern.oscarmax(xs, lam=ls, backend=backend)
+        outs.append(p)
+        # (The reference's output carries no graph when every cluster is clipped.)
+        grads.append(torch.autograd.grad(p, (xs, ls), go) if p.requires_grad else
+                     (torch.zeros_like(xs), torch.zeros_like(ls)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+    torch.testing.assert_close(outs[0][:2], torch.full((2, n), 1.0 / n, dtype=torch.float64), rtol=0, atol=0)
+    assert (grads[0][0][:2] == 0).all() and (grads[0][1][:2] == 0).all()
+    assert not torch.allclose(outs[0][5], torch.full((n,), 1.0 / n, dtype=torch.float64))
 
 
 def test_only_fusedmax_is_shift_invariant():
@@ -381,6 +415,53 @@ def test_fusedmax_backward_from_saved_segments_equals_solving_again(dtype):
         ops.fusedmax_bwd_segments(segments, x[:, :5], lam, -1, True)
     with pytest.raises(RuntimeError, match="lam must be a floating-point"):
         ops.fusedmax_bwd_segments(segments, x, torch.ones(3, 1, dtype=torch.int64), -1, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_oscarmax_backward_from_saved_clusters_equals_solving_again(dtype):
+    """attnkern.oscarmax's autograd on CPU keeps the prox's clusters
+    (oscarmax_fwd_clusters: flags and ranks) instead of sorting and pooling
+    again in the backward (oscarmax_bwd): the two backwards agree bit for bit,
+    on masks, tied magnitudes of either sign, zeros, NaN and fully masked rows,
+    rows whose prox is 0 without a sort and rows that sort, along any dim."""
+    ops = torch.ops.attnkern
+    g = torch.Generator().manual_seed(21)
+    for shape, dim in (((7, 33), -1), ((5, 97, 3), 1), ((4, 1), -1), ((2, 1025), -1), ((6, 2), 0), ((0, 4), -1)):
+        for lam in (0.0, 0.003, 0.03, 1.0):
+            x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+            if x.numel() > 8:
+                x.view(-1)[::5] = -math.inf
+                x.view(-1)[3] = -x.view(-1)[4]
+                x.view(-1)[6] = 0.0
+            if shape == (7, 33):
+                x[2] = -math.inf
+                x[3, 4] = math.nan
+                x[4] = torch.round(x[4] * 2) / 2  # a few distinct magnitudes
+            rows = list(shape)
+            rows[dim] = 1
+            lam_rows = torch.rand(rows, generator=g, dtype=torch.float64) * lam
+            grad = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+            p, flags, ranks = ops.oscarmax_fwd_clusters(x, lam_rows, dim)
+            assert flags.dtype == torch.uint8 and ranks.dtype == torch.int32 and flags.shape == ranks.shape == x.shape
+            assert torch.equal(p.nan_to_num(7.0), ops.oscarmax_fwd(x, lam_rows, dim).nan_to_num(7.0))
+            dx, dlam = ops.oscarmax_bwd_clusters(flags, ranks, grad, lam_rows, dim, True)
+            want_dx, want_dlam = ops.oscarmax_bwd(x, grad, lam_rows, dim, True)
+            assert torch.equal(dx.nan_to_num(7.0), want_dx.nan_to_num(7.0)), (shape, lam)
+            assert torch.equal(dlam.nan_to_num(7.0), want_dlam.nan_to_num(7.0)), (shape, lam)
+    x = random_rows(23, rows=3, seed=13).float()
+    lam = torch.tensor([[0.01], [0.0], [0.4]])
+    _, flags, ranks = ops.oscarmax_fwd_clusters(x, lam, -1)
+    torch.library.opcheck(ops.oscarmax_fwd_clusters, (x, lam, -1))
+    torch.library.opcheck(ops.oscarmax_bwd_clusters, (flags, ranks, torch.randn_like(x), lam, -1, True))
+    torch.library.opcheck(ops.oscarmax_bwd_clusters, (flags, ranks, torch.randn_like(x), lam, -1, False))
+    with pytest.raises(RuntimeError, match="flags must be the uint8"):
+        ops.oscarmax_bwd_clusters(x, ranks, x, lam, -1, True)
+    with pytest.raises(RuntimeError, match="ranks must be the int32"):
+        ops.oscarmax_bwd_clusters(flags, flags, x, lam, -1, True)
+    with pytest.raises(ValueError, match="must match"):
+        ops.oscarmax_bwd_clusters(flags, ranks, x[:, :5], lam, -1, True)
+    with pytest.raises(RuntimeError, match="lam must be a floating-point"):
+        ops.oscarmax_bwd_clusters(flags, ranks, x, torch.ones(3, 1, dtype=torch.int64), -1, True)
 
 
 @pytest.mark.parametrize("name", NAMES)

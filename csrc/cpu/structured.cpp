@@ -20,8 +20,9 @@
 //
 // The backwards need y's segments, which the saved p, rounded to the input's
 // dtype, cannot tell apart: fusedmax_bwd and oscarmax_bwd solve the prox again
-// from x; fusedmax_bwd_segments reads the bytes of fusedmax_fwd_segments
-// (below). Then, with v = Jᵀ_sparsemax g
+// from x; fusedmax_bwd_segments and oscarmax_bwd_clusters read what
+// fusedmax_fwd_segments and oscarmax_fwd_clusters kept (below). Then, with
+// v = Jᵀ_sparsemax g
 // (g minus its mean on the support S, 0 off it). fusedmax: dx averages v over
 // each segment of y inside S, and dλ = Σ_segments (σ_right - σ_left) / |G| ·
 // Σ_G v, σ the sign of y's jump at the segment's right and left ends (0 at a
@@ -54,18 +55,19 @@ inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 // is read (a std::vector's zero fill is an inline template that each
 // instruction-set copy would compile, and one copy's would be shared).
 // oscarmax's prox also keeps the sort order of |x| and its pooled blocks (their
-// ends in sorted positions and their sums); its sort uses `keys` (2n) and
-// order_tmp.
+// ends in sorted positions, their sums and means); its sort uses `keys` (2n)
+// and order_tmp.
 struct ProxScratch {
   std::unique_ptr<double[]> buf;
   std::unique_ptr<int64_t[]> ibuf;
   std::unique_ptr<uint64_t[]> keys;
-  double *row, *xs, *y, *g, *gs, *dxs, *out, *block_sum;
+  double *row, *xs, *y, *g, *gs, *dxs, *out, *block_sum, *block_mean;
   int64_t *pos, *order, *block_end, *order_tmp;
   int64_t blocks = 0;
-  explicit ProxScratch(int64_t n) : buf(new double[8 * n]), ibuf(new int64_t[4 * n]), keys(new uint64_t[2 * n]) {
+  bool zero_y = false;  // the prox set y to 0 without solving (oscar_prox)
+  explicit ProxScratch(int64_t n) : buf(new double[9 * n]), ibuf(new int64_t[4 * n]), keys(new uint64_t[2 * n]) {
     double* b = buf.get();
-    for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum}) {
+    for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum, &block_mean}) {
       *a = b;
       b += n;
     }
@@ -111,9 +113,34 @@ Tensor checked_lam(const Tensor& lam, const Tensor& x, int64_t dim, const char* 
 }
 
 
+// fusedmax's segments, one byte per entry of x: what its backward needs of
+// y = prox(x), so that it need not solve the prox again. Over the row's finite
+// entries in order: kFirst on the first, kStart where a segment of y starts
+// (the first entry, or y differs from the previous one: the segments of
+// math::fusedmax_vjp), kUp where y rises from the previous entry, kSupport
+// where y > τ; kNanRow on every entry of a row holding NaN or +inf; 0 on -inf.
+constexpr uint8_t kSegStart = 1, kSegUp = 2, kSegSupport = 4, kSegFirst = 8, kSegNanRow = 16;
+
+// oscarmax's clusters, what its backward needs of the prox: a byte of flags and
+// the rank in the sort by decreasing |x| (int32; rows are shorter than 2^31)
+// per entry of x. Flags on the finite entries: kFinite, kSupport where y > τ,
+// kPositive / kNegative (x's sign), kBlockStart on the entry of lowest rank in
+// its pooled block, kNonzero in a block whose magnitude is not clipped to 0;
+// kNanRow on every entry of a row holding NaN or +inf; 0 (and rank 0) on -inf.
+// Where the prox was 0 without a sort, no block is unclipped: the ranks stay 0,
+// and the backward, finding no kNonzero in the row, writes zeros.
+constexpr uint8_t kClusterFinite = 1, kClusterSupport = 2, kClusterPositive = 4, kClusterNegative = 8,
+                  kClusterBlockStart = 16, kClusterNonzero = 32, kClusterNanRow = 64;
+
 struct Fusedmax {
   static constexpr const char* kName = "fusedmax";
-  static void prox(ProxScratch& s, int64_t m, double lam) { math::tv_prox(s.xs, m, lam, s.y); }
+  static constexpr uint8_t kNanRow = kSegNanRow;
+  static void prox(ProxScratch& s, int64_t m, double lam) {
+    math::tv_prox(s.xs, m, lam, s.y);
+    s.zero_y = false;
+  }
+  // What the backward needs of the row's prox (below).
+  static void record(const ProxScratch& s, int64_t m, double tau, uint8_t* flags, int32_t* ranks);
   // The backward of one row (see the top of the file) on its m finite entries,
   // given y (prox) and v (sparsemax_vjp, in s.gs): dx into s.dxs, returns dλ.
   static double backward(ProxScratch& s, int64_t m, double tau);
@@ -125,15 +152,52 @@ double Fusedmax::backward(ProxScratch& s, int64_t m, double tau) {
 
 // s.order[0:m] = the indices of s.xs[0:m] by decreasing |x|, ties in index
 // order (the prox does not depend on it: tied magnitudes always pool when
-// lam > 0, and are equal anyway when lam = 0). Non-negative doubles order as
+// lam > 0, and are equal anyway when lam = 0). Non-negative numbers order as
 // their bit patterns, so a stable LSD radix sort on the complemented bits of
-// |x|, a byte a pass, skipping the bytes all keys share (float32 inputs leave
-// the low three bytes zero); short rows by comparisons, where the passes'
-// 256 buckets would cost more than the sort.
+// |x|, a byte a pass, skipping the bytes all keys share; short rows by
+// comparisons, where the passes' 256 buckets would cost more than the sort.
+// When every |x| is a float (the input was float32, bfloat16 or float16), the
+// float's bits and the index share one 64-bit key: half the bytes to move
+// and at most four passes.
 void sort_by_magnitude(ProxScratch& s, int64_t m) {
   const double* x = s.xs;
   uint64_t* key = s.keys.get();
   int64_t* order = s.order;
+  bool floats = m <= int64_t(UINT32_MAX);
+  for (int64_t i = 0; i < m; ++i) {
+    const double a = std::abs(x[i]);
+    const float f = static_cast<float>(a);
+    floats &= static_cast<double>(f) == a;
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    key[i] = (uint64_t(~bits) << 32) | uint64_t(i);
+  }
+  if (floats) {
+    if (m <= 64) {
+      std::sort(key, key + m);
+    } else {
+      uint32_t count[4][256] = {};
+      for (int64_t i = 0; i < m; ++i) {
+        for (int d = 0; d < 4; ++d) ++count[d][(key[i] >> (32 + 8 * d)) & 255];
+      }
+      uint64_t *from = key, *to = key + m;
+      for (int d = 0; d < 4; ++d) {
+        const int shift = 32 + 8 * d;
+        if (count[d][(from[0] >> shift) & 255] == uint32_t(m)) continue;  // (every key has this byte)
+        uint32_t start[256];
+        uint32_t total = 0;
+        for (int b = 0; b < 256; ++b) {
+          start[b] = total;
+          total += count[d][b];
+        }
+        for (int64_t i = 0; i < m; ++i) to[start[(from[i] >> shift) & 255]++] = from[i];
+        std::swap(from, to);
+      }
+      key = from;
+    }
+    for (int64_t k = 0; k < m; ++k) order[k] = int64_t(key[k] & 0xffffffffu);
+    return;
+  }
   for (int64_t i = 0; i < m; ++i) {
     const double a = std::abs(x[i]);
     uint64_t bits;
@@ -170,33 +234,57 @@ void sort_by_magnitude(ProxScratch& s, int64_t m) {
   if (from_order != order) std::copy(from_order, from_order + m, order);
 }
 
+// sparsemax's threshold on the prox's y (m entries): on a y set to 0 without
+// solving, what math::sparsemax_threshold returns on zeros, without its passes.
+double threshold(ProxScratch& s, int64_t m) {
+  return s.zero_y ? -1.0 / double(m) : math::sparsemax_threshold(s.y, m, s.dxs);
+}
+
+// -1, 0 or 1 without a branch: the signs of a row of scores are coin flips.
+inline double sign_of(double x) { return double(int(x > 0.0) - int(x < 0.0)); }
+
 // y = prox of lam·OSCAR at the m finite entries (see the top of the file),
-// keeping the sort order and the pooled blocks (s.blocks of them).
+// keeping the sort order and the pooled blocks (s.blocks of them), or setting
+// s.zero_y where y is 0 without a sort (below).
 void oscar_prox(ProxScratch& s, int64_t m, double lam) {
   const double* x = s.xs;
   const int64_t* order = s.order;
+  // y is 0 wherever the largest fitted value, the largest mean of a prefix of
+  // the sorted targets |x|_(k) - lam·(m-1-k), is <= 0; each such prefix mean is
+  // at most max|x| - lam·(m-1)/2, so a row whose max|x| is below lam·(m-1)/2
+  // needs no sort (long rows at moderate lam: the weights grow with m). The
+  // margin of 1e-6 keeps the rounding of the prefix sums from deciding it.
+  double amax = 0.0;
+  for (int64_t i = 0; i < m; ++i) amax = std::max(amax, std::abs(x[i]));
+  if (amax <= lam * double(m - 1) * 0.5 * (1.0 - 1e-6)) {
+    for (int64_t i = 0; i < m; ++i) s.y[i] = sign_of(x[i]) * 0.0;  // (the sorted path's signed zeros)
+    s.zero_y = true;
+    return;
+  }
+  s.zero_y = false;
   sort_by_magnitude(s, m);
-  // Pool adjacent violators: blocks of a non-increasing fit to |x|_(k) - lam·(m-1-k).
+  // Pool adjacent violators: blocks of a non-increasing fit to |x|_(k) - lam·(m-1-k),
+  // each block's mean kept beside its sum.
   int64_t blocks = 0;
+  double* mean = s.block_mean;
   for (int64_t k = 0; k < m; ++k) {
     s.block_sum[blocks] = std::abs(x[order[k]]) - lam * double(m - 1 - k);
+    mean[blocks] = s.block_sum[blocks];
     s.block_end[blocks++] = k + 1;
-    while (blocks >= 2) {
+    while (blocks >= 2 && mean[blocks - 2] < mean[blocks - 1]) {
       const int64_t b = blocks - 1, first = blocks >= 3 ? s.block_end[b - 2] : 0;
-      const double prev = s.block_sum[b - 1] / double(s.block_end[b - 1] - first);
-      const double cur = s.block_sum[b] / double(s.block_end[b] - s.block_end[b - 1]);
-      if (prev >= cur) break;
       s.block_sum[b - 1] += s.block_sum[b];
       s.block_end[b - 1] = s.block_end[b];
+      mean[b - 1] = s.block_sum[b - 1] / double(s.block_end[b - 1] - first);
       --blocks;
     }
   }
   int64_t start = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    const double mag = std::max(s.block_sum[b] / double(s.block_end[b] - start), 0.0);
+    const double mag = std::max(mean[b], 0.0);
     for (int64_t k = start; k < s.block_end[b]; ++k) {
       const int64_t i = order[k];
-      s.y[i] = x[i] > 0.0 ? mag : (x[i] < 0.0 ? -mag : 0.0);
+      s.y[i] = sign_of(x[i]) * mag;
     }
     start = s.block_end[b];
   }
@@ -205,111 +293,151 @@ void oscar_prox(ProxScratch& s, int64_t m, double lam) {
 
 struct Oscarmax {
   static constexpr const char* kName = "oscarmax";
+  static constexpr uint8_t kNanRow = kClusterNanRow;
   static void prox(ProxScratch& s, int64_t m, double lam) { oscar_prox(s, m, lam); }
+  static void record(const ProxScratch& s, int64_t m, double tau, uint8_t* flags, int32_t* ranks);
   static double backward(ProxScratch& s, int64_t m, double tau);
 };
 
 double Oscarmax::backward(ProxScratch& s, int64_t m, double /*tau: v is 0 off the support*/) {
   double dlam = 0.0;
+  if (s.zero_y) {  // every cluster's magnitude is clipped
+    std::fill(s.dxs, s.dxs + m, 0.0);
+    return dlam;
+  }
   int64_t start = 0;
   for (int64_t b = 0; b < s.blocks; ++b) {
     const int64_t end = s.block_end[b];
     const double size = double(end - start);
-    const bool nonzero = s.block_sum[b] / size > 0.0;
-    double ssum = 0.0;
-    for (int64_t k = start; k < end; ++k) {
-      const int64_t i = s.order[k];
-      const double sign = s.xs[i] > 0.0 ? 1.0 : (s.xs[i] < 0.0 ? -1.0 : 0.0);
-      ssum += sign * s.gs[i];
+    if (s.block_sum[b] / size > 0.0) {
+      double ssum = 0.0;
+      for (int64_t k = start; k < end; ++k) ssum += sign_of(s.xs[s.order[k]]) * s.gs[s.order[k]];
+      for (int64_t k = start; k < end; ++k) s.dxs[s.order[k]] = sign_of(s.xs[s.order[k]]) * ssum / size;
+      // The cluster's magnitude is its mean of |x|_(k) - lam·(m-1-k).
+      dlam -= ssum * (double(m - 1) - 0.5 * double(start + end - 1));
+    } else {  // clipped to 0
+      for (int64_t k = start; k < end; ++k) s.dxs[s.order[k]] = 0.0;
     }
-    for (int64_t k = start; k < end; ++k) {
-      const int64_t i = s.order[k];
-      const double sign = s.xs[i] > 0.0 ? 1.0 : (s.xs[i] < 0.0 ? -1.0 : 0.0);
-      s.dxs[i] = nonzero ? sign * ssum / size : 0.0;
-    }
-    // The cluster's magnitude is its mean of |x|_(k) - lam·(m-1-k).
-    if (nonzero) dlam -= ssum * (double(m - 1) - 0.5 * double(start + end - 1));
     start = end;
   }
   return dlam;
 }
 
-// fusedmax's segments, one byte per entry of x: what its backward needs of
-// y = prox(x), so that it need not solve the prox again. Over the row's finite
-// entries in order: kFirst on the first, kStart where a segment of y starts
-// (the first entry, or y differs from the previous one: the segments of
-// math::fusedmax_vjp), kUp where y rises from the previous entry, kSupport
-// where y > τ; kNanRow on every entry of a row holding NaN or +inf; 0 on -inf.
-constexpr uint8_t kSegStart = 1, kSegUp = 2, kSegSupport = 4, kSegFirst = 8, kSegNanRow = 16;
+// What a forward keeps for its backward, per entry of x (null: nothing).
+struct Saved {
+  uint8_t* flags = nullptr;
+  int32_t* ranks = nullptr;  // (oscarmax's)
+};
 
-// segments: null, or the row's n bytes of fusedmax's segments.
+void Fusedmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* seg, int32_t* /*ranks*/) {
+  const double* y = s.y;
+  seg[s.pos[0]] = kSegFirst | kSegStart | (y[0] > tau ? kSegSupport : 0);
+  for (int64_t i = 1; i < m; ++i) {
+    seg[s.pos[i]] = (y[i] != y[i - 1] ? kSegStart : 0) | (y[i] > y[i - 1] ? kSegUp : 0) | (y[i] > tau ? kSegSupport : 0);
+  }
+}
+
+void Oscarmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* flags, int32_t* ranks) {
+  // (Locals: the byte stores could alias s's pointers. Signs without branches:
+  // they are coin flips on rows of scores.)
+  const double *xs = s.xs, *y = s.y;
+  const int64_t* pos = s.pos;
+  for (int64_t i = 0; i < m; ++i) {
+    flags[pos[i]] = uint8_t(kClusterFinite | (y[i] > tau) * kClusterSupport | (xs[i] > 0.0) * kClusterPositive |
+                            (xs[i] < 0.0) * kClusterNegative);
+  }
+  if (s.zero_y) return;  // (no unclipped block: the backward reads no rank)
+  int64_t start = 0;
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    // (The same test as the prox's clip and Oscarmax::backward's.)
+    const uint8_t nonzero = s.block_sum[b] / double(s.block_end[b] - start) > 0.0 ? kClusterNonzero : 0;
+    for (int64_t k = start; k < s.block_end[b]; ++k) {
+      const int64_t j = s.pos[s.order[k]];
+      ranks[j] = int32_t(k);
+      flags[j] |= nonzero | (k == start ? kClusterBlockStart : 0);
+    }
+    start = s.block_end[b];
+  }
+}
+
 template <typename Op, typename scalar_t>
-void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Tensor* segments, int64_t dim) {
+void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Saved saved, int64_t dim) {
   const RowLayout lay = RowLayout::of(x, dim);
   const scalar_t* xp = x.const_data_ptr<scalar_t>();
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
-  uint8_t* sp = segments ? segments->mutable_data_ptr<uint8_t>() : nullptr;
   const double* lp = lam.const_data_ptr<double>();
   const int64_t n = lay.n;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ProxScratch s(n);
-    std::unique_ptr<uint8_t[]> seg(sp ? new uint8_t[n] : nullptr);
+    std::unique_ptr<uint8_t[]> flags(saved.flags ? new uint8_t[n] : nullptr);
+    std::unique_ptr<int32_t[]> ranks(saved.ranks ? new int32_t[n] : nullptr);
     double* p = s.out;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
       lay.load(xp + base, s.row);
       int64_t m = 0;
+      if (flags) std::fill(flags.get(), flags.get() + n, uint8_t(0));
+      if (ranks) std::fill(ranks.get(), ranks.get() + n, int32_t(0));
       if (!finite_entries(s.row, n, s.xs, s.pos, m)) {
         std::fill(p, p + n, std::numeric_limits<double>::quiet_NaN());
-        if (sp) std::fill(seg.get(), seg.get() + n, kSegNanRow);
+        if (flags) std::fill(flags.get(), flags.get() + n, Op::kNanRow);
       } else {
         std::fill(p, p + n, 0.0);
-        if (sp) std::fill(seg.get(), seg.get() + n, uint8_t(0));
         if (m > 0) {
           Op::prox(s, m, lp[r]);
-          const double tau = math::sparsemax_threshold(s.y, m, s.dxs);
+          const double tau = threshold(s, m);
           for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
-          if (sp) {
-            const double* y = s.y;
-            seg[s.pos[0]] = kSegFirst | kSegStart | (y[0] > tau ? kSegSupport : 0);
-            for (int64_t i = 1; i < m; ++i) {
-              seg[s.pos[i]] = (y[i] != y[i - 1] ? kSegStart : 0) | (y[i] > y[i - 1] ? kSegUp : 0) |
-                              (y[i] > tau ? kSegSupport : 0);
-            }
-          }
+          if (flags) Op::record(s, m, tau, flags.get(), ranks.get());
         }
       }
       lay.store(p, op + base);
-      if (sp) lay.store(seg.get(), sp + base);
+      if (flags) lay.store(flags.get(), saved.flags + base);
+      if (ranks) lay.store(ranks.get(), saved.ranks + base);
     }
   });
 }
 
+// flags / ranks: null, or set to what the forward keeps for its backward
+// (ranks: oscarmax's only).
 template <typename Op>
-Tensor structured_forward(const Tensor& x_in, const Tensor& lam_in, int64_t dim, Tensor* segments) {
+Tensor structured_forward(const Tensor& x_in, const Tensor& lam_in, int64_t dim, Tensor* flags, Tensor* ranks) {
   check_cpu_float(x_in, "x");
   dim = x_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, x_in.dim());
   check_row_length(x_in, dim);
   const Tensor x = x_in.contiguous();
   const Tensor lam = checked_lam(lam_in, x, dim, Op::kName);
   Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (segments) *segments = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  Saved saved;
+  if (flags) {
+    *flags = at::empty(x.sizes(), x.options().dtype(at::kByte));
+    saved.flags = flags->mutable_data_ptr<uint8_t>();
+  }
+  if (ranks) {
+    *ranks = at::empty(x.sizes(), x.options().dtype(at::kInt));
+    saved.ranks = ranks->mutable_data_ptr<int32_t>();
+  }
   if (x.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "attnkern_structured_fwd",
-                                    [&] { structured_fwd_impl<Op, scalar_t>(x, lam, out, segments, dim); });
+                                    [&] { structured_fwd_impl<Op, scalar_t>(x, lam, out, saved, dim); });
   }
   return out;
 }
 
 template <typename Op>
 Tensor structured_fwd(const Tensor& x, const Tensor& lam, int64_t dim) {
-  return structured_forward<Op>(x, lam, dim, nullptr);
+  return structured_forward<Op>(x, lam, dim, nullptr, nullptr);
 }
 
 std::tuple<Tensor, Tensor> fusedmax_fwd_segments(const Tensor& x, const Tensor& lam, int64_t dim) {
   Tensor segments;
-  Tensor p = structured_forward<Fusedmax>(x, lam, dim, &segments);
+  Tensor p = structured_forward<Fusedmax>(x, lam, dim, &segments, nullptr);
   return {p, segments};
+}
+
+std::tuple<Tensor, Tensor, Tensor> oscarmax_fwd_clusters(const Tensor& x, const Tensor& lam, int64_t dim) {
+  Tensor flags, ranks;
+  Tensor p = structured_forward<Oscarmax>(x, lam, dim, &flags, &ranks);
+  return {p, flags, ranks};
 }
 
 // fusedmax's backward from its segments: math::sparsemax_vjp and
@@ -408,6 +536,113 @@ std::tuple<Tensor, Tensor> fusedmax_bwd_segments(const Tensor& segments_in, cons
   return {dx, dl};
 }
 
+// oscarmax's backward from its clusters: math::sparsemax_vjp and
+// Oscarmax::backward with the flags for y's tests and x's signs and the ranks
+// for the sort order, the same operations in the same order, so it equals
+// the backward that solves the prox again, bit for bit.
+template <typename scalar_t>
+void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, const Tensor& grad, Tensor& dx,
+                                Tensor& dlam, int64_t dim) {
+  const RowLayout lay = RowLayout::of(flags_t, dim);
+  const uint8_t* fp = flags_t.const_data_ptr<uint8_t>();
+  const int32_t* rp = ranks_t.const_data_ptr<int32_t>();
+  const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+  scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+  double* dlp = dlam.defined() ? dlam.mutable_data_ptr<double>() : nullptr;
+  const int64_t n = lay.n;
+  // x's sign from its flags, by a table: no branch (as sign_of).
+  static_assert(kClusterPositive == 4 && kClusterNegative == 8);
+  static constexpr double kSign[4] = {0.0, 1.0, -1.0, 0.0};
+  auto sign = [](uint8_t f) { return kSign[(f >> 2) & 3]; };
+  at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    std::unique_ptr<double[]> buf(new double[3 * n]);
+    std::unique_ptr<int64_t[]> ibuf(new int64_t[2 * n]);
+    std::unique_ptr<int32_t[]> ranks(new int32_t[n]);
+    std::unique_ptr<uint8_t[]> flags(new uint8_t[n]);
+    double *g = buf.get(), *v = g + n, *out = v + n;
+    int64_t *pos = ibuf.get(), *order = pos + n;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = lay.base(r);
+      lay.load(fp + base, flags.get());
+      double dl = 0.0;
+      uint8_t any = 0;
+      for (int64_t j = 0; j < n; ++j) any |= flags[j];
+      if (any & kClusterNanRow) {
+        std::fill(out, out + n, std::numeric_limits<double>::quiet_NaN());
+        dl = std::numeric_limits<double>::quiet_NaN();
+      } else if (!(any & kClusterNonzero)) {  // every block clipped (y = 0): no gradient
+        std::fill(out, out + n, 0.0);
+      } else {
+        lay.load(rp + base, ranks.get());
+        lay.load(gp + base, g);
+        std::fill(out, out + n, 0.0);
+        int64_t m = 0;
+        double gsum = 0.0;
+        int64_t support = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          if (!(flags[j] & kClusterFinite)) continue;
+          if (flags[j] & kClusterSupport) {
+            gsum += g[j];
+            ++support;
+          }
+          pos[m++] = j;
+        }
+        const double gmean = support > 0 ? gsum / double(support) : 0.0;
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t j = pos[i];
+          v[i] = (flags[j] & kClusterSupport) ? g[j] - gmean : 0.0;
+          order[ranks[j]] = i;
+        }
+        int64_t start = 0;
+        while (start < m) {
+          int64_t stop = start + 1;
+          while (stop < m && !(flags[pos[order[stop]]] & kClusterBlockStart)) ++stop;
+          // (A clipped block's entries keep out's 0 and add nothing to dλ.)
+          if (flags[pos[order[start]]] & kClusterNonzero) {
+            const double size = double(stop - start);
+            double ssum = 0.0;
+            for (int64_t k = start; k < stop; ++k) ssum += sign(flags[pos[order[k]]]) * v[order[k]];
+            for (int64_t k = start; k < stop; ++k) out[pos[order[k]]] = sign(flags[pos[order[k]]]) * ssum / size;
+            dl -= ssum * (double(m - 1) - 0.5 * double(start + stop - 1));
+          }
+          start = stop;
+        }
+      }
+      lay.store(out, dp + base);
+      if (dlp) dlp[r] = dl;
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> oscarmax_bwd_clusters(const Tensor& flags_in, const Tensor& ranks_in,
+                                                 const Tensor& grad_in, const Tensor& lam_in, int64_t dim,
+                                                 bool lam_grad) {
+  TORCH_CHECK(flags_in.device().is_cpu() && flags_in.scalar_type() == at::kByte,
+              "attnkern: oscarmax_bwd_clusters: flags must be the uint8 CPU tensor of oscarmax_fwd_clusters");
+  TORCH_CHECK(ranks_in.device().is_cpu() && ranks_in.scalar_type() == at::kInt,
+              "attnkern: oscarmax_bwd_clusters: ranks must be the int32 CPU tensor of oscarmax_fwd_clusters");
+  check_cpu_float(grad_in, "grad");
+  check_cpu_float(lam_in, "lam");  // (its shape only: one dλ per row)
+  TORCH_CHECK_VALUE(grad_in.sizes() == flags_in.sizes() && ranks_in.sizes() == flags_in.sizes(),
+                    "attnkern: oscarmax_bwd_clusters: flags of shape ", flags_in.sizes(), ", ranks of shape ",
+                    ranks_in.sizes(), " and grad of shape ", grad_in.sizes(), " must match");
+  dim = flags_in.dim() == 0 ? 0 : at::maybe_wrap_dim(dim, flags_in.dim());
+  check_row_length(flags_in, dim);
+  const Tensor flags = flags_in.contiguous();
+  const Tensor ranks = ranks_in.contiguous();
+  const Tensor grad = grad_in.contiguous();
+  Tensor dx = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  Tensor dl = lam_grad ? at::empty_like(per_row(lam_in, flags, dim, at::kDouble)) : Tensor();
+  if (flags.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "attnkern_oscarmax_bwd_clusters",
+                                    [&] { oscarmax_bwd_clusters_impl<scalar_t>(flags, ranks, grad, dx, dl, dim); });
+  } else if (dl.defined()) {
+    dl.zero_();
+  }
+  if (!dl.defined()) dl = at::empty({0}, grad.options().dtype(at::kDouble));
+  return {dx, dl};
+}
+
 template <typename Op, typename scalar_t>
 void structured_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& lam, Tensor& dx, Tensor& dlam,
                          int64_t dim) {
@@ -434,7 +669,7 @@ void structured_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& lam,
         if (m > 0) {
           for (int64_t i = 0; i < m; ++i) s.gs[i] = s.g[s.pos[i]];
           Op::prox(s, m, lp[r]);
-          const double tau = math::sparsemax_threshold(s.y, m, s.dxs);
+          const double tau = threshold(s, m);
           math::sparsemax_vjp(s.y, tau, s.gs, m, s.gs);
           dl = Op::backward(s, m, tau);
           for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = s.dxs[i];
@@ -494,7 +729,7 @@ float ProxRow::solve(Prox prox, acc_t* row, int64_t n, double lam) {
   } else {
     Oscarmax::prox(s, m_, lam);
   }
-  tau_ = math::sparsemax_threshold(s.y, m_, s.dxs);
+  tau_ = threshold(s, m_);
   for (int64_t i = 0; i < m_; ++i) row[s.pos[i]] = static_cast<acc_t>(std::max(s.y[i] - tau_, 0.0));
   return static_cast<float>(tau_);
 }
@@ -527,6 +762,8 @@ void add_structured_kernels(KernelTable& t) {
   t.fusedmax_bwd_segments = &fusedmax_bwd_segments;
   t.oscarmax_fwd = &structured_fwd<Oscarmax>;
   t.oscarmax_bwd = &structured_bwd<Oscarmax>;
+  t.oscarmax_fwd_clusters = &oscarmax_fwd_clusters;
+  t.oscarmax_bwd_clusters = &oscarmax_bwd_clusters;
 }
 
 }  // namespace CPU_CAPABILITY

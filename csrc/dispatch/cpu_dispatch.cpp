@@ -161,6 +161,8 @@ TORCH_LIBRARY_IMPL(attnkern, CPU, m) {
   m.impl("fusedmax_bwd_segments", &Forward<&KernelTable::fusedmax_bwd_segments>::call);
   m.impl("oscarmax_fwd", &Forward<&KernelTable::oscarmax_fwd>::call);
   m.impl("oscarmax_bwd", &Forward<&KernelTable::oscarmax_bwd>::call);
+  m.impl("oscarmax_fwd_clusters", &Forward<&KernelTable::oscarmax_fwd_clusters>::call);
+  m.impl("oscarmax_bwd_clusters", &Forward<&KernelTable::oscarmax_bwd_clusters>::call);
   m.impl("crf_marginals_fwd", &Forward<&KernelTable::crf_marginals_fwd>::call);
   m.impl("crf_marginals_bwd", &Forward<&KernelTable::crf_marginals_bwd>::call);
   m.impl("sparsemap_chain_fwd", &Forward<&KernelTable::sparsemap_chain_fwd>::call);

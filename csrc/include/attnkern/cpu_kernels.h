@@ -50,6 +50,9 @@ struct KernelTable {
   Tensor (*oscarmax_fwd)(const Tensor& x, const Tensor& lam, int64_t dim);
   std::tuple<Tensor, Tensor> (*oscarmax_bwd)(const Tensor& x, const Tensor& grad, const Tensor& lam, int64_t dim,
                                              bool lam_grad);
+  std::tuple<Tensor, Tensor, Tensor> (*oscarmax_fwd_clusters)(const Tensor& x, const Tensor& lam, int64_t dim);
+  std::tuple<Tensor, Tensor> (*oscarmax_bwd_clusters)(const Tensor& flags, const Tensor& ranks, const Tensor& grad,
+                                                      const Tensor& lam, int64_t dim, bool lam_grad);
   // Binary linear-chain ops (csrc/cpu/chain.cpp): CRF marginals and SparseMAP.
   Tensor (*crf_marginals_fwd)(const Tensor& unary, const Tensor& pairwise, int64_t dim);
   std::tuple<Tensor, Tensor> (*crf_marginals_bwd)(const Tensor& unary, const Tensor& grad, const Tensor& pairwise,
