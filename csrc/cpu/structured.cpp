@@ -475,36 +475,35 @@ void fusedmax_bwd_segments_impl(const Tensor& segments, const Tensor& grad, Tens
         }
         const double gmean = support > 0 ? gsum / double(support) : 0.0;
         std::fill(out, out + n, 0.0);
-        // The open segment on the support: its first entry, last entry, size,
-        // Σ v and the sign of y's jump into it (0 at the row's first entry).
-        int64_t first = -1, last = -1;
-        double size = 0.0, vsum = 0.0, left = 0.0;
-        auto close = [&](double right) {
-          for (int64_t j = first; j <= last; ++j) {
-            if (seg[j] & kSegSupport) out[j] = vsum / size;
-          }
-          dl += (right - left) / size * vsum;
-          first = -1;
-        };
-        for (int64_t j = 0; j < n; ++j) {
-          const uint8_t b = seg[j];
-          if (b & kSegStart) {
-            const double jump = (b & kSegFirst) ? 0.0 : ((b & kSegUp) ? 1.0 : -1.0);
-            if (first >= 0) close(jump);
-            if (b & kSegSupport) {
-              first = j;
-              size = 0.0;
-              vsum = 0.0;
-              left = jump;
+        // Segments of y on the support, one at a time: from a support entry
+        // (which starts its segment: the entry before it is off the support or
+        // in another segment) to the next start; in between, entries at -inf
+        // (byte 0) take no part. Entries off the support are skipped without
+        // looking at their jumps, which are coin flips a branch would guess
+        // wrong half the time. jump: the sign of y's jump into the segment
+        // starting at an entry (0 at the row's first entry and past its end).
+        auto jump = [](uint8_t b) { return (b & kSegFirst) ? 0.0 : ((b & kSegUp) ? 1.0 : -1.0); };
+        int64_t j = 0;
+        for (;;) {
+          while (j < n && !(seg[j] & kSegSupport)) ++j;
+          if (j == n) break;
+          const int64_t first = j;
+          int64_t last = j;
+          const double left = jump(seg[j]);
+          double size = 1.0, vsum = 0.0;
+          vsum += g[j] - gmean;  // (from 0.0, as the solving backward: -0.0 sums to 0.0)
+          for (++j; j < n && !(seg[j] & kSegStart); ++j) {
+            if (seg[j] & kSegSupport) {
+              last = j;
+              size += 1.0;
+              vsum += g[j] - gmean;
             }
           }
-          if (b & kSegSupport) {
-            last = j;
-            size += 1.0;
-            vsum += g[j] - gmean;
+          for (int64_t i = first; i <= last; ++i) {
+            if (seg[i] & kSegSupport) out[i] = vsum / size;
           }
+          dl += ((j < n ? jump(seg[j]) : 0.0) - left) / size * vsum;
         }
-        if (first >= 0) close(0.0);
       }
       lay.store(out, dp + base);
       if (dlp) dlp[r] = dl;
