@@ -138,27 +138,29 @@ AK_HD void sparsemax_vjp(const double* y, double tau, const double* g, int64_t m
 // fusedmax's backward on a row's m finite entries (docs/algorithms.md, section
 // 10): given y = prox(x), sparsemax's threshold tau on it and v = the
 // sparsemax VJP (sparsemax_vjp), dx into dxs (v averaged over each segment
-// of y inside the support); returns dλ.
+// of y inside the support); returns dλ. Only the support's segments are
+// walked: an entry of y > tau starts its segment (the entry before it is off
+// the support or in another segment), and the segments off the support, most
+// of a row at small lam, add nothing (their ends would be a mispredicted
+// branch each).
 AK_HD double fusedmax_vjp(const double* y, const double* v, int64_t m, double tau, double* dxs) {
   double dlam = 0.0;
+  for (int64_t i = 0; i < m; ++i) dxs[i] = 0.0;
   int64_t a = 0;
-  while (a < m) {
+  for (;;) {
+    while (a < m && !(y[a] > tau)) ++a;
+    if (a == m) return dlam;
     int64_t b = a;
     while (b + 1 < m && y[b + 1] == y[a]) ++b;  // the segment [a, b] of y
-    if (y[a] > tau) {
-      double vsum = 0.0;
-      for (int64_t i = a; i <= b; ++i) vsum += v[i];
-      const double size = double(b - a + 1);
-      for (int64_t i = a; i <= b; ++i) dxs[i] = vsum / size;
-      const double left = a == 0 ? 0.0 : (y[a] > y[a - 1] ? 1.0 : -1.0);
-      const double right = b == m - 1 ? 0.0 : (y[b + 1] > y[b] ? 1.0 : -1.0);
-      dlam += (right - left) / size * vsum;
-    } else {
-      for (int64_t i = a; i <= b; ++i) dxs[i] = 0.0;
-    }
+    double vsum = 0.0;
+    for (int64_t i = a; i <= b; ++i) vsum += v[i];
+    const double size = double(b - a + 1);
+    for (int64_t i = a; i <= b; ++i) dxs[i] = vsum / size;
+    const double left = a == 0 ? 0.0 : (y[a] > y[a - 1] ? 1.0 : -1.0);
+    const double right = b == m - 1 ? 0.0 : (y[b + 1] > y[b] ? 1.0 : -1.0);
+    dlam += (right - left) / size * vsum;
     a = b + 1;
   }
-  return dlam;
 }
 
 ATTNKERN_ISA_END
