@@ -237,8 +237,13 @@ def oscarmax(X: torch.Tensor, dim: int = -1, lam=1.0, *, backend: str = "auto") 
     the k-th largest |y| by lam·(m - k), m the number of finite entries, so it
     is not shift-invariant: adding a constant to X changes the result. Entries
     at -inf are removed first and get 0 (mask with -inf, not with a large
-    finite value, which would count in m and in the ranks). lam, backend,
-    derivatives: as fusedmax.
+    finite value, which would count in m and in the ranks). Because the
+    weights grow with m, a long row at moderate lam has a prox of 0 and
+    oscarmax is uniform over its finite entries (so is every row whose largest
+    |X| is at most lam·(m - 1)/2; rows of 1024 standard-normal scores are
+    uniform from about lam = 0.006 on): scale lam with 1/m to compare rows of
+    different lengths. lam, backend, derivatives: as
+    fusedmax.
     """
     return _structured("oscarmax", X, dim, lam, backend)
 

@@ -27,9 +27,9 @@ SHAPE = (4096, 1024)
 # Targets (issue: structured attention): fwd+bwd at most these multiples of sparsemax's.
 TARGET_VS_SPARSEMAX = {"fusedmax": 3.0, "oscarmax": 6.0}
 # λ per normalizer. oscarmax's weights grow with the row's length: on these
-# N(0, 1) rows of 1024 its prox is 0 from about λ = 0.008 up (a row with max|x|
-# below λ(n-1)/2 skips the sort; docs/algorithms.md, section 10), so one λ
-# that sorts and pools and one that skips.
+# N(0, 1) rows of 1024 its prox is 0 from about λ = 0.006 up, and from about
+# λ = 0.01 every row skips the sort (max|x| below λ(n-1)/2; docs/algorithms.md,
+# section 10), so one λ that sorts and pools and one that skips.
 LAMS = {"fusedmax": (0.1, 1.0), "oscarmax": (0.001, 0.1)}
 # crf_marginals: fwd+bwd at most this multiple of torch.softmax's.
 CRF_TARGET_VS_SOFTMAX = 4.0
