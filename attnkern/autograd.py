@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from torch.autograd import forward_ad
@@ -372,8 +373,8 @@ _NO_SECOND_ORDER = {
 def _structured_backward(ctx, grad: torch.Tensor, name: str, bwd_op: str = ""):
     """The backward of a structured op through attnkern::<bwd_op> (default
     <name>_bwd) from the saved (x or what the forward kept, ..., parameter):
-    fusedmax and oscarmax on CUDA recompute the prox from x, on the CPU they
-    read what their forward kept (FusedmaxSegmentsFunction,
+    fusedmax on CUDA recomputes the prox from x; fusedmax and oscarmax on the
+    CPU read what their forward kept (FusedmaxSegmentsFunction,
     OscarmaxClustersFunction); crf_marginals and sparsemap_chain recompute the
     messages or the solution from the unary scores. First derivatives only."""
     if torch.is_grad_enabled():
@@ -417,7 +418,8 @@ def _structured_function(name: str) -> type[torch.autograd.Function]:
     return type(class_name, (torch.autograd.Function,), {k: staticmethod(f) for k, f in methods.items()})
 
 
-def _kept_prox_function(name: str, kept: str, count: int) -> type[torch.autograd.Function]:
+def _kept_prox_function(name: str, kept: str,
+                        count: int) -> tuple[type[torch.autograd.Function], Callable[..., torch.Tensor]]:
     """The autograd.Function of fusedmax or oscarmax along `dim` on CPU tensors,
     through attnkern::<name>_fwd_<kept>: it also returns what the backward
     needs of the prox (`count` tensors, not differentiable: fusedmax's segments,
@@ -460,11 +462,9 @@ OscarmaxClustersFunction, oscarmax_cpu_apply = _kept_prox_function("oscarmax", "
 
 
 FusedmaxFunction = _structured_function("fusedmax")
-OscarmaxFunction = _structured_function("oscarmax")
 CrfMarginalsFunction = _structured_function("crf_marginals")
 SparsemapChainFunction = _structured_function("sparsemap_chain")
 fusedmax_apply = traceable_apply(FusedmaxFunction)
-oscarmax_apply = traceable_apply(OscarmaxFunction)
 crf_marginals_apply = traceable_apply(CrfMarginalsFunction)
 sparsemap_chain_apply = traceable_apply(SparsemapChainFunction)
 

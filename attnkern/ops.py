@@ -242,8 +242,7 @@ def oscarmax(X: torch.Tensor, dim: int = -1, lam=1.0, *, backend: str = "auto") 
     oscarmax is uniform over its finite entries (so is every row whose largest
     |X| is at most lam·(m - 1)/2; rows of 1024 standard-normal scores are
     uniform from about lam = 0.006 on): scale lam with 1/m to compare rows of
-    different lengths. lam, backend, derivatives: as
-    fusedmax.
+    different lengths. lam, backend, derivatives: as fusedmax.
     """
     return _structured("oscarmax", X, dim, lam, backend)
 

@@ -460,6 +460,17 @@ def test_oscarmax_backward_from_saved_clusters_equals_solving_again(dtype):
         ops.oscarmax_bwd_clusters(flags, flags, x, lam, -1, True)
     with pytest.raises(ValueError, match="must match"):
         ops.oscarmax_bwd_clusters(flags, ranks, x[:, :5], lam, -1, True)
+    # Ranks index the sort order: out of range or repeated, they are refused,
+    # not followed (row 0 sorts at lam = 0.01, so its ranks are read).
+    for bad in (23, -1):
+        wrong = ranks.clone()
+        wrong[0, 3] = bad
+        with pytest.raises(ValueError, match="ranks must be those of oscarmax_fwd_clusters"):
+            ops.oscarmax_bwd_clusters(flags, wrong, x, lam, -1, True)
+    wrong = ranks.clone()
+    wrong[0, 3] = wrong[0, 4]
+    with pytest.raises(ValueError, match="ranks must be those of oscarmax_fwd_clusters"):
+        ops.oscarmax_bwd_clusters(flags, wrong, x, lam, -1, True)
     with pytest.raises(RuntimeError, match="lam must be a floating-point"):
         ops.oscarmax_bwd_clusters(flags, ranks, x, torch.ones(3, 1, dtype=torch.int64), -1, True)
 

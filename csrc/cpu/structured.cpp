@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -553,7 +554,9 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
   static_assert(kClusterPositive == 4 && kClusterNegative == 8);
   static constexpr double kSign[4] = {0.0, 1.0, -1.0, 0.0};
   auto sign = [](uint8_t f) { return kSign[(f >> 2) & 3]; };
+  std::atomic<bool> bad_ranks_seen{false};
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
+    bool bad_ranks = false;
     std::unique_ptr<double[]> buf(new double[3 * n]);
     std::unique_ptr<int64_t[]> ibuf(new int64_t[2 * n]);
     std::unique_ptr<int32_t[]> ranks(new int32_t[n]);
@@ -587,11 +590,20 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
           pos[m++] = j;
         }
         const double gmean = support > 0 ? gsum / double(support) : 0.0;
+        // The ranks must be a permutation of the m finite entries (they index
+        // order): anything else did not come from oscarmax_fwd_clusters.
+        std::fill(order, order + m, int64_t(-1));
         for (int64_t i = 0; i < m; ++i) {
           const int64_t j = pos[i];
           v[i] = (flags[j] & kClusterSupport) ? g[j] - gmean : 0.0;
-          order[ranks[j]] = i;
+          const int64_t k = ranks[j];
+          if (k < 0 || k >= m || order[k] >= 0) {
+            bad_ranks = true;
+            break;
+          }
+          order[k] = i;
         }
+        if (bad_ranks) break;
         int64_t start = 0;
         while (start < m) {
           int64_t stop = start + 1;
@@ -610,7 +622,10 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
       lay.store(out, dp + base);
       if (dlp) dlp[r] = dl;
     }
+    if (bad_ranks) bad_ranks_seen = true;
   });
+  TORCH_CHECK_VALUE(!bad_ranks_seen, "attnkern: oscarmax_bwd_clusters: ranks must be those of oscarmax_fwd_clusters ",
+                    "(in each row, a permutation of the finite entries' positions in the sort)");
 }
 
 std::tuple<Tensor, Tensor> oscarmax_bwd_clusters(const Tensor& flags_in, const Tensor& ranks_in,
