@@ -71,12 +71,54 @@ def test_long_rows_match_the_taut_string(lam):
                                rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("n", [64, 97, 1025])
+@pytest.mark.parametrize("lam", [0.002, 0.05, 0.2])
+def test_fusedmax_solved_around_the_support_matches_the_reference(n, lam):
+    # On long rows at small lam the kernel solves the prox only in windows
+    # around the entries that can reach sparsemax's support (bounded by the
+    # windows solved with both extreme boundary duals); elsewhere, and where
+    # the candidates are many (tiny or flat rows), it sweeps the whole row.
+    # Values and both gradients against the reference, on plain rows, rows
+    # with plateaus and masked runs, near ties at the top, tiny and large
+    # magnitudes.
+    x = random_rows(n, rows=8, seed=23)
+    x[1] = torch.round(x[1] * 4) / 4  # plateaus
+    x[2, 5:9] = -math.inf  # a masked run
+    x[2, -3:] = -math.inf
+    x[3, :] = x[3].max() - 1e-9 * torch.arange(n, dtype=torch.float64) % 3  # near ties at the top
+    x[4] *= 1e-6
+    x[5] *= 1e4
+    x[6] = x[6].sort().values  # a ramp: one support cluster at the end
+    lam_rows = torch.full((8, 1), lam, dtype=torch.float64)
+    go = random_rows(n, rows=8, seed=24)
+    outs, grads = [], []
+    for backend in ("cpu", "reference"):
+        xs, ls = x.clone().requires_grad_(), lam_rows.clone().requires_grad_()
+        p = attnkern.fusedmax(xs, lam=ls, backend=backend)
+        outs.append(p)
+        grads.append(torch.autograd.grad(p, (xs, ls), go))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-9)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-7)
+
+
 @pytest.mark.parametrize("n", [1, 7, 97])
 @pytest.mark.parametrize("lam", [0.0, 0.1, 1.5])
 def test_reference_matches_the_dual_oracle(n, lam):
     x = random_rows(n, rows=2, seed=1)
     want = torch.tensor(np.stack([oracle(r, lam) for r in x.numpy()]))
     torch.testing.assert_close(attnkern.fusedmax(x, lam=lam, backend="reference"), want, rtol=0, atol=1e-9)
+
+
+def test_reference_merges_the_taut_strings_collinear_pieces():
+    # On a row of quarter values the taut string bends where its slope does
+    # not change; the reference used to take those pieces as segments of y,
+    # with a jump of sign 0 between them, and its p was off by up to 0.11 here.
+    x = random_rows(97, rows=8, seed=23)[1:2]
+    x = torch.round(x * 4) / 4
+    want = torch.tensor(np.stack([oracle(r, 0.2) for r in x.numpy()]))
+    torch.testing.assert_close(attnkern.fusedmax(x, lam=0.2, backend="reference"), want, rtol=0, atol=1e-9)
+    torch.testing.assert_close(attnkern.fusedmax(x, lam=0.2), want, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("scale", [1e-6, 1e4])

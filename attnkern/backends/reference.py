@@ -615,7 +615,17 @@ def _structured_rows(x: torch.Tensor, lam, dim: int, row_prox) -> torch.Tensor:
 
 
 def _tv_prox_row(xs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    segments = _tv_segments(xs.detach().tolist(), float(lam.detach()))
+    # The taut string can bend where its slope does not change (collinear
+    # tube points, as on rows of plateaus); such pieces are one segment of y,
+    # whose value the formula below needs whole (the dual between them is not
+    # ±lam), so pieces of equal slope, up to rounding, are merged first.
+    segments = []
+    for a, b, value in _tv_segments(xs.detach().tolist(), float(lam.detach())):
+        if segments and abs(segments[-1][2] - value) <= 1e-12 * (1.0 + abs(value)):
+            first, _, previous = segments[-1]
+            segments[-1] = (first, b, previous)
+        else:
+            segments.append((a, b, value))
     pieces = []
     def jump(lower, upper):  # sign(upper - lower), 0 when equal
         return float((upper > lower) - (upper < lower))

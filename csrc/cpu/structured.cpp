@@ -133,11 +133,73 @@ constexpr uint8_t kSegStart = 1, kSegUp = 2, kSegSupport = 4, kSegFirst = 8, kSe
 constexpr uint8_t kClusterFinite = 1, kClusterSupport = 2, kClusterPositive = 4, kClusterNegative = 8,
                   kClusterBlockStart = 16, kClusterNonzero = 32, kClusterNanRow = 64;
 
+// fusedmax's prox where only what sparsemax reads of it is solved: y exactly
+// on the entries that can be in sparsemax's support and their neighbours,
+// -inf elsewhere (below any threshold; the backwards read y only on the
+// support and at its segments' ends). Each y_i is within 2·lam of x_i (a jump's
+// dual is at most lam on either side), so sparsemax's threshold on y is at
+// least its threshold on x minus 2·lam, and an entry with x_i + 2·lam below
+// that is off the support. Around each cluster of the others, the prox of a
+// window of the row is that of the window's data with each cut end moved by
+// the unknown dual there, in [-lam, lam]; the prox is monotone in its data, so
+// the windows solved with both ends at -lam and at +lam bound y, and where the
+// two agree they give it. Windows grow until they agree; false (y untouched)
+// where the candidates are many, the row short or the windows large: the
+// caller then sweeps the whole row.
+bool support_tv_prox(ProxScratch& s, int64_t m, double lam) {
+  constexpr int64_t kMinRow = 64, kMaxCandidateShare = 16, kFirstHalfWidth = 8;
+  if (!(lam > 0.0) || m < kMinRow) return false;
+  const double* x = s.xs;
+  double amax = 0.0, top = x[0];
+  for (int64_t i = 0; i < m; ++i) {
+    amax = std::max(amax, std::abs(x[i]));
+    top = std::max(top, x[i]);
+  }
+  // The threshold on x is at most max x, so every entry above max x - 4·lam is
+  // a candidate: too many of those (large lam) and the sweep is cheaper.
+  int64_t sure = 0;
+  for (int64_t i = 0; i < m; ++i) sure += x[i] > top - 4.0 * lam;
+  if (sure * kMaxCandidateShare > m) return false;
+  const double tau_x = math::sparsemax_threshold(x, m, s.dxs);
+  // (The margin keeps rounding in the thresholds from dropping a candidate.)
+  const double bound = tau_x - 4.0 * lam - 1e-9 * (amax + 4.0 * lam + 1.0);
+  int64_t* cand = s.order;
+  int64_t count = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (x[i] > bound) cand[count++] = i;
+  }
+  if (count * kMaxCandidateShare > m) return false;
+  double *data = s.block_sum, *lower = s.block_mean, *upper = s.dxs;
+  for (int64_t half = kFirstHalfWidth; half * 4 <= m; half *= 4) {
+    std::fill(s.y, s.y + m, -std::numeric_limits<double>::infinity());
+    bool agree = true;
+    for (int64_t c = 0; c < count && agree;) {
+      int64_t e = c;  // candidates c..e share a window
+      while (e + 1 < count && cand[e + 1] - cand[e] <= 2 * half + 1) ++e;
+      const int64_t a = std::max<int64_t>(0, cand[c] - half), b = std::min<int64_t>(m - 1, cand[e] + half);
+      const int64_t len = b - a + 1;
+      for (double* solved : {lower, upper}) {
+        const double shift = solved == lower ? -lam : lam;
+        std::copy(x + a, x + b + 1, data);
+        if (a > 0) data[0] += shift;
+        if (b < m - 1) data[len - 1] += shift;
+        math::tv_prox(data, len, lam, solved);
+      }
+      const int64_t from = std::max<int64_t>(a, cand[c] - 1), to = std::min<int64_t>(b, cand[e] + 1);
+      for (int64_t i = from; i <= to && agree; ++i) agree = lower[i - a] == upper[i - a];
+      for (int64_t i = from; i <= to && agree; ++i) s.y[i] = lower[i - a];
+      c = e + 1;
+    }
+    if (agree) return true;
+  }
+  return false;
+}
+
 struct Fusedmax {
   static constexpr const char* kName = "fusedmax";
   static constexpr uint8_t kNanRow = kSegNanRow;
   static void prox(ProxScratch& s, int64_t m, double lam) {
-    math::tv_prox(s.xs, m, lam, s.y);
+    if (!support_tv_prox(s, m, lam)) math::tv_prox(s.xs, m, lam, s.y);
     s.zero_y = false;
   }
   // What the backward needs of the row's prox (below).
