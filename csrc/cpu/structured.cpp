@@ -213,6 +213,15 @@ double Fusedmax::backward(ProxScratch& s, int64_t m, double tau) {
   return math::fusedmax_vjp(s.y, s.gs, m, tau, s.dxs);
 }
 
+// A radix pass's first slot per bucket: the running sum of the counts.
+void bucket_starts(const uint32_t* count, uint32_t* start) {
+  uint32_t total = 0;
+  for (int b = 0; b < 256; ++b) {
+    start[b] = total;
+    total += count[b];
+  }
+}
+
 // s.order[0:m] = the indices of s.xs[0:m] by decreasing |x|, ties in index
 // order (the prox does not depend on it: tied magnitudes always pool when
 // lam > 0, and are equal anyway when lam = 0). Non-negative numbers order as
@@ -248,11 +257,7 @@ void sort_by_magnitude(ProxScratch& s, int64_t m) {
         const int shift = 32 + 8 * d;
         if (count[d][(from[0] >> shift) & 255] == uint32_t(m)) continue;  // (every key has this byte)
         uint32_t start[256];
-        uint32_t total = 0;
-        for (int b = 0; b < 256; ++b) {
-          start[b] = total;
-          total += count[d][b];
-        }
+        bucket_starts(count[d], start);
         for (int64_t i = 0; i < m; ++i) to[start[(from[i] >> shift) & 255]++] = from[i];
         std::swap(from, to);
       }
@@ -281,11 +286,7 @@ void sort_by_magnitude(ProxScratch& s, int64_t m) {
   for (int d = 0; d < 8; ++d) {
     if (count[d][(from[0] >> (8 * d)) & 255] == uint32_t(m)) continue;  // (every key has this byte)
     uint32_t start[256];
-    uint32_t total = 0;
-    for (int b = 0; b < 256; ++b) {
-      start[b] = total;
-      total += count[d][b];
-    }
+    bucket_starts(count[d], start);
     for (int64_t i = 0; i < m; ++i) {
       const uint32_t at = start[(from[i] >> (8 * d)) & 255]++;
       to[at] = from[i];
@@ -305,6 +306,21 @@ double threshold(ProxScratch& s, int64_t m) {
 
 // -1, 0 or 1 without a branch: the signs of a row of scores are coin flips.
 inline double sign_of(double x) { return double(int(x > 0.0) - int(x < 0.0)); }
+
+// The backward of one unclipped oscarmax cluster, sorted positions [start,
+// stop) of m (see the top of the file): entry(k) = the finite entry of rank k,
+// sign(i) = sign(x_i), v = the sparsemax VJP by entry; writes dx(i, value) and
+// returns the cluster's term of -dλ. Both oscarmax backwards call it, so they
+// agree bit for bit.
+template <typename Entry, typename Sign, typename Write>
+double cluster_vjp(int64_t start, int64_t stop, int64_t m, Entry entry, Sign sign, const double* v, Write write) {
+  const double size = double(stop - start);
+  double ssum = 0.0;
+  for (int64_t k = start; k < stop; ++k) ssum += sign(entry(k)) * v[entry(k)];
+  for (int64_t k = start; k < stop; ++k) write(entry(k), sign(entry(k)) * ssum / size);
+  // The cluster's magnitude is its mean of |x|_(k) - lam·(m-1-k).
+  return ssum * (double(m - 1) - 0.5 * double(start + stop - 1));
+}
 
 // y = prox of lam·OSCAR at the m finite entries (see the top of the file),
 // keeping the sort order and the pooled blocks (s.blocks of them), or setting
@@ -371,13 +387,10 @@ double Oscarmax::backward(ProxScratch& s, int64_t m, double /*tau: v is 0 off th
   int64_t start = 0;
   for (int64_t b = 0; b < s.blocks; ++b) {
     const int64_t end = s.block_end[b];
-    const double size = double(end - start);
-    if (s.block_sum[b] / size > 0.0) {
-      double ssum = 0.0;
-      for (int64_t k = start; k < end; ++k) ssum += sign_of(s.xs[s.order[k]]) * s.gs[s.order[k]];
-      for (int64_t k = start; k < end; ++k) s.dxs[s.order[k]] = sign_of(s.xs[s.order[k]]) * ssum / size;
-      // The cluster's magnitude is its mean of |x|_(k) - lam·(m-1-k).
-      dlam -= ssum * (double(m - 1) - 0.5 * double(start + end - 1));
+    if (s.block_sum[b] / double(end - start) > 0.0) {
+      dlam -= cluster_vjp(
+          start, end, m, [&](int64_t k) { return s.order[k]; }, [&](int64_t i) { return sign_of(s.xs[i]); }, s.gs,
+          [&](int64_t i, double d) { s.dxs[i] = d; });
     } else {  // clipped to 0
       for (int64_t k = start; k < end; ++k) s.dxs[s.order[k]] = 0.0;
     }
@@ -672,11 +685,9 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
           while (stop < m && !(flags[pos[order[stop]]] & kClusterBlockStart)) ++stop;
           // (A clipped block's entries keep out's 0 and add nothing to dλ.)
           if (flags[pos[order[start]]] & kClusterNonzero) {
-            const double size = double(stop - start);
-            double ssum = 0.0;
-            for (int64_t k = start; k < stop; ++k) ssum += sign(flags[pos[order[k]]]) * v[order[k]];
-            for (int64_t k = start; k < stop; ++k) out[pos[order[k]]] = sign(flags[pos[order[k]]]) * ssum / size;
-            dl -= ssum * (double(m - 1) - 0.5 * double(start + stop - 1));
+            dl -= cluster_vjp(
+                start, stop, m, [&](int64_t k) { return order[k]; }, [&](int64_t i) { return sign(flags[pos[i]]); },
+                v, [&](int64_t i, double d) { out[pos[i]] = d; });
           }
           start = stop;
         }
