@@ -262,6 +262,32 @@ def test_crf_rows_side_by_side_match_rows_one_at_a_time(n):
         assert torch.equal(w1.grad[0], wa.grad[r])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 3, 9, 97, 1025])
+def test_crf_lanes_read_rows_in_place_as_staged_rows(dtype, n):
+    # Rows at stride 1 go into the side-by-side lanes straight from the tensor (a block of lanes' entries
+    # transposed at a time, the entries past the last whole block one by one) and come back the same way;
+    # rows along another dim are staged one at a time. Both must give the same bits, in full and partial
+    # groups of lanes (11 rows), values and gradients in u and W.
+    g = torch.Generator().manual_seed(70 + n)
+    u = (torch.randn(11, n, generator=g, dtype=torch.float64) * 2).to(dtype)
+    w = torch.randn(11, 2, 2, generator=g, dtype=torch.float64)
+    grad = torch.randn(11, n, generator=g, dtype=torch.float64).to(dtype)
+    a, wa = u.clone().requires_grad_(), w.clone().requires_grad_()
+    mu = attnkern.crf_marginals(a, wa)
+    mu.backward(grad)
+    b, wb = u.t().contiguous().requires_grad_(), w.clone().requires_grad_()
+    mu_staged = attnkern.crf_marginals(b, wb, dim=0)
+    mu_staged.backward(grad.t())
+    assert mu.dtype == dtype
+    assert torch.equal(mu, mu_staged.t())
+    assert torch.equal(a.grad, b.grad.t())
+    assert torch.equal(wa.grad, wb.grad)
+    want = attnkern.crf_marginals(u.double(), w, backend="reference")
+    torch.testing.assert_close(mu.double(), want, rtol=0, atol={torch.float64: 1e-12, torch.float32: 1e-6,
+                                                                torch.bfloat16: 1e-2}[dtype])
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_any_dim_strides_empty_and_threads(name):
     op = getattr(attnkern, name)

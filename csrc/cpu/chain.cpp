@@ -14,7 +14,9 @@
 //
 // The recurrences are sequential along a row, so the CRF runs rows side by
 // side, one per vector lane (struct CrfLanes), whenever their entries allow
-// the linear sweep and none is masked; other rows go one at a time.
+// the linear sweep and none is masked; other rows go one at a time. The rows
+// side by side take a shorter backward, from the chain's covariance
+// (CrfLanes::gradient).
 //
 // sparsemap_chain (Niculae, Martins, Blondel & Cardie, 2018): in closed form
 // (a clamped total-variation prox, or an order-constrained projection when
@@ -34,8 +36,13 @@
 #include <memory>
 #include <type_traits>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 #include "attnkern/chain_math.h"
 #include "attnkern/cpu_kernels.h"
+#include "attnkern/isa_features.h"
 #include "attnkern/row_layout.h"
 #include "attnkern/structured_math.h"
 
@@ -237,6 +244,62 @@ struct CrfMarginals {
   }
 };
 
+// kLanes entries of a row at p widened to double, one vector.
+template <typename scalar_t>
+inline at::vec::Vectorized<double> load_widened(const scalar_t* p) {
+  using Vec = at::vec::Vectorized<double>;
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return Vec::loadu(p);
+  } else {
+#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
+    if constexpr (std::is_same_v<scalar_t, float>) return _mm256_cvtps_pd(_mm_loadu_ps(p));
+#endif
+    alignas(64) double wide[Vec::size()];
+    for (int k = 0; k < Vec::size(); ++k) wide[k] = static_cast<double>(p[k]);
+    return Vec::loadu(wide);
+  }
+}
+
+// v narrowed to scalar_t into p (Vec::size() entries).
+template <typename scalar_t>
+inline void store_narrowed(const at::vec::Vectorized<double>& v, scalar_t* p) {
+  using Vec = at::vec::Vectorized<double>;
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    v.store(p);
+  } else {
+#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
+    if constexpr (std::is_same_v<scalar_t, float>) return _mm_storeu_ps(p, _mm256_cvtpd_ps(v));
+#endif
+    alignas(64) double wide[Vec::size()];
+    v.store(wide);
+    for (int k = 0; k < Vec::size(); ++k) p[k] = static_cast<scalar_t>(wide[k]);
+  }
+}
+
+// Transposes the square block v[0..size) (v[l] lane k becomes v[k] lane l):
+// four shuffles of pairs and four of halves at AVX2; through memory at the
+// other levels.
+inline void transpose_lanes(at::vec::Vectorized<double>* v) {
+#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
+  const __m256d t0 = _mm256_unpacklo_pd(v[0], v[1]), t1 = _mm256_unpackhi_pd(v[0], v[1]);
+  const __m256d t2 = _mm256_unpacklo_pd(v[2], v[3]), t3 = _mm256_unpackhi_pd(v[2], v[3]);
+  v[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
+  v[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+  v[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+  v[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+#else
+  using Vec = at::vec::Vectorized<double>;
+  constexpr int k = Vec::size();
+  alignas(64) double block[k * k];
+  for (int l = 0; l < k; ++l) v[l].store(block + l * k);
+  alignas(64) double column[k];
+  for (int c = 0; c < k; ++c) {
+    for (int l = 0; l < k; ++l) column[l] = block[l * k + c];
+    v[c] = Vec::loadu(column);
+  }
+#endif
+}
+
 // The CRF on rows side by side: lane l of every vector holds row l of a group
 // of up to kLanes rows (entry i of the group's rows in one vector, the rows
 // transposed into arrays of kLanes·n), so the forward-backward recurrences,
@@ -244,14 +307,14 @@ struct CrfMarginals {
 // linear sweep's arithmetic, so it takes the rows whose entries are all finite
 // and within kLinearRange (ready()); the others go one at a time as above.
 // Lanes never mix: a row's result does not depend on the rows that share its
-// group, and unused lanes repeat lane 0. The backward computes the shares where
-// they are used instead of storing them, and the forward tangents in the pass
-// that consumes them, so that the arrays of a group of rows stay in L2.
+// group, and unused lanes repeat lane 0. The backward (gradient()) needs only
+// one-step conditional differences along the chain, not the tangents of every
+// message.
 struct CrfLanes {
   using Vec = at::vec::Vectorized<double>;
   static constexpr int kLanes = Vec::size();
   static constexpr int kAllLanes = (1 << kLanes) - 1;
-  // The longest rows taken side by side: a group's arrays hold 12·kLanes
+  // The longest rows taken side by side: a group's arrays hold 11·kLanes + 2
   // doubles per entry (3 MiB per thread at this length at AVX512), and longer
   // rows would cost more memory than one at a time does.
   static constexpr int64_t kMaxEntries = int64_t(1) << 12;
@@ -260,70 +323,150 @@ struct CrfLanes {
   int count = 0;
   int64_t rows[kLanes];
   std::unique_ptr<double[]> buf;
-  // The group's rows as loaded (kLanes rows of n, then their incoming
-  // gradients); then per entry, lanes side by side: the label factors, the
-  // forward and backward messages, μ, the incoming gradient (then the gradient
-  // out) and the backward tangents.
-  double *in_rows, *in_grads, *f0, *f1, *fa0, *fa1, *bb0, *bb1, *mu, *g, *tb0, *tb1;
+  // A row and its incoming gradient as loaded (n entries each); then per
+  // entry, lanes side by side: the rows, the label factors, the forward and
+  // backward messages, μ, the incoming gradient (then the gradient out) and
+  // the backward's D.
+  double *staged_row, *staged_grad, *xs, *f0, *f1, *fa0, *fa1, *bb0, *bb1, *mu, *g, *ds, *phi;
   double* out;
+  const void* x_src[kLanes];  // add_direct's rows
+  const void* g_src[kLanes];  // and their gradients
   alignas(64) double w[4][kLanes];   // each lane's transition scores
   alignas(64) double e[4][kLanes];   // e^{w - max w}
-  alignas(64) double dw[4][kLanes];  // the gradient in w (backward)
-  at::vec::Vectorized<int64_t> lane_offsets;  // l·n: where lane l's row starts
+  alignas(64) double dw[4][kLanes];  // the gradient in w (gradient<true>())
 
-  explicit CrfLanes(int64_t n_) : n(n_), buf(new double[12 * n_ * kLanes]) {
+  // Arrays spaced by whole multiples of 4 KiB put entry i of every array in
+  // one L1 set and let loads wait on unrelated stores with the same low
+  // address bits (the gradient's passes read and write seven arrays at one
+  // index): they are spaced by a few cache lines more.
+  static constexpr int64_t kArrayPad = 40;
+
+  explicit CrfLanes(int64_t n_) : n(n_), buf(new double[2 * (n_ + kArrayPad) + 11 * (kLanes * n_ + kArrayPad)]) {
     double* b = buf.get();
-    for (double** a : {&in_rows, &in_grads, &f0, &f1, &fa0, &fa1, &bb0, &bb1, &mu, &g, &tb0, &tb1}) {
+    for (double** a : {&staged_row, &staged_grad}) {
       *a = b;
-      b += n * kLanes;
+      b += n + kArrayPad;
+    }
+    for (double** a : {&xs, &f0, &f1, &fa0, &fa1, &bb0, &bb1, &mu, &g, &ds, &phi}) {
+      *a = b;
+      b += kLanes * n + kArrayPad;
     }
     out = g;
-    alignas(64) int64_t offsets[kLanes];
-    for (int l = 0; l < kLanes; ++l) offsets[l] = l * n;
-    lane_offsets = at::vec::Vectorized<int64_t>::loadu(offsets);
   }
 
-  // Whether a row (n entries) can run in a lane: every entry finite and the
-  // linear sweep's range condition (linear_range) met.
-  static bool ready(const double* row, int64_t n, const double* wr) {
+  // Whether a row (n entries at stride 1) can run in a lane: every entry
+  // finite and the linear sweep's range condition (linear_range) met.
+  template <typename scalar_t>
+  static bool ready(const scalar_t* row, int64_t n, const double* wr) {
     // The largest |entry|, NaN if any entry is NaN (at::vec::maximum keeps NaN).
-    Vec big(0.0);
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using AVec = at::vec::Vectorized<acc_t>;
+    acc_t largest = 0;
     int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) big = at::vec::maximum(big, Vec::loadu(row + j).abs());
-    double largest = at::vec::vec_reduce_all<double>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, big);
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      AVec big(0);
+      for (; j + AVec::size() <= n; j += AVec::size()) big = at::vec::maximum(big, AVec::loadu(row + j).abs());
+      largest = at::vec::vec_reduce_all<acc_t>([](AVec& a, AVec& b) { return at::vec::maximum(a, b); }, big);
+    }
     for (; j < n; ++j) {
-      const double a = std::abs(row[j]);
+      const acc_t a = std::abs(static_cast<acc_t>(row[j]));
       largest = std::isnan(a) || a > largest ? a : largest;
     }
-    return std::isfinite(largest) && linear_range(&largest, 1, wr);
+    const double widest = largest;
+    return std::isfinite(widest) && linear_range(&widest, 1, wr);
   }
 
   bool full() const { return count == kLanes; }
 
   // Where the next row and its gradient are to be loaded.
-  double* next_row() const { return in_rows + count * n; }
-  double* next_grad() const { return in_grads + count * n; }
+  double* next_row() const { return staged_row; }
+  double* next_grad() const { return staged_grad; }
 
-  // Takes the row just loaded at next_row() (and next_grad()), row r of the
-  // tensor with transition scores wr, as the next lane.
-  void add(int64_t r, const double* wr) {
+  // Takes the row just loaded at next_row() (and, when with_grad, its
+  // gradient at next_grad()), row r of the tensor with transition scores wr,
+  // as the next lane: its entries go into the lane's places in xs (and g),
+  // where the passes read a vector per entry without gathering.
+  void add(int64_t r, const double* wr, bool with_grad) {
+    put(staged_row, xs, count);
+    if (with_grad) put(staged_grad, g, count);
+    take(r, wr);
+  }
+
+  void put(const double* row, double* soa, int l) const {
+    for (int64_t i = 0; i < n; ++i) soa[i * kLanes + l] = row[i];
+  }
+
+  // Takes row r (transition scores wr), whose entries (and gradient) lie at
+  // stride 1 from x (and gr), as the next lane; read when the group runs
+  // (load_direct), transposed a block of kLanes entries at a time.
+  void add_direct(int64_t r, const double* wr, const void* x, const void* gr) {
+    x_src[count] = x;
+    g_src[count] = gr;
+    take(r, wr);
+  }
+
+  void take(int64_t r, const double* wr) {
     rows[count] = r;
     for (int k = 0; k < 4; ++k) w[k][count] = wr[k];
     ++count;
   }
 
-  // Fills the unused lanes with lane 0's row.
-  void pad(bool with_grad) {
+  // The lanes added by add_direct into xs (and g), unused lanes repeating
+  // lane 0 (pad() is then not needed).
+  template <typename scalar_t>
+  void load_direct(bool with_grad) {
+    const scalar_t* from[kLanes];
+    for (int l = 0; l < kLanes; ++l) from[l] = static_cast<const scalar_t*>(x_src[l < count ? l : 0]);
+    transpose_in(from, xs);
+    if (with_grad) {
+      for (int l = 0; l < kLanes; ++l) from[l] = static_cast<const scalar_t*>(g_src[l < count ? l : 0]);
+      transpose_in(from, g);
+    }
     for (int l = count; l < kLanes; ++l) {
-      std::copy(in_rows, in_rows + n, in_rows + l * n);
-      if (with_grad) std::copy(in_grads, in_grads + n, in_grads + l * n);
       for (int k = 0; k < 4; ++k) w[k][l] = w[k][0];
     }
   }
 
-  // Entry i of every lane's row of `from` (kLanes rows of n).
-  Vec across(const double* from, int64_t i) const {
-    return at::vec::gather<sizeof(double)>(from + i, lane_offsets);
+  template <typename scalar_t>
+  void transpose_in(const scalar_t* const* from, double* soa) const {
+    Vec block[kLanes];
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int l = 0; l < kLanes; ++l) block[l] = load_widened(from[l] + i);
+      transpose_lanes(block);
+      for (int k = 0; k < kLanes; ++k) block[k].store(soa + (i + k) * kLanes);
+    }
+    for (; i < n; ++i) {
+      for (int l = 0; l < kLanes; ++l) soa[i * kLanes + l] = static_cast<double>(from[l][i]);
+    }
+  }
+
+  // The used lanes of an array into rows at stride 1 (to[l] for lane l).
+  template <typename scalar_t>
+  void transpose_out(const double* soa, scalar_t* const* to) const {
+    Vec block[kLanes];
+    int64_t i = 0;
+    if (count == kLanes) {
+      for (; i + kLanes <= n; i += kLanes) {
+        for (int k = 0; k < kLanes; ++k) block[k] = at(soa, i + k);
+        transpose_lanes(block);
+        for (int l = 0; l < kLanes; ++l) store_narrowed(block[l], to[l] + i);
+      }
+    }
+    for (; i < n; ++i) {
+      for (int l = 0; l < count; ++l) to[l][i] = static_cast<scalar_t>(soa[i * kLanes + l]);
+    }
+  }
+
+  // Fills the unused lanes with lane 0's row.
+  void pad(bool with_grad) {
+    for (int l = count; l < kLanes; ++l) {
+      for (int64_t i = 0; i < n; ++i) xs[i * kLanes + l] = xs[i * kLanes];
+      if (with_grad) {
+        for (int64_t i = 0; i < n; ++i) g[i * kLanes + l] = g[i * kLanes];
+      }
+      for (int k = 0; k < 4; ++k) w[k][l] = w[k][0];
+    }
   }
 
   // Lane l of an array into dst (n entries).
@@ -344,28 +487,72 @@ struct CrfLanes {
     }
   }
 
-  // chain_sweeps_linear's messages and μ on every lane.
-  void sweeps() {
+  // e^x for x in [-kLinearRange, 0], the range of the lanes' label factors:
+  // x = k·ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor polynomial of
+  // degree 13 (remainder below 2e-17 relative), 2^k written into the exponent
+  // bits: cheaper than Sleef's exp, which handles every argument.
+  static Vec exp_nonpositive(Vec x) {
+    constexpr double kLn2Hi = 0x1.62e42fefa3800p-1, kLn2Lo = 0x1.ef35793c76730p-45;
+    // t = x·log2(e) + 1.5·2^52 rounds x·log2(e) to the integer k (t - 1.5·2^52)
+    // and holds 2^51 + k in its low mantissa bits.
+    constexpr double kRound = 0x1.8p52;
+    const Vec t = at::vec::fmadd(x, Vec(1.4426950408889634), Vec(kRound)), k = t - Vec(kRound);
+    const Vec r = at::vec::fmadd(k, Vec(-kLn2Lo), at::vec::fmadd(k, Vec(-kLn2Hi), x));
+    // Σ_j r^j / j! (j = 0..13) by Estrin's scheme: pairs, then pairs of
+    // pairs, so the polynomial is four multiply-adds deep instead of 13.
+    const Vec r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+    auto pair = [&](double lo, double hi) { return at::vec::fmadd(Vec(hi), r, Vec(lo)); };
+    const Vec q0 = pair(1.0, 1.0), q1 = pair(1.0 / 2, 1.0 / 6), q2 = pair(1.0 / 24, 1.0 / 120),
+              q3 = pair(1.0 / 720, 1.0 / 5040), q4 = pair(1.0 / 40320, 1.0 / 362880),
+              q5 = pair(1.0 / 3628800, 1.0 / 39916800), q6 = pair(1.0 / 479001600, 1.0 / 6227020800);
+    const Vec t0 = at::vec::fmadd(at::vec::fmadd(q3, r2, q2), r4, at::vec::fmadd(q1, r2, q0));
+    const Vec t1 = at::vec::fmadd(q6, r4, at::vec::fmadd(q5, r2, q4));
+    const Vec p = at::vec::fmadd(t1, r8, t0);
+    // 2^k: k + 1023 shifted into the exponent field (the bits above it shift
+    // out).
+    constexpr int64_t kToBiased = 1023 - (int64_t(1) << 51);
+#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
+    const __m256i biased = _mm256_add_epi64(_mm256_castpd_si256(t), _mm256_set1_epi64x(kToBiased));
+    return p * Vec(_mm256_castsi256_pd(_mm256_slli_epi64(biased, 52)));
+#else
+    using IVec = at::vec::Vectorized<int64_t>;
+    const IVec biased = at::vec::cast<int64_t>(t) + IVec(kToBiased);
+    return p * at::vec::cast<double>(biased << IVec(52));
+#endif
+  }
+
+  // Each lane's label factors (f0, f1) = (e^{-max(u, 0)}, e^{min(u, 0)}) (one
+  // of the two is 1) and e^{w - max w} (e).
+  void factors() {
     for (int l = 0; l < kLanes; ++l) {
       const double top = std::max(std::max(w[0][l], w[1][l]), std::max(w[2][l], w[3][l]));
       for (int k = 0; k < 4; ++k) e[k][l] = std::exp(w[k][l] - top);
     }
-    const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
-    // One of an entry's two factors is 1: f0 = e^{-max(u, 0)}, f1 = e^{min(u, 0)}.
+    double *p0 = f0, *p1 = f1;
     for (int64_t i = 0; i < n; ++i) {
-      const Vec x = across(in_rows, i);
-      const Vec small = x.abs().neg().exp(), nonneg = x >= Vec(0.0);
-      Vec::blendv(Vec(1.0), small, nonneg).store(f0 + i * kLanes);
-      Vec::blendv(small, Vec(1.0), nonneg).store(f1 + i * kLanes);
+      const Vec x = at(xs, i);
+      const Vec small = exp_nonpositive(x.abs().neg()), nonneg = x >= Vec(0.0);
+      Vec::blendv(Vec(1.0), small, nonneg).store(p0 + i * kLanes);
+      Vec::blendv(small, Vec(1.0), nonneg).store(p1 + i * kLanes);
     }
-    Vec a0 = at(f0, 0), a1 = at(f1, 0), b0(1.0), b1(1.0);
-    a0.store(fa0);
-    a1.store(fa1);
-    b0.store(bb0 + (n - 1) * kLanes);
-    b1.store(bb1 + (n - 1) * kLanes);
+  }
+
+  // chain_sweeps_linear's messages and μ on every lane.
+  void sweeps() {
+    factors();
+    const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
+    // Local copies of the array pointers: stores through them cannot then be
+    // taken to change the pointers.
+    const double *p0 = f0, *p1 = f1;
+    double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1, *mus = mu;
+    Vec a0 = at(p0, 0), a1 = at(p1, 0), b0(1.0), b1(1.0);
+    a0.store(a0s);
+    a1.store(a1s);
+    b0.store(b0s + (n - 1) * kLanes);
+    b1.store(b1s + (n - 1) * kLanes);
     for (int64_t i = 1, j = n - 2; i < n; ++i, --j) {
-      const Vec p0 = at(f0, i), p1 = at(f1, i), q0 = at(f0, j + 1), q1 = at(f1, j + 1);
-      Vec n0 = (p0 * e00) * a0 + (p0 * e10) * a1, n1 = (p1 * e01) * a0 + (p1 * e11) * a1;
+      const Vec c0 = at(p0, i), c1 = at(p1, i), q0 = at(p0, j + 1), q1 = at(p1, j + 1);
+      Vec n0 = (c0 * e00) * a0 + (c0 * e10) * a1, n1 = (c1 * e01) * a0 + (c1 * e11) * a1;
       Vec m0 = (e00 * q0) * b0 + (e01 * q1) * b1, m1 = (e10 * q0) * b0 + (e11 * q1) * b1;
       rescale(n0, n1);
       rescale(m0, m1);
@@ -373,70 +560,114 @@ struct CrfLanes {
       a1 = n1;
       b0 = m0;
       b1 = m1;
-      a0.store(fa0 + i * kLanes);
-      a1.store(fa1 + i * kLanes);
-      b0.store(bb0 + j * kLanes);
-      b1.store(bb1 + j * kLanes);
+      a0.store(a0s + i * kLanes);
+      a1.store(a1s + i * kLanes);
+      b0.store(b0s + j * kLanes);
+      b1.store(b1s + j * kLanes);
     }
     for (int64_t i = 0; i < n; ++i) {
-      const Vec one = at(fa1, i) * at(bb1, i);
-      (one / (at(fa0, i) * at(bb0, i) + one)).store(mu + i * kLanes);
+      const Vec one = at(a1s, i) * at(b1s, i);
+      (one / (at(a0s, i) * at(b0s, i) + one)).store(mus + i * kLanes);
     }
   }
 
-  // chain_backward on every lane, after sweeps(): the gradient in u into out,
-  // in w into dw. The pairwise part Σ_i share·(tangent + rest - d log Z) is
-  // summed as Σ share·(tangent + rest) - d log Z·Σ share, as d log Z = g·μ is
-  // known only at the end of the pass that also forms the tangents.
-  void backward() {
-    for (int64_t i = 0; i < n; ++i) across(in_grads, i).store(g + i * kLanes);
+  // The gradient on every lane (rows and incoming gradients loaded): du into
+  // out and, when with_dw, the gradient in w into dw.
+  //
+  // du = Cov(z, z)·g. For a binary Markov chain, E[z_j | z_i] is linear in
+  // z_i, so Cov(z_i, z_j) (i < j) is Var(z_j)·φ_{i+1}···φ_j, with φ_k the
+  // difference P(z_{k-1} = 1 | z_k = 1) - P(z_{k-1} = 1 | z_k = 0), and by
+  // symmetry Var(z_i)·ψ_i···ψ_{j-1} looking ahead, with ψ_k·Var(z_k) =
+  // Cov(z_k, z_{k+1}) = φ_{k+1}·Var(z_{k+1}). Hence
+  //   du_i = Var(z_i)·D_i + R_i,
+  //   D_i = g_i + φ_i·D_{i-1} (D_0 = g_0),
+  //   R_i = φ_{i+1}·(Var(z_{i+1})·g_{i+1} + R_{i+1}) (R_{n-1} = 0),
+  // with φ_i = a0·a1·det(e) / ((a0·e00 + a1·e10)·(a0·e01 + a1·e11)), a the
+  // forward pair at i - 1: products of positive terms and det(e), so nothing
+  // cancels. In w, with ξ_i(a, b) the marginal of (z_{i-1}, z_i) = (a, b),
+  //   dw_ab = Σ_i ξ_i(a, b)·((a - μ_{i-1})·D_{i-1} + (b - μ_i)·(g_i + R_i / Var(z_i))),
+  // the covariance of the transition count with g·z split at the transition
+  // (the prefix and the suffix are independent given it). In a lane's row
+  // every odds μ / (1 - μ) lies within e^{±2·kLinearRange}, so Var(z_i) is a
+  // normal double. One pass both ways (messages, φ, D), then one backward
+  // (μ, R, the outputs).
+  template <bool with_dw>
+  void gradient() {
+    factors();
     const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
-    const Vec one(1.0);
-    // Backward tangents, last entry first.
-    Vec r0(0.0), r1(0.0);
-    r0.store(tb0 + (n - 1) * kLanes);
-    r1.store(tb1 + (n - 1) * kLanes);
-    for (int64_t j = n - 2; j >= 0; --j) {
-      const Vec to0 = at(f0, j + 1) * at(bb0, j + 1), to1 = at(f1, j + 1) * at(bb1, j + 1);
-      const Vec share0 = e01 * to1 / (e00 * to0 + e01 * to1), share1 = e11 * to1 / (e10 * to0 + e11 * to1);
-      const Vec back_step = at(g, j + 1) + r1 - r0;
-      r1 = r0 + share1 * back_step;
-      r0 = r0 + share0 * back_step;
-      r0.store(tb0 + j * kLanes);
-      r1.store(tb1 + j * kLanes);
+    const Vec det = e00 * e11 - e01 * e10;
+    const double *p0 = f0, *p1 = f1, *gs = g;
+    double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1, *dd = ds, *phis = phi, *outs = out;
+    // The two recurrences in one loop, so that their latencies overlap (as in
+    // sweeps()): forward, the pairs a_i (scaled), φ_i and D_i; backward, the
+    // pairs b_j (scaled).
+    Vec a0 = at(p0, 0), a1 = at(p1, 0), d = at(gs, 0), b0(1.0), b1(1.0);
+    a0.store(a0s);
+    a1.store(a1s);
+    d.store(dd);
+    b0.store(b0s + (n - 1) * kLanes);
+    b1.store(b1s + (n - 1) * kLanes);
+    for (int64_t i = 1, j = n - 2; i < n; ++i, --j) {
+      const Vec c0 = at(p0, i), c1 = at(p1, i), q0 = at(p0, j + 1), q1 = at(p1, j + 1);
+      // The coefficients are formed off the recurrences' dependency chains.
+      Vec n0 = at::vec::fmadd(c0 * e00, a0, (c0 * e10) * a1), n1 = at::vec::fmadd(c1 * e01, a0, (c1 * e11) * a1);
+      Vec m0 = at::vec::fmadd(e00 * q0, b0, (e01 * q1) * b1), m1 = at::vec::fmadd(e10 * q0, b0, (e11 * q1) * b1);
+      // φ_i from a_{i-1}: the factors cancel.
+      const Vec phi_i = (a0 * a1) * det / (at::vec::fmadd(e00, a0, e10 * a1) * at::vec::fmadd(e01, a0, e11 * a1));
+      d = at::vec::fmadd(phi_i, d, at(gs, i));
+      rescale(n0, n1);
+      rescale(m0, m1);
+      a0 = n0;
+      a1 = n1;
+      b0 = m0;
+      b1 = m1;
+      a0.store(a0s + i * kLanes);
+      a1.store(a1s + i * kLanes);
+      phi_i.store(phis + i * kLanes);
+      d.store(dd + i * kLanes);
+      b0.store(b0s + j * kLanes);
+      b1.store(b1s + j * kLanes);
     }
-    // Forward tangents (t0, t1 at entry i; p0, p1 at entry i - 1), the
-    // gradient in u, and the sums of the pairwise part over (i - 1, i).
-    Vec t0(0.0), t1 = at(g, 0), log_z_tangent(0.0);
-    Vec d00(0.0), d01(0.0), d10(0.0), d11(0.0), s00(0.0), s01(0.0), s10(0.0), s11(0.0);
-    for (int64_t i = 0; i < n; ++i) {
-      const Vec gi = at(g, i), m = at(mu, i), back0 = at(tb0, i), back1 = at(tb1, i);
-      if (i > 0) {
-        const Vec prev0 = at(fa0, i - 1), prev1 = at(fa1, i - 1);
-        const Vec from1_to0 = prev1 * e10, from1_to1 = prev1 * e11;
-        const Vec share0 = from1_to0 / (prev0 * e00 + from1_to0), share1 = from1_to1 / (prev0 * e01 + from1_to1);
-        const Vec p0 = t0, p1 = t1, step = t1 - t0;
-        t1 = gi + t0 + share1 * step;
-        t0 = t0 + share0 * step;
-        // ξ_{i-1}(a, b) = P(z_i = b)·P(z_{i-1} = a | z_i = b).
-        const Vec next0 = one - m, rest0 = back0, rest1 = gi + back1;
-        const Vec w00 = next0 * (one - share0), w10 = next0 * share0, w01 = m * (one - share1), w11 = m * share1;
-        d00 = d00 + w00 * (p0 + rest0);
-        d10 = d10 + w10 * (p1 + rest0);
-        d01 = d01 + w01 * (p0 + rest1);
-        d11 = d11 + w11 * (p1 + rest1);
-        s00 = s00 + w00;
-        s10 = s10 + w10;
-        s01 = s01 + w01;
-        s11 = s11 + w11;
+    // Last entry first: μ, R, the outputs.
+    Vec r(0.0);
+    Vec s00(0.0), s01(0.0), s10(0.0), s11(0.0);
+    for (int64_t j = n - 1; j >= 0; --j) {
+      const Vec c0 = at(p0, j), c1 = at(p1, j), gj = at(gs, j), b0 = at(b0s, j), b1 = at(b1s, j);
+      // The pair at j before its scaling, from a_{j-1}: μ_j and ξ_j share a
+      // denominator with it.
+      Vec u0 = c0, u1 = c1, prev0, prev1;
+      if (j > 0) {
+        prev0 = at(a0s, j - 1);
+        prev1 = at(a1s, j - 1);
+        u0 = c0 * at::vec::fmadd(e00, prev0, e10 * prev1);
+        u1 = c1 * at::vec::fmadd(e01, prev0, e11 * prev1);
       }
-      log_z_tangent = log_z_tangent + gi * m;
-      (m * (one - m) * (t1 + back1 - t0 - back0)).store(out + i * kLanes);
+      const Vec x0 = u0 * b0, x1 = u1 * b1, inv = Vec(1.0) / (x0 + x1);
+      const Vec mu1 = x1 * inv, mu0 = x0 * inv, var = mu0 * mu1;  // μ_j, 1 - μ_j, Var(z_j)
+      at::vec::fmadd(var, at(dd, j), r).store(outs + j * kLanes);
+      if constexpr (with_dw) {
+        if (j > 0) {
+          // ξ_j(a, b) = a_{j-1}(a)·e_ab·f_b·b_b / Σ.
+          const Vec t0 = c0 * b0 * inv, t1 = c1 * b1 * inv;
+          const Vec x00 = prev0 * e00 * t0, x01 = prev0 * e01 * t1, x10 = prev1 * e10 * t0, x11 = prev1 * e11 * t1;
+          const Vec dprev = at(dd, j - 1), h = gj + r / var;
+          const Vec back0 = (x10 + x11).neg() * dprev, back1 = (x00 + x01) * dprev;  // (a - μ_{j-1})·D_{j-1}
+          const Vec ahead0 = mu1.neg() * h, ahead1 = mu0 * h;                           // (b - μ_j)·(g_j + R_j / Var)
+          s00 = at::vec::fmadd(x00, back0 + ahead0, s00);
+          s01 = at::vec::fmadd(x01, back0 + ahead1, s01);
+          s10 = at::vec::fmadd(x10, back1 + ahead0, s10);
+          s11 = at::vec::fmadd(x11, back1 + ahead1, s11);
+        }
+      }
+      if (j == 0) break;
+      r = at(phis, j) * at::vec::fmadd(var, gj, r);
     }
-    (d00 - log_z_tangent * s00).store(dw[0]);
-    (d01 - log_z_tangent * s01).store(dw[1]);
-    (d10 - log_z_tangent * s10).store(dw[2]);
-    (d11 - log_z_tangent * s11).store(dw[3]);
+    if constexpr (with_dw) {
+      s00.store(dw[0]);
+      s01.store(dw[1]);
+      s10.store(dw[2]);
+      s11.store(dw[3]);
+    }
   }
 };
 
@@ -457,27 +688,46 @@ void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) 
   const double* wp = w.const_data_ptr<double>();
   const int64_t n = lay.n;
   const double nan = std::numeric_limits<double>::quiet_NaN();
+  // Rows at stride 1 go into the CRF's lanes straight from the tensor.
+  const bool direct = lay.inner == 1;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ChainScratch s(n);
     typename Op::Workspace ws(n);
     std::unique_ptr<CrfLanes> lanes;
     if (kSideBySide<Op> && n <= CrfLanes::kMaxEntries) lanes = std::make_unique<CrfLanes>(n);
     auto run_lanes = [&] {
-      lanes->pad(/*with_grad=*/false);
+      if (direct) {
+        lanes->load_direct<scalar_t>(/*with_grad=*/false);
+      } else {
+        lanes->pad(/*with_grad=*/false);
+      }
       lanes->sweeps();
-      for (int l = 0; l < lanes->count; ++l) {
-        lanes->column(lanes->mu, l, s.out);
-        lay.store(s.out, op + lay.base(lanes->rows[l]));
+      if (direct) {
+        scalar_t* to[CrfLanes::kLanes] = {};
+        for (int l = 0; l < lanes->count; ++l) to[l] = op + lay.base(lanes->rows[l]);
+        lanes->transpose_out(lanes->mu, to);
+      } else {
+        for (int l = 0; l < lanes->count; ++l) {
+          lanes->column(lanes->mu, l, s.out);
+          lay.store(s.out, op + lay.base(lanes->rows[l]));
+        }
       }
       lanes->count = 0;
     };
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      if (lanes) {
+      if (lanes && direct) {
+        if (CrfLanes::ready(xp + base, n, wp + 4 * r)) {
+          lanes->add_direct(r, wp + 4 * r, xp + base, nullptr);
+          if (lanes->full()) run_lanes();
+          continue;
+        }
+        lay.load(xp + base, s.row);
+      } else if (lanes) {
         double* row = lanes->next_row();
         lay.load(xp + base, row);
         if (CrfLanes::ready(row, n, wp + 4 * r)) {
-          lanes->add(r, wp + 4 * r);
+          lanes->add(r, wp + 4 * r, /*with_grad=*/false);
           if (lanes->full()) run_lanes();
           continue;
         }
@@ -526,19 +776,35 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
   double* dwp = dw.defined() ? dw.mutable_data_ptr<double>() : nullptr;
   const int64_t n = lay.n;
   const double nan = std::numeric_limits<double>::quiet_NaN();
+  // Rows at stride 1 go into the CRF's lanes straight from the tensor.
+  const bool direct = lay.inner == 1;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ChainScratch s(n);
     typename Op::Workspace ws(n);
     std::unique_ptr<CrfLanes> lanes;
     if (kSideBySide<Op> && n <= CrfLanes::kMaxEntries) lanes = std::make_unique<CrfLanes>(n);
     auto run_lanes = [&] {
-      lanes->pad(/*with_grad=*/true);
-      lanes->sweeps();
-      lanes->backward();
+      if (direct) {
+        lanes->load_direct<scalar_t>(/*with_grad=*/true);
+      } else {
+        lanes->pad(/*with_grad=*/true);
+      }
+      if (dwp) {
+        lanes->gradient</*with_dw=*/true>();
+      } else {
+        lanes->gradient</*with_dw=*/false>();
+      }
+      if (direct) {
+        scalar_t* to[CrfLanes::kLanes] = {};
+        for (int l = 0; l < lanes->count; ++l) to[l] = dp + lay.base(lanes->rows[l]);
+        lanes->transpose_out(lanes->out, to);
+      }
       for (int l = 0; l < lanes->count; ++l) {
         const int64_t r = lanes->rows[l];
-        lanes->column(lanes->out, l, s.out);
-        lay.store(s.out, dp + lay.base(r));
+        if (!direct) {
+          lanes->column(lanes->out, l, s.out);
+          lay.store(s.out, dp + lay.base(r));
+        }
         if (dwp) {
           for (int k = 0; k < 4; ++k) dwp[4 * r + k] = lanes->dw[k][l];
         }
@@ -547,12 +813,19 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
     };
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      if (lanes) {
+      if (lanes && direct) {
+        if (CrfLanes::ready(xp + base, n, wp + 4 * r)) {
+          lanes->add_direct(r, wp + 4 * r, xp + base, gp + base);
+          if (lanes->full()) run_lanes();
+          continue;
+        }
+        lay.load(xp + base, s.row);
+      } else if (lanes) {
         double* row = lanes->next_row();
         lay.load(xp + base, row);
         if (CrfLanes::ready(row, n, wp + 4 * r)) {
           lay.load(gp + base, lanes->next_grad());
-          lanes->add(r, wp + 4 * r);
+          lanes->add(r, wp + 4 * r, /*with_grad=*/true);
           if (lanes->full()) run_lanes();
           continue;
         }
