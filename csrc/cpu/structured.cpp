@@ -38,6 +38,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
+#include <type_traits>
 #include <utility>
 
 #include "attnkern/cpu_kernels.h"
@@ -66,6 +68,10 @@ struct ProxScratch {
   int64_t *pos, *order, *block_end, *order_tmp;
   int64_t blocks = 0;
   bool zero_y = false;  // the prox set y to 0 without solving (oscar_prox)
+  // Where fusedmax's prox was solved only around the support: how many of
+  // y's entries are finite, their values listed in index order in
+  // block_mean; -1 where y was solved everywhere.
+  int64_t local = -1;
   explicit ProxScratch(int64_t n) : buf(new double[9 * n]), ibuf(new int64_t[4 * n]), keys(new uint64_t[2 * n]) {
     double* b = buf.get();
     for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum, &block_mean}) {
@@ -87,8 +93,35 @@ using at::Tensor;
 
 // The row's finite entries (compacted into xs, their positions into pos);
 // false if the row holds a NaN or +inf (its output is NaN).
+// Whether every entry of x is finite (no NaN, no ±inf): x - x is 0 exactly
+// then, NaN otherwise.
+template <typename T>
+bool all_finite(const T* x, int64_t n) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    using V = at::vec::Vectorized<T>;
+    V bad(T(0));
+    for (; j + V::size() <= n; j += V::size()) {
+      const V v = V::loadu(x + j);
+      bad = bad | (v - v != V(T(0)));
+    }
+    if (bad.zero_mask() != (1 << V::size()) - 1) return false;
+  }
+  for (; j < n; ++j) {
+    if (!std::isfinite(static_cast<double>(x[j]))) return false;
+  }
+  return true;
+}
+
 template <typename T>
 bool finite_entries(const T* x, int64_t n, double* xs, int64_t* pos, int64_t& m) {
+  // Unmasked rows, the common case, in vector passes.
+  if (all_finite(x, n)) {
+    for (int64_t j = 0; j < n; ++j) xs[j] = static_cast<double>(x[j]);
+    std::iota(pos, pos + n, int64_t(0));
+    m = n;
+    return true;
+  }
   m = 0;
   for (int64_t j = 0; j < n; ++j) {
     const double v = static_cast<double>(x[j]);
@@ -147,32 +180,72 @@ constexpr uint8_t kClusterFinite = 1, kClusterSupport = 2, kClusterPositive = 4,
 // where the candidates are many, the row short or the windows large: the
 // caller then sweeps the whole row.
 bool support_tv_prox(ProxScratch& s, int64_t m, double lam) {
+  using Vec = at::vec::Vectorized<double>;
   constexpr int64_t kMinRow = 64, kMaxCandidateShare = 16, kFirstHalfWidth = 8;
   if (!(lam > 0.0) || m < kMinRow) return false;
   const double* x = s.xs;
-  double amax = 0.0, top = x[0];
-  for (int64_t i = 0; i < m; ++i) {
-    amax = std::max(amax, std::abs(x[i]));
-    top = std::max(top, x[i]);
+  Vec vmax(x[0]), vamax(0.0);
+  int64_t j = 0;
+  for (; j + Vec::size() <= m; j += Vec::size()) {
+    const Vec v = Vec::loadu(x + j);
+    vmax = at::vec::maximum(vmax, v);
+    vamax = at::vec::maximum(vamax, v.abs());
   }
-  // The threshold on x is at most max x, so every entry above max x - 4·lam is
-  // a candidate: too many of those (large lam) and the sweep is cheaper.
-  int64_t sure = 0;
-  for (int64_t i = 0; i < m; ++i) sure += x[i] > top - 4.0 * lam;
-  if (sure * kMaxCandidateShare > m) return false;
-  const double tau_x = math::sparsemax_threshold(x, m, s.dxs);
+  auto larger = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
+  double top = at::vec::vec_reduce_all<double>(larger, vmax), amax = at::vec::vec_reduce_all<double>(larger, vamax);
+  for (; j < m; ++j) {
+    top = std::max(top, x[j]);
+    amax = std::max(amax, std::abs(x[j]));
+  }
   // (The margin keeps rounding in the thresholds from dropping a candidate.)
-  const double bound = tau_x - 4.0 * lam - 1e-9 * (amax + 4.0 * lam + 1.0);
+  const double margin = 1e-9 * (amax + 4.0 * lam + 1.0);
+  // The threshold on x is at least max x - 1 and at most max x: every
+  // candidate (below) lies above max x - 1 - 4·lam, and every entry above
+  // max x - 4·lam is one. One pass lists the first (in index order) and
+  // counts the second: too many of those (large lam) and the sweep is
+  // cheaper.
+  const double low = top - 1.0 - 4.0 * lam - 2.0 * margin, sure_above = top - 4.0 * lam;
+  int64_t* near = s.order_tmp;
+  double* near_x = s.block_sum;
+  int64_t near_count = 0, sure = 0;
+  constexpr int kAll = (1 << Vec::size()) - 1;
+  for (j = 0; j + Vec::size() <= m; j += Vec::size()) {
+    const Vec v = Vec::loadu(x + j);
+    // (zero_mask: a bit per lane where the comparison is false.)
+    int above = kAll & ~(v > Vec(low)).zero_mask();
+    if (above == 0) continue;
+    sure += __builtin_popcount(kAll & ~(v > Vec(sure_above)).zero_mask());
+    for (; above != 0; above &= above - 1) {
+      const int64_t i = j + __builtin_ctz(above);
+      near[near_count] = i;
+      near_x[near_count++] = x[i];
+    }
+  }
+  for (; j < m; ++j) {
+    sure += x[j] > sure_above;
+    if (x[j] > low) {
+      near[near_count] = j;
+      near_x[near_count++] = x[j];
+    }
+  }
+  if (sure * kMaxCandidateShare > m) return false;
+  // The listed entries hold max x and, in index order, every entry the
+  // threshold's passes read: the same bits as the threshold on all of x.
+  const double tau_x = math::sparsemax_threshold(near_x, near_count, s.dxs);
+  const double bound = tau_x - 4.0 * lam - margin;
   int64_t* cand = s.order;
   int64_t count = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    if (x[i] > bound) cand[count++] = i;
+  for (int64_t k = 0; k < near_count; ++k) {
+    if (near_x[k] > bound) cand[count++] = near[k];
   }
   if (count * kMaxCandidateShare > m) return false;
   double *data = s.block_sum, *lower = s.block_mean, *upper = s.dxs;
+  // The ends of the regions each window's solve sets (two entries each).
+  int64_t* regions = s.order_tmp;
   for (int64_t half = kFirstHalfWidth; half * 4 <= m; half *= 4) {
     std::fill(s.y, s.y + m, -std::numeric_limits<double>::infinity());
     bool agree = true;
+    int64_t windows = 0;
     for (int64_t c = 0; c < count && agree;) {
       int64_t e = c;  // candidates c..e share a window
       while (e + 1 < count && cand[e + 1] - cand[e] <= 2 * half + 1) ++e;
@@ -188,9 +261,20 @@ bool support_tv_prox(ProxScratch& s, int64_t m, double lam) {
       const int64_t from = std::max<int64_t>(a, cand[c] - 1), to = std::min<int64_t>(b, cand[e] + 1);
       for (int64_t i = from; i <= to && agree; ++i) agree = lower[i - a] == upper[i - a];
       for (int64_t i = from; i <= to && agree; ++i) s.y[i] = lower[i - a];
+      regions[2 * windows] = from;
+      regions[2 * windows + 1] = to;
+      ++windows;
       c = e + 1;
     }
-    if (agree) return true;
+    if (agree) {
+      // y's finite entries, in index order (the regions are disjoint and
+      // increasing), for the threshold.
+      s.local = 0;
+      for (int64_t w = 0; w < windows; ++w) {
+        for (int64_t i = regions[2 * w]; i <= regions[2 * w + 1]; ++i) s.block_mean[s.local++] = s.y[i];
+      }
+      return true;
+    }
   }
   return false;
 }
@@ -199,6 +283,7 @@ struct Fusedmax {
   static constexpr const char* kName = "fusedmax";
   static constexpr uint8_t kNanRow = kSegNanRow;
   static void prox(ProxScratch& s, int64_t m, double lam) {
+    s.local = -1;
     if (!support_tv_prox(s, m, lam)) math::tv_prox(s.xs, m, lam, s.y);
     s.zero_y = false;
   }
@@ -298,10 +383,23 @@ void sort_by_magnitude(ProxScratch& s, int64_t m) {
   if (from_order != order) std::copy(from_order, from_order + m, order);
 }
 
+// out = max(y - tau, 0) over m entries, a vector at a time.
+void clip_below(const double* y, double tau, int64_t m, double* out) {
+  using Vec = at::vec::Vectorized<double>;
+  int64_t i = 0;
+  for (; i + Vec::size() <= m; i += Vec::size()) at::vec::maximum(Vec::loadu(y + i) - Vec(tau), Vec(0.0)).store(out + i);
+  for (; i < m; ++i) out[i] = std::max(y[i] - tau, 0.0);
+}
+
 // sparsemax's threshold on the prox's y (m entries): on a y set to 0 without
-// solving, what math::sparsemax_threshold returns on zeros, without its passes.
+// solving, what math::sparsemax_threshold returns on zeros, without its passes;
+// on a y solved around the support only, its passes over the finite entries
+// (in index order: the same bits as over all of y, whose -inf entries they
+// skip).
 double threshold(ProxScratch& s, int64_t m) {
-  return s.zero_y ? -1.0 / double(m) : math::sparsemax_threshold(s.y, m, s.dxs);
+  if (s.zero_y) return -1.0 / double(m);
+  if (s.local >= 0) return math::sparsemax_threshold(s.block_mean, s.local, s.dxs);
+  return math::sparsemax_threshold(s.y, m, s.dxs);
 }
 
 // -1, 0 or 1 without a branch: the signs of a row of scores are coin flips.
@@ -373,7 +471,10 @@ void oscar_prox(ProxScratch& s, int64_t m, double lam) {
 struct Oscarmax {
   static constexpr const char* kName = "oscarmax";
   static constexpr uint8_t kNanRow = kClusterNanRow;
-  static void prox(ProxScratch& s, int64_t m, double lam) { oscar_prox(s, m, lam); }
+  static void prox(ProxScratch& s, int64_t m, double lam) {
+    s.local = -1;
+    oscar_prox(s, m, lam);
+  }
   static void record(const ProxScratch& s, int64_t m, double tau, uint8_t* flags, int32_t* ranks);
   static double backward(ProxScratch& s, int64_t m, double tau);
 };
@@ -458,11 +559,15 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Saved 
         std::fill(p, p + n, std::numeric_limits<double>::quiet_NaN());
         if (flags) std::fill(flags.get(), flags.get() + n, Op::kNanRow);
       } else {
-        std::fill(p, p + n, 0.0);
+        if (m < n) std::fill(p, p + n, 0.0);
         if (m > 0) {
           Op::prox(s, m, lp[r]);
           const double tau = threshold(s, m);
-          for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
+          if (m == n) {  // (pos is the identity)
+            clip_below(s.y, tau, m, p);
+          } else {
+            for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
+          }
           if (flags) Op::record(s, m, tau, flags.get(), ranks.get());
         }
       }
@@ -809,15 +914,23 @@ float ProxRow::solve(Prox prox, acc_t* row, int64_t n, double lam) {
     std::fill(row, row + n, std::numeric_limits<acc_t>::quiet_NaN());
     return std::numeric_limits<float>::quiet_NaN();
   }
-  std::fill(row, row + n, acc_t(0));
-  if (m_ == 0) return std::numeric_limits<float>::infinity();
+  if (m_ == 0) {
+    std::fill(row, row + n, acc_t(0));
+    return std::numeric_limits<float>::infinity();
+  }
   if (prox == Prox::kFusedmax) {
     Fusedmax::prox(s, m_, lam);
   } else {
     Oscarmax::prox(s, m_, lam);
   }
   tau_ = threshold(s, m_);
-  for (int64_t i = 0; i < m_; ++i) row[s.pos[i]] = static_cast<acc_t>(std::max(s.y[i] - tau_, 0.0));
+  if (m_ == n) {  // (no entry removed: pos is the identity)
+    clip_below(s.y, tau_, n, s.out);
+    for (int64_t i = 0; i < n; ++i) row[i] = static_cast<acc_t>(s.out[i]);
+  } else {
+    std::fill(row, row + n, acc_t(0));
+    for (int64_t i = 0; i < m_; ++i) row[s.pos[i]] = static_cast<acc_t>(std::max(s.y[i] - tau_, 0.0));
+  }
   return static_cast<float>(tau_);
 }
 
