@@ -391,6 +391,35 @@ void clip_below(const double* y, double tau, int64_t m, double* out) {
   for (; i < m; ++i) out[i] = std::max(y[i] - tau, 0.0);
 }
 
+// math::sparsemax_vjp with the same bits, in vector passes: the support's
+// gradients summed in index order (support entries are few; blocks without
+// one are skipped), then v = g - mean on the support, 0 elsewhere, without
+// a branch per entry. v may be g.
+void sparsemax_vjp_rows(const double* y, double tau, const double* g, int64_t m, double* v) {
+  using Vec = at::vec::Vectorized<double>;
+  constexpr int kAll = (1 << Vec::size()) - 1;
+  double gsum = 0.0;
+  int64_t support = 0, i = 0;
+  for (; i + Vec::size() <= m; i += Vec::size()) {
+    for (int in = kAll & ~(Vec::loadu(y + i) > Vec(tau)).zero_mask(); in != 0; in &= in - 1) {
+      gsum += g[i + __builtin_ctz(in)];
+      ++support;
+    }
+  }
+  for (; i < m; ++i) {
+    if (y[i] > tau) {
+      gsum += g[i];
+      ++support;
+    }
+  }
+  const double gmean = support > 0 ? gsum / double(support) : 0.0;
+  for (i = 0; i + Vec::size() <= m; i += Vec::size()) {
+    const Vec on = Vec::loadu(y + i) > Vec(tau);
+    (on & (Vec::loadu(g + i) - Vec(gmean))).store(v + i);
+  }
+  for (; i < m; ++i) v[i] = y[i] > tau ? g[i] - gmean : 0.0;
+}
+
 // sparsemax's threshold on the prox's y (m entries): on a y set to 0 without
 // solving, what math::sparsemax_threshold returns on zeros, without its passes;
 // on a y solved around the support only, its passes over the finite entries
@@ -862,7 +891,7 @@ void structured_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& lam,
           for (int64_t i = 0; i < m; ++i) s.gs[i] = s.g[s.pos[i]];
           Op::prox(s, m, lp[r]);
           const double tau = threshold(s, m);
-          math::sparsemax_vjp(s.y, tau, s.gs, m, s.gs);
+          sparsemax_vjp_rows(s.y, tau, s.gs, m, s.gs);
           dl = Op::backward(s, m, tau);
           for (int64_t i = 0; i < m; ++i) s.out[s.pos[i]] = s.dxs[i];
         }
@@ -941,12 +970,21 @@ double ProxRow::vjp(Prox prox, acc_t* d, int64_t n, acc_t scale) {
     return std::numeric_limits<double>::quiet_NaN();
   }
   ProxScratch& s = *s_;
-  for (int64_t i = 0; i < m_; ++i) s.gs[i] = static_cast<double>(d[s.pos[i]]);
-  std::fill(d, d + n, acc_t(0));
+  const bool dense = m_ == n;  // (pos is the identity)
+  if (dense) {
+    for (int64_t i = 0; i < n; ++i) s.gs[i] = static_cast<double>(d[i]);
+  } else {
+    for (int64_t i = 0; i < m_; ++i) s.gs[i] = static_cast<double>(d[s.pos[i]]);
+    std::fill(d, d + n, acc_t(0));
+  }
   if (m_ == 0) return 0.0;
-  math::sparsemax_vjp(s.y, tau_, s.gs, m_, s.gs);
+  sparsemax_vjp_rows(s.y, tau_, s.gs, m_, s.gs);
   const double dlam = prox == Prox::kFusedmax ? Fusedmax::backward(s, m_, tau_) : Oscarmax::backward(s, m_, tau_);
-  for (int64_t i = 0; i < m_; ++i) d[s.pos[i]] = scale * static_cast<acc_t>(s.dxs[i]);
+  if (dense) {
+    for (int64_t i = 0; i < n; ++i) d[i] = scale * static_cast<acc_t>(s.dxs[i]);
+  } else {
+    for (int64_t i = 0; i < m_; ++i) d[s.pos[i]] = scale * static_cast<acc_t>(s.dxs[i]);
+  }
   return dlam;  // (λ applies to the scaled scores: no factor of scale)
 }
 
