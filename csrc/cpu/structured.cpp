@@ -181,7 +181,7 @@ constexpr uint8_t kClusterFinite = 1, kClusterSupport = 2, kClusterPositive = 4,
 // caller then sweeps the whole row.
 bool support_tv_prox(ProxScratch& s, int64_t m, double lam) {
   using Vec = at::vec::Vectorized<double>;
-  constexpr int64_t kMinRow = 64, kMaxCandidateShare = 16, kFirstHalfWidth = 8;
+  constexpr int64_t kMinRow = 64, kMaxCandidateShare = 16, kFirstHalfWidth = 4;
   if (!(lam > 0.0) || m < kMinRow) return false;
   const double* x = s.xs;
   Vec vmax(x[0]), vamax(0.0);
@@ -242,7 +242,7 @@ bool support_tv_prox(ProxScratch& s, int64_t m, double lam) {
   double *data = s.block_sum, *lower = s.block_mean, *upper = s.dxs;
   // The ends of the regions each window's solve sets (two entries each).
   int64_t* regions = s.order_tmp;
-  for (int64_t half = kFirstHalfWidth; half * 4 <= m; half *= 4) {
+  for (int64_t half = kFirstHalfWidth; half * 4 <= m; half *= 2) {
     std::fill(s.y, s.y + m, -std::numeric_limits<double>::infinity());
     bool agree = true;
     int64_t windows = 0;
