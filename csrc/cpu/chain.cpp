@@ -537,14 +537,19 @@ struct CrfLanes {
     }
   }
 
-  // chain_sweeps_linear's messages and μ on every lane.
-  void sweeps() {
-    factors();
+  // chain_sweeps_linear's messages on every lane, after factors(): the
+  // forward pairs a_i into fa0, fa1 and the backward pairs b_j into bb0, bb1
+  // (both scaled), the two recurrences in one loop so that their latencies
+  // overlap, their coefficients formed off the dependency chains.
+  // step(i, a0, a1) sees the forward pair at i - 1 (i >= 1) before it
+  // advances.
+  template <typename Step>
+  void messages(Step&& step) {
     const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
     // Local copies of the array pointers: stores through them cannot then be
     // taken to change the pointers.
     const double *p0 = f0, *p1 = f1;
-    double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1, *mus = mu;
+    double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1;
     Vec a0 = at(p0, 0), a1 = at(p1, 0), b0(1.0), b1(1.0);
     a0.store(a0s);
     a1.store(a1s);
@@ -552,8 +557,9 @@ struct CrfLanes {
     b1.store(b1s + (n - 1) * kLanes);
     for (int64_t i = 1, j = n - 2; i < n; ++i, --j) {
       const Vec c0 = at(p0, i), c1 = at(p1, i), q0 = at(p0, j + 1), q1 = at(p1, j + 1);
-      Vec n0 = (c0 * e00) * a0 + (c0 * e10) * a1, n1 = (c1 * e01) * a0 + (c1 * e11) * a1;
-      Vec m0 = (e00 * q0) * b0 + (e01 * q1) * b1, m1 = (e10 * q0) * b0 + (e11 * q1) * b1;
+      Vec n0 = at::vec::fmadd(c0 * e00, a0, (c0 * e10) * a1), n1 = at::vec::fmadd(c1 * e01, a0, (c1 * e11) * a1);
+      Vec m0 = at::vec::fmadd(e00 * q0, b0, (e01 * q1) * b1), m1 = at::vec::fmadd(e10 * q0, b0, (e11 * q1) * b1);
+      step(i, a0, a1);
       rescale(n0, n1);
       rescale(m0, m1);
       a0 = n0;
@@ -565,6 +571,14 @@ struct CrfLanes {
       b0.store(b0s + j * kLanes);
       b1.store(b1s + j * kLanes);
     }
+  }
+
+  // chain_sweeps_linear's messages and μ on every lane.
+  void sweeps() {
+    factors();
+    messages([](int64_t, const Vec&, const Vec&) {});
+    const double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1;
+    double* mus = mu;
     for (int64_t i = 0; i < n; ++i) {
       const Vec one = at(a1s, i) * at(b1s, i);
       (one / (at(a0s, i) * at(b0s, i) + one)).store(mus + i * kLanes);
@@ -598,36 +612,15 @@ struct CrfLanes {
     const Vec det = e00 * e11 - e01 * e10;
     const double *p0 = f0, *p1 = f1, *gs = g;
     double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1, *dd = ds, *phis = phi, *outs = out;
-    // The two recurrences in one loop, so that their latencies overlap (as in
-    // sweeps()): forward, the pairs a_i (scaled), φ_i and D_i; backward, the
-    // pairs b_j (scaled).
-    Vec a0 = at(p0, 0), a1 = at(p1, 0), d = at(gs, 0), b0(1.0), b1(1.0);
-    a0.store(a0s);
-    a1.store(a1s);
+    // The messages, and with them φ_i (from a_{i-1}: the factors cancel) and D_i.
+    Vec d = at(gs, 0);
     d.store(dd);
-    b0.store(b0s + (n - 1) * kLanes);
-    b1.store(b1s + (n - 1) * kLanes);
-    for (int64_t i = 1, j = n - 2; i < n; ++i, --j) {
-      const Vec c0 = at(p0, i), c1 = at(p1, i), q0 = at(p0, j + 1), q1 = at(p1, j + 1);
-      // The coefficients are formed off the recurrences' dependency chains.
-      Vec n0 = at::vec::fmadd(c0 * e00, a0, (c0 * e10) * a1), n1 = at::vec::fmadd(c1 * e01, a0, (c1 * e11) * a1);
-      Vec m0 = at::vec::fmadd(e00 * q0, b0, (e01 * q1) * b1), m1 = at::vec::fmadd(e10 * q0, b0, (e11 * q1) * b1);
-      // φ_i from a_{i-1}: the factors cancel.
+    messages([&](int64_t i, const Vec& a0, const Vec& a1) {
       const Vec phi_i = (a0 * a1) * det / (at::vec::fmadd(e00, a0, e10 * a1) * at::vec::fmadd(e01, a0, e11 * a1));
       d = at::vec::fmadd(phi_i, d, at(gs, i));
-      rescale(n0, n1);
-      rescale(m0, m1);
-      a0 = n0;
-      a1 = n1;
-      b0 = m0;
-      b1 = m1;
-      a0.store(a0s + i * kLanes);
-      a1.store(a1s + i * kLanes);
       phi_i.store(phis + i * kLanes);
       d.store(dd + i * kLanes);
-      b0.store(b0s + j * kLanes);
-      b1.store(b1s + j * kLanes);
-    }
+    });
     // Last entry first: μ, R, the outputs.
     Vec r(0.0);
     Vec s00(0.0), s01(0.0), s10(0.0), s11(0.0);
