@@ -162,6 +162,41 @@ def test_dropout_matches_reference_with_the_recorded_mask(normalizer):
         assert_close_tol(g, w, tol, name)
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("supports", ["small", "small-then-wide"])
+def test_fusedmax_backward_over_small_supports(supports, dropout_p):
+    """fusedmax's backward walks the supports alone when every row's is small
+    (peaked scores); when the rows of a block turn wide part way (flat scores
+    in its later rows), it solves the block again over every key. Both
+    against the reference, through the recorded dropout mask."""
+    B, H, L, S, E = 1, 2, 80, 300, 16
+    g = torch.Generator().manual_seed(11)
+    q, k, v, go = (torch.randn(B, H, n, E, generator=g, dtype=torch.float64) for n in (L, S, S, L))
+    q = q * 6.0
+    if supports == "small-then-wide":
+        q[:, :, L // 2:] *= 1e-3
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    lam = torch.tensor([0.05, 0.3], dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(5)
+    out, w = attnkern.attention(q, k, v, normalizer="fusedmax", lam=lam, dropout_p=dropout_p, return_weights=True)
+    support = (w != 0).sum(-1)
+    assert support[..., : L // 2].max() < S // 8
+    if supports == "small-then-wide":
+        assert support[..., L // 2:].min() > S // 2
+    torch.manual_seed(5)
+    fused = attnkern.attention(q, k, v, normalizer="fusedmax", lam=lam, dropout_p=dropout_p)
+    keep = None
+    if dropout_p:
+        torch.manual_seed(5)
+        keep = attention_dropout_mask(B, H, L, S, dropout_p, draw_dropout_seed())
+    want = _reference(q, k, v, None, False, "fusedmax", lam, dropout_p=dropout_p, dropout_mask=keep)
+    tol = tolerance(torch.float64, "attention", "forward")
+    assert_close_tol(fused, want, tol, "out")
+    for name, got, ref in zip(("dq", "dk", "dv", "dlam"), torch.autograd.grad(fused, (q, k, v, lam), go),
+                              torch.autograd.grad(want, (q, k, v, lam), go), strict=True):
+        assert_close_tol(got, ref, tol, name)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("normalizer", STRUCTURED)
 def test_half_types(normalizer, dtype):

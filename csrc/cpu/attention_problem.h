@@ -478,6 +478,22 @@ inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, int64_t ld,
   }
 }
 
+// Writes the indices of the non-zero (or NaN) entries of row[0:n] to out (room
+// for n plus a whole vector) and returns their count.
+template <typename acc_t>
+inline int64_t append_support(const acc_t* row, int64_t n, int32_t* out) {
+  using V = Vec<acc_t>;
+  constexpr int kLanes = V::size();
+  const V zero(0);
+  int32_t* const first = out;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    out += left_pack_index<kLanes>(out, static_cast<int32_t>(j), lane_mask<acc_t>(V::loadu(row + j) != zero));
+  for (; j < n; ++j)
+    if (!(row[j] == acc_t(0))) *out++ = static_cast<int32_t>(j);
+  return out - first;
+}
+
 // The support of each row of y (m x n, row stride ld) as CSR: the indices of the non-zero
 // (or NaN) entries of row r are idx[ptr[r]:ptr[r+1]] (idx may be longer than
 // ptr[m]). Gives up (returns
@@ -487,9 +503,7 @@ inline void nonzero_runs(const acc_t* y, int64_t m, int64_t n, int64_t ld,
 template <typename acc_t>
 inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t ld, int64_t limit,
                             std::vector<int32_t>& idx, std::vector<int64_t>& ptr) {
-  using V = Vec<acc_t>;
-  constexpr int kLanes = V::size();
-  const V zero(0);
+  constexpr int kLanes = Vec<acc_t>::size();
   ptr.assign(m + 1, 0);
   // Room for the row that crosses the limit and the last whole-vector store
   // (grown only: a resize up would zero-fill the new part at every block).
@@ -498,12 +512,7 @@ inline bool collect_support(const acc_t* y, int64_t m, int64_t n, int64_t ld, in
   int32_t* const first = idx.data();
   int32_t* out = first;
   for (int64_t r = 0; r < m; ++r) {
-    const acc_t* row = y + r * ld;
-    int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes)
-      out += left_pack_index<kLanes>(out, static_cast<int32_t>(j), lane_mask<acc_t>(V::loadu(row + j) != zero));
-    for (; j < n; ++j)
-      if (!(row[j] == acc_t(0))) *out++ = static_cast<int32_t>(j);
+    out += append_support(y + r * ld, n, out);
     ptr[r + 1] = out - first;
     if (ptr[r + 1] > limit) return false;
   }

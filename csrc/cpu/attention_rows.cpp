@@ -454,6 +454,57 @@ void listed_vjp(const acc_t* p, acc_t* dp, int64_t k, acc_t b, acc_t scale, std:
   }
 }
 
+// dk_j += ds q_r and dv_j += p·keep dO_r over a block's listed entries (CSR
+// ws.idx / ws.ptr, with ds in ws.dps and p·keep in ws.kept).
+template <typename acc_t>
+void listed_key_grads(const Problem<acc_t>& P, int64_t m, int64_t n, const acc_t* qb, const acc_t* dob, acc_t* dk,
+                      acc_t* dv, Workspace<acc_t>& ws) {
+  const std::vector<int32_t>& idx = ws.idx;
+  const std::vector<int64_t>& ptr = ws.ptr;
+  const std::vector<acc_t>& dps = ws.dps;
+  const std::vector<acc_t>& pk = ws.kept;
+  const int64_t total = ptr[m];
+  // With few entries per key (the regrouping below costs a few passes over
+  // the n keys), entry by entry.
+  if (2 * total < n) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t t = ptr[r]; t < ptr[r + 1]; ++t) {
+        const int64_t j = idx[t];
+        axpy(dk + j * P.E, qb + r * P.E, dps[t], P.E);
+        axpy(dv + j * P.Ev, dob + r * P.Ev, pk[t], P.Ev);
+      }
+    return;
+  }
+  // Else the entries regrouped by key (CSC; each key's rows in increasing
+  // order): dk_j and dv_j take all of the block's terms in registers, read
+  // and written once per block instead of once per entry (with scattered
+  // axpys, their stores would dominate the backward). Which way a block goes
+  // depends on its entries alone, never on the thread count. A dropped entry
+  // (keep 0) adds 0·dO_r.
+  std::vector<int64_t>& start = ws.cstart;
+  std::vector<int32_t>& rows = ws.crow;
+  std::vector<acc_t>& cds = ws.cds;
+  std::vector<acc_t>& cpk = ws.cpk;
+  start.assign(n + 1, 0);
+  rows.resize(total), cds.resize(total), cpk.resize(total);
+  for (int64_t t = 0; t < total; ++t) ++start[idx[t] + 1];
+  for (int64_t j = 0; j < n; ++j) start[j + 1] += start[j];
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t t = ptr[r]; t < ptr[r + 1]; ++t) {
+      const int64_t at = start[idx[t]]++;
+      rows[at] = static_cast<int32_t>(r), cds[at] = dps[t], cpk[at] = pk[t];
+    }
+  // (start[j] now holds key j's end, the next key's start.)
+  int64_t a = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t e = start[j];
+    if (e == a) continue;
+    accumulate_listed(cds.data() + a, rows.data() + a, e - a, qb, P.E, P.E, dk + j * P.E, true);
+    accumulate_listed(cpk.data() + a, rows.data() + a, e - a, dob, P.Ev, P.Ev, dv + j * P.Ev, true);
+    a = e;
+  }
+}
+
 // Backward of a block of rows over their supports (CSR idx/pvals/ptr), entry by
 // entry: dp = dO·v_j, ds = scale·g·(dp - Σg dp/Σg), dq = Σ ds k_j, then key by
 // key dk_j += Σ ds q and dv_j += Σ p·keep dO.
@@ -518,46 +569,9 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
     // dq = Σ ds k_j, in registers.
     accumulate_listed(dps.data() + t0, idx.data() + t0, t1 - t0, kh, P.E, P.E, dqr);
   }
-  // dk_j += ds q_r and dv_j += p·keep dO_r. With few entries per key (the
-  // regrouping below costs a few passes over the n keys), entry by entry.
-  if (2 * total < n) {
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t t = ptr[r]; t < ptr[r + 1]; ++t) {
-        const int64_t j = idx[t];
-        axpy(dk + j * P.E, qb + r * P.E, dps[t], P.E);
-        axpy(dv + j * P.Ev, dob + r * P.Ev, pk[t], P.Ev);
-      }
-    return;
-  }
-  // Else the entries regrouped by key (CSC; each key's rows in increasing
-  // order): dk_j and dv_j take all of the block's terms in registers, read
-  // and written once per block instead of once per entry (with scattered
-  // axpys, their stores would dominate the backward). Which way a block goes
-  // depends on its entries alone, never on the thread count. A dropped entry
-  // (keep 0) adds 0·dO_r.
-  std::vector<int64_t>& start = ws.cstart;
-  std::vector<int32_t>& rows = ws.crow;
-  std::vector<acc_t>& cds = ws.cds;
-  std::vector<acc_t>& cpk = ws.cpk;
-  start.assign(n + 1, 0);
-  rows.resize(total), cds.resize(total), cpk.resize(total);
-  for (int64_t t = 0; t < total; ++t) ++start[idx[t] + 1];
-  for (int64_t j = 0; j < n; ++j) start[j + 1] += start[j];
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t t = ptr[r]; t < ptr[r + 1]; ++t) {
-      const int64_t at = start[idx[t]]++;
-      rows[at] = static_cast<int32_t>(r), cds[at] = dps[t], cpk[at] = pk[t];
-    }
-  // (start[j] now holds key j's end, the next key's start.)
-  int64_t a = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t e = start[j];
-    if (e == a) continue;
-    accumulate_listed(cds.data() + a, rows.data() + a, e - a, qb, P.E, P.E, dk + j * P.E, true);
-    accumulate_listed(cpk.data() + a, rows.data() + a, e - a, dob, P.Ev, P.Ev, dv + j * P.Ev, true);
-    a = e;
-  }
+  listed_key_grads(P, m, n, qb, dob, dk, dv, ws);
 }
+
 
 }  // namespace
 
@@ -766,6 +780,68 @@ void signed_nonzero_runs(const acc_t* y, int64_t m, int64_t n, int64_t ld, Runs&
   }
 }
 
+// The backward of a block of fusedmax rows over their supports, when they
+// hold at most kSparseDensity of the block's entries: each row of scores (y,
+// m x n) solved again, dP taken only on its support (a fused segment of
+// prox(s) lies in the support or outside it whole, so dS vanishes off the
+// support: sparsemax's gradient does, and the prox's averages it over
+// segments), then dQ, dK, dV entry by entry as for sparsemax's rows. Returns
+// false, with y overwritten, once the supports pass that share.
+template <typename acc_t>
+bool fusedmax_backward_listed(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+                              acc_t* y, const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* dlam,
+                              Workspace<acc_t>& ws) {
+  const int64_t hk = h / P.group();
+  const acc_t* kh = P.k_head(bi, hk);
+  const acc_t* vh = P.v_head(bi, hk);
+  const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
+  reserve_lists(ws, limit, n);
+  if (ws.dps.size() < ws.idx.size()) ws.dps.resize(ws.idx.size());
+  if (ws.kept.size() < ws.idx.size()) ws.kept.resize(ws.idx.size());
+  ws.ptr.assign(m + 1, 0);
+  const Dropout& drop = P.drop;
+  const acc_t dscale = static_cast<acc_t>(drop.scale);
+  const int64_t row0 = P.row_id(bi, h, i0);
+  double dl = 0.0;
+  for (int64_t r = 0; r < m; ++r) {
+    acc_t* yr = y + r * n;
+    acc_t* dr = ws.d.data() + r * n;
+    ws.prox.solve(P.prox, yr, n, P.lam[h]);
+    const int64_t t0 = ws.ptr[r];
+    const int32_t* ir = ws.idx.data() + t0;
+    const int64_t k = append_support(yr, n, ws.idx.data() + t0);
+    ws.ptr[r + 1] = t0 + k;
+    if (ws.ptr[r + 1] > limit) return false;
+    acc_t* dpr = ws.dps.data() + t0;
+    acc_t* pkr = ws.kept.data() + t0;
+    dots_listed(dob + r * P.Ev, ir, k, vh, P.Ev, P.Ev, dpr);
+    for (int64_t t = 0; t < k; ++t) pkr[t] = yr[ir[t]];
+    if (drop.on) {
+      // dV takes p·keep and the solver dP·keep, both scaled (a dropped
+      // entry's are 0 whatever v_j holds).
+      for (int64_t t = 0; t < k; ++t) {
+        const acc_t kj = static_cast<acc_t>(dropout_keep(drop, row0 + r, P.key0 + ir[t])) * dscale;
+        pkr[t] = kj == acc_t(0) ? acc_t(0) : pkr[t] * kj;
+        dpr[t] = kj == acc_t(0) ? acc_t(0) : kj * dpr[t];
+      }
+    }
+    // The solver reads a whole row of dP; off the support it goes unused.
+    std::fill(dr, dr + n, acc_t(0));
+    for (int64_t t = 0; t < k; ++t) dr[ir[t]] = dpr[t];
+    dl += ws.prox.vjp(P.prox, dr, n, P.scale);
+    for (int64_t t = 0; t < k; ++t) dpr[t] = dr[ir[t]];
+    acc_t* dqr = dqb + r * P.E;
+    if (k == 0) {
+      std::fill(dqr, dqr + P.E, acc_t(0));
+    } else {
+      accumulate_listed(dpr, ir, k, kh, P.E, P.E, dqr);
+    }
+  }
+  listed_key_grads(P, m, n, P.q_rows(bi, h, i0), dob, dk, dv, ws);
+  if (dlam) *dlam += dl;
+  return true;
+}
+
 // Backward of a block of rows of a structured head (Problem::prox): dP =
 // dO·Vᵀ over all the block's keys first, then each row solved again from its
 // scores (its probabilities, for dV, in place in ws.y) and its dS taken from
@@ -781,6 +857,10 @@ void prox_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   acc_t* y = ws.y.data();
   acc_t* d = ws.d.data();
   score_block(P, bi, h, i0, m, n, y, n);
+  if (P.prox == Prox::kFusedmax) {
+    if (fusedmax_backward_listed(P, bi, h, i0, m, n, y, dob, dqb, dk, dv, dlam, ws)) return;
+    score_block(P, bi, h, i0, m, n, y, n);
+  }
   if (P.vp) {
     gemm_packed_cols<acc_t>(m, n, 0, n, P.Ev, acc_t(1), dob, P.vp_head(bi, hk), d);
   } else {
