@@ -77,7 +77,7 @@ bench: $(BUILT)
 	$(VPY) benchmarks/report.py .benchmarks/latest.json --out $(BENCH_DIR)/suites
 	$(VPY) benchmarks/ratios.py --out $(BENCH_DIR)/ratios
 	$(VPY) benchmarks/bands.py --out $(BENCH_DIR)/bands
-	$(VPY) benchmarks/structured.py --out $(BENCH_DIR)/structured
+	$(VPY) benchmarks/structured.py --processes 3 --out $(BENCH_DIR)/structured
 	$(VPY) benchmarks/docs.py
 
 bench-quick: $(BUILT)

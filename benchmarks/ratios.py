@@ -403,16 +403,18 @@ def _argv_without(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def repeat_in_processes(args) -> None:
-    """Runs this script args.processes times, each in a fresh process with the
-    same arguments, and merges their results: per case, the median of the
+def repeat_in_processes(args, script: str = "benchmarks/ratios.py") -> None:
+    """Runs the script (this one, or another that records its results with
+    write()) args.processes times, each in a fresh process with the same
+    arguments, and merges their results: per case, the median of the
     processes' ratios (and of their times) with the lowest and highest ratio."""
     runs = []
     base = _argv_without(_argv_without(sys.argv[1:], "--processes"), "--out")
+    path = Path(__file__).resolve().parent / Path(script).name
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.processes):
             prefix = Path(tmp) / f"run{i}"
-            cmd = [sys.executable, str(Path(__file__).resolve()), *base, "--out", str(prefix)]
+            cmd = [sys.executable, str(path), *base, "--out", str(prefix)]
             print(f"process {i + 1} of {args.processes}: {' '.join(cmd[1:])}", flush=True)
             subprocess.run(cmd, check=True)
             runs.append(json.loads(prefix.with_suffix(".json").read_text()))
@@ -425,7 +427,7 @@ def repeat_in_processes(args) -> None:
                 order.append(key)
             merged[key].append(r)
     # (The processes' own command lines name their scratch output; the header names this one's.)
-    meta = dict(runs[0]["machine"], command=" ".join(["benchmarks/ratios.py", *sys.argv[1:]]))
+    meta = dict(runs[0]["machine"], command=" ".join([script, *sys.argv[1:]]))
     results = []
     for key in order:
         rs = merged[key]

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
-from ratios import interleaved, record_float32_cases
+from ratios import interleaved, record_float32_cases, repeat_in_processes
 
 import attnkern
 
@@ -147,8 +147,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--processes", type=int, default=1,
+                    help="repeat the run in this many fresh processes; report the median ratio and the range")
     ap.add_argument("--out", required=True, help="prefix of the .md and .json written")
     args = ap.parse_args()
+    if args.processes < 1:
+        ap.error("--processes must be at least 1")
+    if args.processes > 1:
+        return repeat_in_processes(args, "benchmarks/structured.py")
     note = ("Ratio = the structured normalizer's time / attnkern.sparsemax's on the same rows (crf_marginals, "
             "sparsemap_chain: / torch.softmax's; attention: fused / unfused; the \"baseline ms\" column holds the "
             "baseline's time). " + sparsemap_work())
