@@ -110,6 +110,24 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+# Warm-up calls at most, and seconds, spent waiting for a contender's calls to
+# stop paying page faults.
+HEAP_WARM_CALLS, HEAP_WARM_S = 12, 3.0
+
+
+def _settle_heap(fn: Callable[[], object], faults: int, seconds: float) -> None:
+    """Calls fn again while its last call paid page faults. glibc carves each
+    aligned 16 MB tensor from fresh pages at the top of the heap until freed
+    blocks have coalesced into ones large enough, which took up to a dozen
+    calls (sparsemax forward at [4096, 1024]: 11 ms with 4096 faults a call,
+    then 2 ms with none); the timed rounds measure the settled heap."""
+    calls, spent = 0, seconds
+    while faults >= FAULT_NOTE_MIN and calls < HEAP_WARM_CALLS and spent < HEAP_WARM_S:
+        f0, t0 = _minor_faults(), time.perf_counter()
+        fn()
+        faults, spent, calls = _minor_faults() - f0, spent + time.perf_counter() - t0, calls + 1
+
+
 def interleaved(ours: Callable[[], object], theirs: Callable[[], object], rounds: int) -> Timing:
     """Medians over rounds, the two alternating (order flipped every round)
     after one warm-up each. When both warm-up calls take over a second,
@@ -130,6 +148,9 @@ def interleaved(ours: Callable[[], object], theirs: Callable[[], object], rounds
         f_ours.append(f1 - f0)
         f_theirs.append(f2 - f1)
         ratios.append((t1 - t0) / (t2 - t1))
+    if not ratios:
+        _settle_heap(ours, f1 - f0, t1 - t0)
+        _settle_heap(theirs, f2 - f1, t2 - t1)
     rounds = max(1, min(rounds, int(CASE_BUDGET_S / (t2 - t0))))
     for r in range(len(ratios), rounds):
         order = (ours, theirs) if r % 2 == 0 else (theirs, ours)
