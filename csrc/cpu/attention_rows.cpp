@@ -572,7 +572,6 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
   listed_key_grads(P, m, n, qb, dob, dk, dv, ws);
 }
 
-
 }  // namespace
 
 // Rows [j0, j1) of V from P.v_rows_half, widened to acc_t into buf (Ev

@@ -70,8 +70,9 @@ struct ProxScratch {
   bool zero_y = false;  // the prox set y to 0 without solving (oscar_prox)
   // Where fusedmax's prox was solved only around the support: how many of
   // y's entries are finite, their values listed in index order in
-  // block_mean; -1 where y was solved everywhere.
-  int64_t local = -1;
+  // block_mean; -1 where y was solved everywhere. The finite entries form
+  // `regions` runs, [order_tmp[2r], order_tmp[2r + 1]] (disjoint, increasing).
+  int64_t local = -1, regions = 0;
   explicit ProxScratch(int64_t n) : buf(new double[9 * n]), ibuf(new int64_t[4 * n]), keys(new uint64_t[2 * n]) {
     double* b = buf.get();
     for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum, &block_mean}) {
@@ -91,8 +92,6 @@ using at::Tensor;
 
 
 
-// The row's finite entries (compacted into xs, their positions into pos);
-// false if the row holds a NaN or +inf (its output is NaN).
 // Whether every entry of x is finite (no NaN, no ±inf): x - x is 0 exactly
 // then, NaN otherwise.
 template <typename T>
@@ -113,6 +112,8 @@ bool all_finite(const T* x, int64_t n) {
   return true;
 }
 
+// The row's finite entries (compacted into xs, their positions into pos);
+// false if the row holds a NaN or +inf (its output is NaN).
 template <typename T>
 bool finite_entries(const T* x, int64_t n, double* xs, int64_t* pos, int64_t& m) {
   // Unmasked rows, the common case, in vector passes.
@@ -270,6 +271,7 @@ bool support_tv_prox(ProxScratch& s, int64_t m, double lam) {
       // y's finite entries, in index order (the regions are disjoint and
       // increasing), for the threshold.
       s.local = 0;
+      s.regions = windows;
       for (int64_t w = 0; w < windows; ++w) {
         for (int64_t i = regions[2 * w]; i <= regions[2 * w + 1]; ++i) s.block_mean[s.local++] = s.y[i];
       }
@@ -537,10 +539,20 @@ struct Saved {
 
 void Fusedmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* seg, int32_t* /*ranks*/) {
   const double* y = s.y;
+  auto byte = [&](int64_t i) {
+    return uint8_t((y[i] != y[i - 1] ? kSegStart : 0) | (y[i] > y[i - 1] ? kSegUp : 0) | (y[i] > tau ? kSegSupport : 0));
+  };
   seg[s.pos[0]] = kSegFirst | kSegStart | (y[0] > tau ? kSegSupport : 0);
-  for (int64_t i = 1; i < m; ++i) {
-    seg[s.pos[i]] = (y[i] != y[i - 1] ? kSegStart : 0) | (y[i] > y[i - 1] ? kSegUp : 0) | (y[i] > tau ? kSegSupport : 0);
+  if (s.local >= 0) {
+    // y is -inf off its regions, so only a region's entries and the one after
+    // it can have a byte other than 0 (seg comes zeroed).
+    for (int64_t r = 0; r < s.regions; ++r) {
+      const int64_t to = std::min(s.order_tmp[2 * r + 1] + 1, m - 1);
+      for (int64_t i = std::max<int64_t>(s.order_tmp[2 * r], 1); i <= to; ++i) seg[s.pos[i]] = byte(i);
+    }
+    return;
   }
+  for (int64_t i = 1; i < m; ++i) seg[s.pos[i]] = byte(i);
 }
 
 void Oscarmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* flags, int32_t* ranks) {
@@ -592,7 +604,13 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Saved 
         if (m > 0) {
           Op::prox(s, m, lp[r]);
           const double tau = threshold(s, m);
-          if (m == n) {  // (pos is the identity)
+          if (s.local >= 0) {  // (0 off y's finite regions)
+            if (m == n) std::fill(p, p + n, 0.0);
+            for (int64_t r = 0; r < s.regions; ++r) {
+              for (int64_t i = s.order_tmp[2 * r]; i <= s.order_tmp[2 * r + 1]; ++i)
+                p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
+            }
+          } else if (m == n) {  // (pos is the identity)
             clip_below(s.y, tau, m, p);
           } else {
             for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
@@ -650,72 +668,88 @@ std::tuple<Tensor, Tensor, Tensor> oscarmax_fwd_clusters(const Tensor& x, const 
   return {p, flags, ranks};
 }
 
+// The positions of the support entries (kSegSupport) of a row of n segment
+// bytes, in index order, into pos; returns their count. Eight bytes at a
+// time: supports are a few entries, so most words hold none.
+int64_t support_positions(const uint8_t* seg, int64_t n, int64_t* pos) {
+  constexpr uint64_t kSupportBits = 0x0101010101010101ULL * kSegSupport;
+  int64_t k = 0, j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t word;
+    std::memcpy(&word, seg + j, 8);
+    // (Little-endian byte order: bit 8·b + 2 is byte b's support bit.)
+    for (uint64_t bits = word & kSupportBits; bits != 0; bits &= bits - 1) pos[k++] = j + __builtin_ctzll(bits) / 8;
+  }
+  for (; j < n; ++j) {
+    if (seg[j] & kSegSupport) pos[k++] = j;
+  }
+  return k;
+}
+
 // fusedmax's backward from its segments: math::sparsemax_vjp and
 // math::fusedmax_vjp walked over the row's entries with the same operations in
 // the same order, so it equals the backward that solves the prox again, bit
-// for bit.
+// for bit. Only the support's entries and their segments' ends are read: the
+// gradient is 0 elsewhere. Rows at stride 1 are read and written in place.
 template <typename scalar_t>
 void fusedmax_bwd_segments_impl(const Tensor& segments, const Tensor& grad, Tensor& dx, Tensor& dlam, int64_t dim) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "support_positions reads bytes as little-endian words");
   const RowLayout lay = RowLayout::of(segments, dim);
   const uint8_t* sp = segments.const_data_ptr<uint8_t>();
   const scalar_t* gp = grad.const_data_ptr<scalar_t>();
   scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
   double* dlp = dlam.defined() ? dlam.mutable_data_ptr<double>() : nullptr;
   const int64_t n = lay.n;
+  const bool in_place = lay.inner == 1;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
-    std::unique_ptr<double[]> buf(new double[2 * n]);
-    std::unique_ptr<uint8_t[]> seg(new uint8_t[n]);
-    double *g = buf.get(), *out = g + n;
+    std::unique_ptr<uint8_t[]> seg_row(in_place ? nullptr : new uint8_t[n]);
+    std::unique_ptr<scalar_t[]> rows(in_place ? nullptr : new scalar_t[2 * n]);
+    std::unique_ptr<int64_t[]> support(new int64_t[n]);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      lay.load(sp + base, seg.get());
-      lay.load(gp + base, g);
+      const uint8_t* seg = sp + base;
+      const scalar_t* g = gp + base;
+      scalar_t* out = dp + base;
+      if (!in_place) {
+        lay.load(sp + base, seg_row.get());
+        lay.load(gp + base, rows.get());
+        seg = seg_row.get(), g = rows.get(), out = rows.get() + n;
+      }
       double dl = 0.0;
       if (n > 0 && (seg[0] & kSegNanRow)) {
-        std::fill(out, out + n, std::numeric_limits<double>::quiet_NaN());
+        std::fill(out, out + n, std::numeric_limits<scalar_t>::quiet_NaN());
         dl = std::numeric_limits<double>::quiet_NaN();
       } else {
+        const int64_t k = support_positions(seg, n, support.get());
         double gsum = 0.0;
-        int64_t support = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          if (seg[j] & kSegSupport) {
-            gsum += g[j];
-            ++support;
-          }
-        }
-        const double gmean = support > 0 ? gsum / double(support) : 0.0;
-        std::fill(out, out + n, 0.0);
+        for (int64_t t = 0; t < k; ++t) gsum += static_cast<double>(g[support[t]]);
+        const double gmean = k > 0 ? gsum / double(k) : 0.0;
+        std::fill(out, out + n, scalar_t(0));
         // Segments of y on the support, one at a time: from a support entry
         // (which starts its segment: the entry before it is off the support or
         // in another segment) to the next start; in between, entries at -inf
-        // (byte 0) take no part. Entries off the support are skipped without
-        // looking at their jumps, which are coin flips a branch would guess
-        // wrong half the time. jump: the sign of y's jump into the segment
+        // (byte 0) take no part. jump: the sign of y's jump into the segment
         // starting at an entry (0 at the row's first entry and past its end).
         auto jump = [](uint8_t b) { return (b & kSegFirst) ? 0.0 : ((b & kSegUp) ? 1.0 : -1.0); };
-        int64_t j = 0;
-        for (;;) {
-          while (j < n && !(seg[j] & kSegSupport)) ++j;
-          if (j == n) break;
-          const int64_t first = j;
-          int64_t last = j;
-          const double left = jump(seg[j]);
+        for (int64_t t = 0; t < k;) {
+          const int64_t first = support[t++];
+          const double left = jump(seg[first]);
           double size = 1.0, vsum = 0.0;
-          vsum += g[j] - gmean;  // (from 0.0, as the solving backward: -0.0 sums to 0.0)
-          for (++j; j < n && !(seg[j] & kSegStart); ++j) {
+          vsum += static_cast<double>(g[first]) - gmean;  // (from 0.0, as the solving backward: -0.0 sums to 0.0)
+          int64_t j = first + 1;
+          for (; j < n && !(seg[j] & kSegStart); ++j) {
             if (seg[j] & kSegSupport) {
-              last = j;
               size += 1.0;
-              vsum += g[j] - gmean;
+              vsum += static_cast<double>(g[j]) - gmean;
             }
           }
-          for (int64_t i = first; i <= last; ++i) {
-            if (seg[i] & kSegSupport) out[i] = vsum / size;
-          }
+          const scalar_t value = static_cast<scalar_t>(vsum / size);
+          out[first] = value;
+          for (; t < k && support[t] < j; ++t) out[support[t]] = value;
           dl += ((j < n ? jump(seg[j]) : 0.0) - left) / size * vsum;
         }
       }
-      lay.store(out, dp + base);
+      if (!in_place) lay.store(out, dp + base);
       if (dlp) dlp[r] = dl;
     }
   });
@@ -953,7 +987,13 @@ float ProxRow::solve(Prox prox, acc_t* row, int64_t n, double lam) {
     Oscarmax::prox(s, m_, lam);
   }
   tau_ = threshold(s, m_);
-  if (m_ == n) {  // (no entry removed: pos is the identity)
+  if (s.local >= 0) {  // (0 off y's finite regions)
+    std::fill(row, row + n, acc_t(0));
+    for (int64_t r = 0; r < s.regions; ++r) {
+      for (int64_t i = s.order_tmp[2 * r]; i <= s.order_tmp[2 * r + 1]; ++i)
+        row[s.pos[i]] = static_cast<acc_t>(std::max(s.y[i] - tau_, 0.0));
+    }
+  } else if (m_ == n) {  // (no entry removed: pos is the identity)
     clip_below(s.y, tau_, n, s.out);
     for (int64_t i = 0; i < n; ++i) row[i] = static_cast<acc_t>(s.out[i]);
   } else {
