@@ -197,6 +197,30 @@ def test_fusedmax_backward_over_small_supports(supports, dropout_p):
         assert_close_tol(got, ref, tol, name)
 
 
+def test_fusedmax_backward_finds_supports_below_the_threshold():
+    """fusedmax's backward solves each row again, its search narrowed by the
+    threshold the forward saved: a fused segment of the support may hold
+    entries whose scores lie below that threshold, positions away from any
+    entry above it (here a valley of 1s between two 3s, fused at λ = 1.2 into
+    one segment of weight 1/6 each, threshold 1.1). Scores set exactly through
+    E = 1 and scale 1."""
+    scores = torch.full((96,), -5.0, dtype=torch.float64)
+    scores[40:46] = torch.tensor([3.0, 1.0, 1.0, 1.0, 1.0, 3.0], dtype=torch.float64)
+    k = scores.view(1, 1, -1, 1).clone().requires_grad_()
+    q = torch.ones(1, 1, 1, 1, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 96, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64).requires_grad_()
+    go = torch.randn(1, 1, 1, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    lam = torch.tensor([1.2], dtype=torch.float64, requires_grad=True)
+    _, w = attnkern.attention(q, k, v, scale=1.0, normalizer="fusedmax", lam=lam, return_weights=True)
+    torch.testing.assert_close(w[0, 0, 0, 40:46], torch.full((6,), 1 / 6, dtype=torch.float64))
+    out = attnkern.attention(q, k, v, scale=1.0, normalizer="fusedmax", lam=lam)
+    want = _reference(q, k, v, None, False, "fusedmax", lam, scale=1.0)
+    tol = tolerance(torch.float64, "attention", "forward")
+    for name, got, ref in zip(("dq", "dk", "dv", "dlam"), torch.autograd.grad(out, (q, k, v, lam), go),
+                              torch.autograd.grad(want, (q, k, v, lam), go), strict=True):
+        assert_close_tol(got, ref, tol, name)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("normalizer", STRUCTURED)
 def test_half_types(normalizer, dtype):

@@ -788,8 +788,8 @@ void signed_nonzero_runs(const acc_t* y, int64_t m, int64_t n, int64_t ld, Runs&
 // false, with y overwritten, once the supports pass that share.
 template <typename acc_t>
 bool fusedmax_backward_listed(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
-                              acc_t* y, const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* dlam,
-                              Workspace<acc_t>& ws) {
+                              acc_t* y, const float* c, const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv,
+                              double* dlam, Workspace<acc_t>& ws) {
   const int64_t hk = h / P.group();
   const acc_t* kh = P.k_head(bi, hk);
   const acc_t* vh = P.v_head(bi, hk);
@@ -805,7 +805,7 @@ bool fusedmax_backward_listed(const Problem<acc_t>& P, int64_t bi, int64_t h, in
   for (int64_t r = 0; r < m; ++r) {
     acc_t* yr = y + r * n;
     acc_t* dr = ws.d.data() + r * n;
-    ws.prox.solve(P.prox, yr, n, P.lam[h]);
+    ws.prox.solve(P.prox, yr, n, P.lam[h], c[r]);
     const int64_t t0 = ws.ptr[r];
     const int32_t* ir = ws.idx.data() + t0;
     const int64_t k = append_support(yr, n, ws.idx.data() + t0);
@@ -848,7 +848,7 @@ bool fusedmax_backward_listed(const Problem<acc_t>& P, int64_t bi, int64_t h, in
 // where dS (dQ, dK) and P (dV) are non-zero: oscarmax's dS reaches beyond
 // P's support (a cluster's entries below the threshold share its gradient).
 template <typename acc_t>
-void prox_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
+void prox_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n, const float* c,
                    const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* dlam, Workspace<acc_t>& ws) {
   const int64_t hk = h / P.group();
   const acc_t* kh = P.k_head(bi, hk);
@@ -857,7 +857,7 @@ void prox_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   acc_t* d = ws.d.data();
   score_block(P, bi, h, i0, m, n, y, n);
   if (P.prox == Prox::kFusedmax) {
-    if (fusedmax_backward_listed(P, bi, h, i0, m, n, y, dob, dqb, dk, dv, dlam, ws)) return;
+    if (fusedmax_backward_listed(P, bi, h, i0, m, n, y, c, dob, dqb, dk, dv, dlam, ws)) return;
     score_block(P, bi, h, i0, m, n, y, n);
   }
   if (P.vp) {
@@ -870,7 +870,7 @@ void prox_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   for (int64_t r = 0; r < m; ++r) {
     acc_t* yr = y + r * n;
     acc_t* dr = d + r * n;
-    ws.prox.solve(P.prox, yr, n, P.lam[h]);
+    ws.prox.solve(P.prox, yr, n, P.lam[h], c[r]);
     // (Dropout: dV takes p·keep, the solver's dP the kept dP; both scaled.)
     if (P.drop.on) apply_dropout(P.drop, yr, 1, n, n, row0 + r, P.key0, dr);
     dl += ws.prox.vjp(P.prox, dr, n, P.scale);
@@ -895,7 +895,7 @@ template <typename acc_t>
 void rows_backward_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, int64_t m, int64_t n,
                          const float* c, const acc_t* dob, acc_t* dqb, acc_t* dk, acc_t* dv, double* da,
                          Workspace<acc_t>& ws) {
-  if (P.prox != Prox::kNone) return prox_backward(P, bi, h, i0, m, n, dob, dqb, dk, dv, da, ws);
+  if (P.prox != Prox::kNone) return prox_backward(P, bi, h, i0, m, n, c, dob, dqb, dk, dv, da, ws);
   math::with_family(P.fam[h], [&](auto tag) {
     rows_backward<acc_t, decltype(tag)::value>(P, bi, h, i0, m, n, c, dob, dqb, dk, dv, da, ws);
   });

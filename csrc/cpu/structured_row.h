@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 
 namespace attnkern {
@@ -28,8 +29,11 @@ class ProxRow {
   // row (n scores, -inf: masked, removed before the prox) in, probabilities
   // out, in place. Returns sparsemax's threshold on prox(row): +inf for a row
   // with no finite score (zeros out), NaN for a row holding NaN or +inf (NaN out).
+  // tau_hint: what solve returned for this row before (a backward solving
+  // again), which narrows fusedmax's search for its support; NaN: none.
   template <typename acc_t>
-  float solve(Prox prox, acc_t* row, int64_t n, double lam);
+  float solve(Prox prox, acc_t* row, int64_t n, double lam,
+              float tau_hint = std::numeric_limits<float>::quiet_NaN());
   // d (the n incoming gradients of the row last solved) in, scale times the
   // gradient in its scores out, in place; returns the gradient in λ.
   template <typename acc_t>
