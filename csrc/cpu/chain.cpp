@@ -458,6 +458,34 @@ struct CrfLanes {
     }
   }
 
+  // Readies the group's rows (and gradients) in the lanes: read from the
+  // tensor (direct: add_direct) or from the staged rows (add).
+  template <typename scalar_t>
+  void stage(bool direct, bool with_grad) {
+    if (direct) {
+      load_direct<scalar_t>(with_grad);
+    } else {
+      pad(with_grad);
+    }
+  }
+
+  // Writes the used lanes of soa to their rows of dst (row r at lay.base(r)):
+  // transposed a block at a time (direct), else a lane at a time through
+  // scratch (n entries).
+  template <typename scalar_t>
+  void write_rows(const double* soa, scalar_t* dst, const RowLayout& lay, bool direct, double* scratch) const {
+    if (direct) {
+      scalar_t* to[kLanes] = {};
+      for (int l = 0; l < count; ++l) to[l] = dst + lay.base(rows[l]);
+      transpose_out(soa, to);
+      return;
+    }
+    for (int l = 0; l < count; ++l) {
+      column(soa, l, scratch);
+      lay.store(scratch, dst + lay.base(rows[l]));
+    }
+  }
+
   // Fills the unused lanes with lane 0's row.
   void pad(bool with_grad) {
     for (int l = count; l < kLanes; ++l) {
@@ -689,22 +717,9 @@ void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) 
     std::unique_ptr<CrfLanes> lanes;
     if (kSideBySide<Op> && n <= CrfLanes::kMaxEntries) lanes = std::make_unique<CrfLanes>(n);
     auto run_lanes = [&] {
-      if (direct) {
-        lanes->load_direct<scalar_t>(/*with_grad=*/false);
-      } else {
-        lanes->pad(/*with_grad=*/false);
-      }
+      lanes->stage<scalar_t>(direct, /*with_grad=*/false);
       lanes->sweeps();
-      if (direct) {
-        scalar_t* to[CrfLanes::kLanes] = {};
-        for (int l = 0; l < lanes->count; ++l) to[l] = op + lay.base(lanes->rows[l]);
-        lanes->transpose_out(lanes->mu, to);
-      } else {
-        for (int l = 0; l < lanes->count; ++l) {
-          lanes->column(lanes->mu, l, s.out);
-          lay.store(s.out, op + lay.base(lanes->rows[l]));
-        }
-      }
+      lanes->write_rows(lanes->mu, op, lay, direct, s.out);
       lanes->count = 0;
     };
     for (int64_t r = begin; r < end; ++r) {
@@ -777,27 +792,15 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
     std::unique_ptr<CrfLanes> lanes;
     if (kSideBySide<Op> && n <= CrfLanes::kMaxEntries) lanes = std::make_unique<CrfLanes>(n);
     auto run_lanes = [&] {
-      if (direct) {
-        lanes->load_direct<scalar_t>(/*with_grad=*/true);
-      } else {
-        lanes->pad(/*with_grad=*/true);
-      }
+      lanes->stage<scalar_t>(direct, /*with_grad=*/true);
       if (dwp) {
         lanes->gradient</*with_dw=*/true>();
       } else {
         lanes->gradient</*with_dw=*/false>();
       }
-      if (direct) {
-        scalar_t* to[CrfLanes::kLanes] = {};
-        for (int l = 0; l < lanes->count; ++l) to[l] = dp + lay.base(lanes->rows[l]);
-        lanes->transpose_out(lanes->out, to);
-      }
+      lanes->write_rows(lanes->out, dp, lay, direct, s.out);
       for (int l = 0; l < lanes->count; ++l) {
         const int64_t r = lanes->rows[l];
-        if (!direct) {
-          lanes->column(lanes->out, l, s.out);
-          lay.store(s.out, dp + lay.base(r));
-        }
         if (dwp) {
           for (int k = 0; k < 4; ++k) dwp[4 * r + k] = lanes->dw[k][l];
         }
