@@ -73,15 +73,19 @@ def test_long_rows_match_the_taut_string(lam):
 
 @pytest.mark.parametrize("n", [64, 97, 1025])
 @pytest.mark.parametrize("lam", [0.002, 0.05, 0.2])
-def test_fusedmax_solved_around_the_support_matches_the_reference(n, lam):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fusedmax_solved_around_the_support_matches_the_reference(n, lam, dtype):
     # On long rows at small lam the kernel solves the prox only in windows
     # around the entries that can reach sparsemax's support (bounded by the
-    # windows solved with both extreme boundary duals); elsewhere, and where
-    # the candidates are many (tiny or flat rows), it sweeps the whole row.
-    # Values and both gradients against the reference, on plain rows, rows
-    # with plateaus and masked runs, near ties at the top, tiny and large
-    # magnitudes.
-    x = random_rows(n, rows=8, seed=23)
+    # windows solved with both extreme boundary duals), or without a solve at
+    # an isolated peak more than 4·lam above both neighbours; elsewhere, and
+    # where the candidates are many (tiny or flat rows), it sweeps the whole
+    # row. Unmasked float rows are read and written in place. Values and both
+    # gradients against the reference, on plain rows, rows with plateaus and
+    # masked runs, near ties at the top, tiny and large magnitudes, and spikes
+    # at the ends, side by side, and exactly 4·lam (and a rounding either
+    # side of it) above their neighbours.
+    x = random_rows(n, rows=10, seed=23)
     x[1] = torch.round(x[1] * 4) / 4  # plateaus
     x[2, 5:9] = -math.inf  # a masked run
     x[2, -3:] = -math.inf
@@ -89,17 +93,26 @@ def test_fusedmax_solved_around_the_support_matches_the_reference(n, lam):
     x[4] *= 1e-6
     x[5] *= 1e4
     x[6] = x[6].sort().values  # a ramp: one support cluster at the end
-    lam_rows = torch.full((8, 1), lam, dtype=torch.float64)
-    go = random_rows(n, rows=8, seed=24)
+    x[8:] *= 0.1
+    for row, spikes in ((8, (0, 10, 11, 40, n - 1)), (9, (3, 20, 33, 50))):
+        for i in spikes:
+            x[row, i] = 3.0
+    x[9, 19] = 3.0 - 4 * lam  # exactly 4·lam below a spike
+    x[9, 32] = math.nextafter(3.0 - 4 * lam, 4.0)
+    x[9, 49] = math.nextafter(3.0 - 4 * lam, 0.0)
+    x = x.to(dtype)
+    lam_rows = torch.full((10, 1), lam, dtype=torch.float64)
+    go = random_rows(n, rows=10, seed=24).to(dtype)
     outs, grads = [], []
     for backend in ("cpu", "reference"):
         xs, ls = x.clone().requires_grad_(), lam_rows.clone().requires_grad_()
         p = attnkern.fusedmax(xs, lam=ls, backend=backend)
         outs.append(p)
         grads.append(torch.autograd.grad(p, (xs, ls), go))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-9)
+    tol = 1e-9 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=tol)
     for got, want in zip(*grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(got, want, rtol=tol * 100, atol=tol * 100)
 
 
 @pytest.mark.parametrize("n", [1, 7, 97])
@@ -445,6 +458,17 @@ def test_fusedmax_backward_from_saved_segments_equals_solving_again(dtype):
             want_dx, want_dlam = ops.fusedmax_bwd(x, grad, lam_rows, dim, True)
             assert torch.equal(dx.nan_to_num(7.0), want_dx.nan_to_num(7.0)), (shape, lam)
             assert torch.equal(dlam.nan_to_num(7.0), want_dlam.nan_to_num(7.0)), (shape, lam)
+    # Unmasked rows at small lam: the forward's prox solved in place around
+    # the support (fusedmax_fwd_segments) against the backward's solve.
+    for lam in (0.02, 0.1):
+        x = random_rows(1025, rows=3, seed=31).to(dtype)
+        x[1] = torch.round(x[1] * 4) / 4
+        lam_rows = torch.full((3, 1), lam, dtype=torch.float64)
+        grad = random_rows(1025, rows=3, seed=32).to(dtype)
+        _, segments = ops.fusedmax_fwd_segments(x, lam_rows, -1)
+        dx, dlam = ops.fusedmax_bwd_segments(segments, grad, lam_rows, -1, True)
+        want_dx, want_dlam = ops.fusedmax_bwd(x, grad, lam_rows, -1, True)
+        assert torch.equal(dx, want_dx) and torch.equal(dlam, want_dlam), lam
     x = random_rows(23, rows=3, seed=13).float()
     lam = torch.tensor([[0.1], [0.0], [0.4]])
     _, segments = ops.fusedmax_fwd_segments(x, lam, -1)

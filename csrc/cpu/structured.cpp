@@ -45,6 +45,7 @@
 #include "attnkern/cpu_kernels.h"
 #include "attnkern/row_layout.h"
 #include "attnkern/structured_math.h"
+#include "simd.h"
 #include "structured_row.h"
 
 namespace attnkern {
@@ -64,6 +65,10 @@ struct ProxScratch {
   std::unique_ptr<double[]> buf;
   std::unique_ptr<int64_t[]> ibuf;
   std::unique_ptr<uint64_t[]> keys;
+  // support_tv_prox's entries near the top, with a vector's slack for
+  // left_pack_index's whole-vector stores.
+  std::unique_ptr<int32_t[]> near_buf;
+  int32_t* near;
   double *row, *xs, *y, *g, *gs, *dxs, *out, *block_sum, *block_mean;
   int64_t *pos, *order, *block_end, *order_tmp;
   int64_t blocks = 0;
@@ -73,7 +78,9 @@ struct ProxScratch {
   // block_mean; -1 where y was solved everywhere. The finite entries form
   // `regions` runs, [order_tmp[2r], order_tmp[2r + 1]] (disjoint, increasing).
   int64_t local = -1, regions = 0;
-  explicit ProxScratch(int64_t n) : buf(new double[9 * n]), ibuf(new int64_t[4 * n]), keys(new uint64_t[2 * n]) {
+  explicit ProxScratch(int64_t n)
+      : buf(new double[9 * n]), ibuf(new int64_t[4 * n]), keys(new uint64_t[2 * n]), near_buf(new int32_t[n + 64]) {
+    near = near_buf.get();
     double* b = buf.get();
     for (double** a : {&row, &xs, &y, &g, &gs, &dxs, &out, &block_sum, &block_mean}) {
       *a = b;
@@ -167,7 +174,50 @@ constexpr uint8_t kSegStart = 1, kSegUp = 2, kSegSupport = 4, kSegFirst = 8, kSe
 constexpr uint8_t kClusterFinite = 1, kClusterSupport = 2, kClusterPositive = 4, kClusterNegative = 8,
                   kClusterBlockStart = 16, kClusterNonzero = 32, kClusterNanRow = 64;
 
-bool solve_windows(ProxScratch& s, int64_t m, double lam, const int64_t* cand, int64_t count);
+template <typename T>
+bool solve_windows(ProxScratch& s, const T* x, int64_t m, double lam, const int64_t* cand, int64_t count,
+                   bool whole_y);
+
+// The largest T at most d: for a T entry x, x > round_down(d) exactly when
+// x > d, so a float row is compared against a double bound as floats.
+template <typename T>
+T round_down(double d) {
+  T t = static_cast<T>(d);
+  if (static_cast<double>(t) > d) t = std::nextafter(t, -std::numeric_limits<T>::infinity());
+  return t;
+}
+
+// The row's largest entry and largest magnitude; false where an entry is NaN
+// or ±inf (v - v is 0 exactly for the finite ones). Vector passes on float
+// and double rows.
+template <typename T>
+bool row_extremes(const T* x, int64_t m, double& top, double& amax) {
+  using Vec = at::vec::Vectorized<T>;
+  int64_t j = 0;
+  bool finite = true;
+  T vtop = x[0], vamax = T(0);
+  if (m >= Vec::size()) {
+    Vec vmax = Vec::loadu(x), vabs(T(0)), bad(T(0));
+    for (; j + Vec::size() <= m; j += Vec::size()) {
+      const Vec v = Vec::loadu(x + j);
+      bad = bad | (v - v != Vec(T(0)));
+      vmax = at::vec::maximum(vmax, v);
+      vabs = at::vec::maximum(vabs, v.abs());
+    }
+    finite = bad.zero_mask() == (1 << Vec::size()) - 1;
+    auto larger = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
+    vtop = at::vec::vec_reduce_all<T>(larger, vmax);
+    vamax = at::vec::vec_reduce_all<T>(larger, vabs);
+  }
+  for (; j < m; ++j) {
+    finite &= std::isfinite(x[j]);
+    vtop = std::max(vtop, x[j]);
+    vamax = std::max(vamax, std::abs(x[j]));
+  }
+  top = static_cast<double>(vtop);
+  amax = static_cast<double>(vamax);
+  return finite;
+}
 
 // fusedmax's prox where only what sparsemax reads of it is solved: y exactly
 // on the entries that can be in sparsemax's support and their neighbours,
@@ -179,46 +229,40 @@ bool solve_windows(ProxScratch& s, int64_t m, double lam, const int64_t* cand, i
 // window of the row is that of the window's data with each cut end moved by
 // the unknown dual there, in [-lam, lam]; the prox is monotone in its data, so
 // the windows solved with both ends at -lam and at +lam bound y, and where the
-// two agree they give it. Windows grow until they agree; false (y untouched)
-// where the candidates are many, the row short or the windows large: the
-// caller then sweeps the whole row.
+// two agree they give it. Each window grows until they agree; false where the
+// candidates are many, the row short or a window large: the caller then sweeps
+// the whole row. x: the m finite entries (all of a row, or compacted), top and
+// amax: their largest entry and magnitude (row_extremes). whole_y: y is -inf
+// off the regions solved; otherwise only next to them (a caller that reads y
+// on the regions alone).
 //
 // Given tau_hint, sparsemax's threshold on y rounded to float (what a forward
 // saved; NaN: none), the candidates are the entries with x_i above it minus
 // 2·lam (and a margin for its rounding) instead: fewer, and found in one pass.
-bool support_tv_prox(ProxScratch& s, int64_t m, double lam, double tau_hint) {
-  using Vec = at::vec::Vectorized<double>;
+template <typename T>
+bool support_tv_prox(ProxScratch& s, const T* x, int64_t m, double lam, double tau_hint, double top, double amax,
+                     bool whole_y) {
+  using Vec = at::vec::Vectorized<T>;
   constexpr int64_t kMinRow = 64, kMaxCandidateShare = 16;
   if (!(lam > 0.0) || m < kMinRow) return false;
-  const double* x = s.xs;
-  constexpr int kAll = (1 << Vec::size()) - 1;
+  constexpr int kAll = int((1u << Vec::size()) - 1);
   int64_t* cand = s.order;
   int64_t count = 0;
   if (std::isfinite(tau_hint)) {
     // (float rounding moves tau by at most 2^-24 of it.)
     const double bound = tau_hint - 2.0 * lam - 1e-6 * (std::abs(tau_hint) + 2.0 * lam + 1.0);
+    // (Entries of a float row above the double bound are those above it
+    // rounded down to float.)
+    const T vbound = round_down<T>(bound);
     int64_t j = 0;
     for (; j + Vec::size() <= m; j += Vec::size()) {
-      for (int above = kAll & ~(Vec::loadu(x + j) > Vec(bound)).zero_mask(); above != 0; above &= above - 1)
+      for (int above = kAll & ~(Vec::loadu(x + j) > Vec(vbound)).zero_mask(); above != 0; above &= above - 1)
         cand[count++] = j + __builtin_ctz(above);
     }
     for (; j < m; ++j) {
-      if (x[j] > bound) cand[count++] = j;
+      if (x[j] > vbound) cand[count++] = j;
     }
-    return count > 0 && count * kMaxCandidateShare <= m && solve_windows(s, m, lam, cand, count);
-  }
-  Vec vmax(x[0]), vamax(0.0);
-  int64_t j = 0;
-  for (; j + Vec::size() <= m; j += Vec::size()) {
-    const Vec v = Vec::loadu(x + j);
-    vmax = at::vec::maximum(vmax, v);
-    vamax = at::vec::maximum(vamax, v.abs());
-  }
-  auto larger = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
-  double top = at::vec::vec_reduce_all<double>(larger, vmax), amax = at::vec::vec_reduce_all<double>(larger, vamax);
-  for (; j < m; ++j) {
-    top = std::max(top, x[j]);
-    amax = std::max(amax, std::abs(x[j]));
+    return count > 0 && count * kMaxCandidateShare <= m && solve_windows(s, x, m, lam, cand, count, whole_y);
   }
   // (The margin keeps rounding in the thresholds from dropping a candidate.)
   const double margin = 1e-9 * (amax + 4.0 * lam + 1.0);
@@ -227,30 +271,25 @@ bool support_tv_prox(ProxScratch& s, int64_t m, double lam, double tau_hint) {
   // max x - 4·lam is one. One pass lists the first (in index order) and
   // counts the second: too many of those (large lam) and the sweep is
   // cheaper.
-  const double low = top - 1.0 - 4.0 * lam - 2.0 * margin, sure_above = top - 4.0 * lam;
-  int64_t* near = s.order_tmp;
-  double* near_x = s.block_sum;
+  const T low = round_down<T>(top - 1.0 - 4.0 * lam - 2.0 * margin), sure_above = round_down<T>(top - 4.0 * lam);
+  // (Listed without a branch per vector: a few hundredths of a row's
+  // entries are listed, so whether a vector holds one is a coin flip.)
+  int32_t* near = s.near;
   int64_t near_count = 0, sure = 0;
-  for (j = 0; j + Vec::size() <= m; j += Vec::size()) {
+  int64_t j = 0;
+  for (; j + Vec::size() <= m; j += Vec::size()) {
     const Vec v = Vec::loadu(x + j);
-    // (zero_mask: a bit per lane where the comparison is false.)
-    int above = kAll & ~(v > Vec(low)).zero_mask();
-    if (above == 0) continue;
-    sure += __builtin_popcount(kAll & ~(v > Vec(sure_above)).zero_mask());
-    for (; above != 0; above &= above - 1) {
-      const int64_t i = j + __builtin_ctz(above);
-      near[near_count] = i;
-      near_x[near_count++] = x[i];
-    }
+    sure += __builtin_popcount(lane_mask<T>(v > Vec(sure_above)));
+    near_count += left_pack_index<Vec::size()>(near + near_count, int32_t(j), lane_mask<T>(v > Vec(low)));
   }
   for (; j < m; ++j) {
     sure += x[j] > sure_above;
-    if (x[j] > low) {
-      near[near_count] = j;
-      near_x[near_count++] = x[j];
-    }
+    near[near_count] = int32_t(j);
+    near_count += x[j] > low;
   }
   if (sure * kMaxCandidateShare > m) return false;
+  double* near_x = s.block_sum;
+  for (int64_t k = 0; k < near_count; ++k) near_x[k] = static_cast<double>(x[near[k]]);
   // The listed entries hold max x and, in index order, every entry the
   // threshold's passes read: the same bits as the threshold on all of x.
   const double tau_x = math::sparsemax_threshold(near_x, near_count, s.dxs);
@@ -258,54 +297,82 @@ bool support_tv_prox(ProxScratch& s, int64_t m, double lam, double tau_hint) {
   for (int64_t k = 0; k < near_count; ++k) {
     if (near_x[k] > bound) cand[count++] = near[k];
   }
-  return count * kMaxCandidateShare <= m && solve_windows(s, m, lam, cand, count);
+  return count * kMaxCandidateShare <= m && solve_windows(s, x, m, lam, cand, count, whole_y);
 }
 
 // support_tv_prox's windows around the candidates cand[0:count] (in index
-// order): y where the two extreme solutions agree, -inf elsewhere; false
-// where the windows would grow past a quarter of the row.
-bool solve_windows(ProxScratch& s, int64_t m, double lam, const int64_t* cand, int64_t count) {
-  constexpr int64_t kFirstHalfWidth = 4;
-  const double* x = s.xs;
+// order): y where the two extreme solutions agree; false where a window would
+// grow past a quarter of the row. A cluster of candidates shares a window
+// while they lie within its width; each window doubles on its own until its
+// solutions agree (most agree at the first width; a row rarely holds more
+// than one that needs more). The regions solved are disjoint and increasing:
+// consecutive clusters' candidates are more than 2·half + 1 apart.
+template <typename T>
+bool solve_windows(ProxScratch& s, const T* x, int64_t m, double lam, const int64_t* cand, int64_t count,
+                   bool whole_y) {
+  constexpr int64_t kFirstHalfWidth = 2;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
   double *data = s.block_sum, *lower = s.block_mean, *upper = s.dxs;
   // The ends of the regions each window's solve sets (two entries each).
   int64_t* regions = s.order_tmp;
-  for (int64_t half = kFirstHalfWidth; half * 4 <= m; half *= 2) {
-    std::fill(s.y, s.y + m, -std::numeric_limits<double>::infinity());
-    bool agree = true;
-    int64_t windows = 0;
-    for (int64_t c = 0; c < count && agree;) {
+  if (whole_y) std::fill(s.y, s.y + m, -kInf);
+  int64_t windows = 0;
+  for (int64_t c = 0; c < count;) {
+    // An isolated candidate i above both neighbours by more than 4·lam: as
+    // |y_j - x_j| <= 2·lam, y jumps up into i and down after it, so i is a
+    // segment of its own and y_i = x_i - 2·lam, no solve needed (most
+    // candidates at small lam). Its region is i alone, its neighbours -inf:
+    // below y_i, off the support (they are not candidates), as the backwards
+    // need them.
+    const int64_t i = cand[c];
+    if (i > 0 && i < m - 1 && (c + 1 == count || cand[c + 1] - i > 2 * kFirstHalfWidth + 1)) {
+      const double xi = static_cast<double>(x[i]), left = static_cast<double>(x[i - 1]),
+                   right = static_cast<double>(x[i + 1]), below = xi - 2.0 * lam;
+      // (The margin keeps rounding from deciding it.)
+      auto clears = [&](double nb) { return below - (nb + 2.0 * lam) > 1e-9 * (std::abs(xi) + std::abs(nb) + 4.0 * lam); };
+      if (clears(left) && clears(right)) {
+        s.y[i - 1] = s.y[i + 1] = -kInf;
+        s.y[i] = below;
+        regions[2 * windows] = regions[2 * windows + 1] = i;
+        ++windows;
+        ++c;
+        continue;
+      }
+    }
+    for (int64_t half = kFirstHalfWidth;; half *= 2) {
+      if (half * 4 > m) return false;
       int64_t e = c;  // candidates c..e share a window
       while (e + 1 < count && cand[e + 1] - cand[e] <= 2 * half + 1) ++e;
       const int64_t a = std::max<int64_t>(0, cand[c] - half), b = std::min<int64_t>(m - 1, cand[e] + half);
       const int64_t len = b - a + 1;
       for (double* solved : {lower, upper}) {
         const double shift = solved == lower ? -lam : lam;
-        std::copy(x + a, x + b + 1, data);
+        for (int64_t i = 0; i < len; ++i) data[i] = static_cast<double>(x[a + i]);
         if (a > 0) data[0] += shift;
         if (b < m - 1) data[len - 1] += shift;
         math::tv_prox(data, len, lam, solved);
       }
       const int64_t from = std::max<int64_t>(a, cand[c] - 1), to = std::min<int64_t>(b, cand[e] + 1);
+      bool agree = true;
       for (int64_t i = from; i <= to && agree; ++i) agree = lower[i - a] == upper[i - a];
-      for (int64_t i = from; i <= to && agree; ++i) s.y[i] = lower[i - a];
+      if (!agree) continue;
+      if (from > 0) s.y[from - 1] = -kInf;
+      if (to < m - 1) s.y[to + 1] = -kInf;
+      for (int64_t i = from; i <= to; ++i) s.y[i] = lower[i - a];
       regions[2 * windows] = from;
       regions[2 * windows + 1] = to;
       ++windows;
       c = e + 1;
-    }
-    if (agree) {
-      // y's finite entries, in index order (the regions are disjoint and
-      // increasing), for the threshold.
-      s.local = 0;
-      s.regions = windows;
-      for (int64_t w = 0; w < windows; ++w) {
-        for (int64_t i = regions[2 * w]; i <= regions[2 * w + 1]; ++i) s.block_mean[s.local++] = s.y[i];
-      }
-      return true;
+      break;
     }
   }
-  return false;
+  // y's finite entries, in index order, for the threshold.
+  s.local = 0;
+  s.regions = windows;
+  for (int64_t w = 0; w < windows; ++w) {
+    for (int64_t i = regions[2 * w]; i <= regions[2 * w + 1]; ++i) s.block_mean[s.local++] = s.y[i];
+  }
+  return true;
 }
 
 struct Fusedmax {
@@ -313,7 +380,9 @@ struct Fusedmax {
   static constexpr uint8_t kNanRow = kSegNanRow;
   static void prox(ProxScratch& s, int64_t m, double lam, double tau_hint = std::numeric_limits<double>::quiet_NaN()) {
     s.local = -1;
-    if (!support_tv_prox(s, m, lam, tau_hint)) math::tv_prox(s.xs, m, lam, s.y);
+    double top = 0.0, amax = 0.0;
+    if (!(row_extremes(s.xs, m, top, amax) && support_tv_prox(s, s.xs, m, lam, tau_hint, top, amax, true)))
+      math::tv_prox(s.xs, m, lam, s.y);
     s.zero_y = false;
   }
   // What the backward needs of the row's prox (below).
@@ -564,22 +633,57 @@ struct Saved {
   int32_t* ranks = nullptr;  // (oscarmax's)
 };
 
-void Fusedmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* seg, int32_t* /*ranks*/) {
+// The segment bytes of the row's m finite entries, the i-th at seg[pos(i)].
+template <typename Pos>
+void record_segments(const ProxScratch& s, int64_t m, double tau, uint8_t* seg, Pos pos) {
   const double* y = s.y;
   auto byte = [&](int64_t i) {
     return uint8_t((y[i] != y[i - 1] ? kSegStart : 0) | (y[i] > y[i - 1] ? kSegUp : 0) | (y[i] > tau ? kSegSupport : 0));
   };
-  seg[s.pos[0]] = kSegFirst | kSegStart | (y[0] > tau ? kSegSupport : 0);
   if (s.local >= 0) {
-    // y is -inf off its regions, so only a region's entries and the one after
-    // it can have a byte other than 0 (seg comes zeroed).
+    // y is -inf off its regions (or, solved for the row-wise forward, set
+    // only on them and next to them), so only a region's entries and the one
+    // after it can have a byte other than 0 (seg comes zeroed).
+    const bool first_solved = s.regions > 0 && s.order_tmp[0] == 0;
+    seg[pos(0)] = kSegFirst | kSegStart | (first_solved && y[0] > tau ? kSegSupport : 0);
     for (int64_t r = 0; r < s.regions; ++r) {
       const int64_t to = std::min(s.order_tmp[2 * r + 1] + 1, m - 1);
-      for (int64_t i = std::max<int64_t>(s.order_tmp[2 * r], 1); i <= to; ++i) seg[s.pos[i]] = byte(i);
+      for (int64_t i = std::max<int64_t>(s.order_tmp[2 * r], 1); i <= to; ++i) seg[pos(i)] = byte(i);
     }
     return;
   }
-  for (int64_t i = 1; i < m; ++i) seg[s.pos[i]] = byte(i);
+  seg[pos(0)] = kSegFirst | kSegStart | (y[0] > tau ? kSegSupport : 0);
+  for (int64_t i = 1; i < m; ++i) seg[pos(i)] = byte(i);
+}
+
+void Fusedmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* seg, int32_t* /*ranks*/) {
+  record_segments(s, m, tau, seg, [&](int64_t i) { return s.pos[i]; });
+}
+
+// The row-wise fusedmax forward of a row of finite float or double entries
+// at stride 1 whose prox support_tv_prox solves around the support: read and
+// written in place (no row in double, only the solved regions written after
+// a zero fill). False (nothing written that the general path would not
+// overwrite) for any other row.
+template <typename T>
+bool fusedmax_row_local(ProxScratch& s, const T* x, int64_t n, double lam, T* out, uint8_t* seg) {
+  double top = 0.0, amax = 0.0;
+  s.local = -1;
+  if (n == 0 || !row_extremes(x, n, top, amax) ||
+      !support_tv_prox(s, x, n, lam, std::numeric_limits<double>::quiet_NaN(), top, amax, false))
+    return false;
+  s.zero_y = false;
+  const double tau = threshold(s, n);
+  std::fill(out, out + n, T(0));
+  for (int64_t r = 0; r < s.regions; ++r) {
+    for (int64_t i = s.order_tmp[2 * r]; i <= s.order_tmp[2 * r + 1]; ++i)
+      out[i] = static_cast<T>(std::max(s.y[i] - tau, 0.0));
+  }
+  if (seg) {
+    std::memset(seg, 0, n);
+    record_segments(s, n, tau, seg, [](int64_t i) { return i; });
+  }
+  return true;
 }
 
 void Oscarmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* flags, int32_t* ranks) {
@@ -619,6 +723,10 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Saved 
     double* p = s.out;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
+      if constexpr (std::is_same_v<Op, Fusedmax> && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
+        if (lay.inner == 1 && fusedmax_row_local(s, xp + base, n, lp[r], op + base, saved.flags ? saved.flags + base : nullptr))
+          continue;
+      }
       lay.load(xp + base, s.row);
       int64_t m = 0;
       if (flags) std::fill(flags.get(), flags.get() + n, uint8_t(0));

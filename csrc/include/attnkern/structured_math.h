@@ -95,13 +95,16 @@ AK_HD double sparsemax_threshold(const double* y, int64_t n, double* scratch) {
   const double start = top - 1.0;
   // (>=: the top itself, even where top - 1 rounds to top; an entry at the
   // start only shortens the first step.)
+  // (Compacted without a branch per entry: which entries pass is a coin flip
+  // near the threshold. Adding 0.0 for the others leaves the sums' bits as
+  // they are: the sums start at +0.0.)
   int64_t count = 0;
   double sum = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    if (y[i] >= start) {
-      scratch[count++] = y[i];
-      sum += y[i];
-    }
+    const bool in = y[i] >= start;
+    scratch[count] = y[i];
+    count += in;
+    sum += in ? y[i] : 0.0;
   }
   double tau = (sum - 1.0) / double(count);
   for (;;) {
@@ -109,10 +112,10 @@ AK_HD double sparsemax_threshold(const double* y, int64_t n, double* scratch) {
     int64_t c = 0;
     for (int64_t i = 0; i < count; ++i) {
       const double v = scratch[i];
-      if (v > tau) {
-        s += v;
-        scratch[c++] = v;
-      }
+      const bool in = v > tau;
+      scratch[c] = v;
+      c += in;
+      s += in ? v : 0.0;
     }
     if (c == count || c == 0) return tau;
     count = c;
