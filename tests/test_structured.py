@@ -238,6 +238,68 @@ def test_oscarmax_kernel_matches_the_reference(n, lam):
                                rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("n", [64, 97, 1025])
+@pytest.mark.parametrize("lam", [0.0, 0.001, 0.004])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_oscarmax_solved_at_the_top_matches_the_reference(n, lam, dtype):
+    # On rows of 64 entries or more the kernel sorts and pools only the
+    # entries of largest |x| whose leading blocks, and the threshold over
+    # them, provably hold the support (lowering its cut until they do), and
+    # sorts the whole row where that would take more than a quarter of it.
+    # Values and both gradients against the reference: plain rows, the
+    # largest magnitude negative, tied magnitudes of either sign at the top,
+    # a crowded top (the whole sort), masked runs, tiny and large magnitudes.
+    x = random_rows(n, rows=8, seed=41)
+    top = x[1].abs().argmax()
+    x[1, top] = -x[1].abs().max() - 0.5  # the largest magnitude, negative
+    x[2, :6] = torch.tensor([2.5, -2.5, 2.5, 2.4, -2.4, 2.4], dtype=torch.float64)  # ties at the top
+    x[3] = 3.0 + 0.01 * x[3]  # a crowded top
+    x[4, 5:9] = -math.inf
+    x[4, -3:] = -math.inf
+    x[5] *= 1e-3
+    x[6] *= 1e3
+    x[7] = -x[7].abs()
+    x[7, 10] = 0.1  # one small positive entry among negative ones
+    x = x.to(dtype)
+    lam_rows = torch.full((8, 1), lam, dtype=torch.float64)
+    go = random_rows(n, rows=8, seed=42).to(dtype)
+    outs, grads = [], []
+    for backend in ("cpu", "reference"):
+        xs, ls = x.clone().requires_grad_(), lam_rows.clone().requires_grad_()
+        p = attnkern.oscarmax(xs, lam=ls, backend=backend)
+        outs.append(p)
+        grads.append(torch.autograd.grad(p, (xs, ls), go))
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=tol)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=tol * 100, atol=tol * 100)
+
+
+@pytest.mark.parametrize("lam", [0.0005, 0.001])
+def test_oscarmax_head_pools_across_its_cut(lam):
+    # Rows whose magnitudes sit closer than lam to each other near the top
+    # (a bunch just above 2, or magnitudes on a grid of 0.7·lam): the fit pools
+    # entries on both sides of the head's cut, so a leading block is settled
+    # only where the bound on every later target says so. Against the
+    # reference, values and gradients.
+    g = torch.Generator().manual_seed(43)
+    n = 257
+    bunch = torch.randn(12, n, generator=g, dtype=torch.float64)
+    bunch[:, :40] = 2.0 + torch.rand(12, 40, generator=g, dtype=torch.float64) * lam * 20
+    grid = torch.randn(12, n, generator=g, dtype=torch.float64)
+    grid[:, : n // 3] = torch.round(grid[:, : n // 3] / (0.7 * lam)) * (0.7 * lam)
+    x = torch.cat([bunch, grid])
+    go = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    outs, grads = [], []
+    for backend in ("cpu", "reference"):
+        xs = x.clone().requires_grad_()
+        p = attnkern.oscarmax(xs, lam=lam, backend=backend)
+        outs.append(p)
+        grads.append(torch.autograd.grad(p, xs, go)[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("dtype, float_valued", [(torch.float32, True), (torch.float64, False),
                                                  (torch.float64, True)])
 def test_oscarmax_long_rows_with_tied_magnitudes(dtype, float_valued):

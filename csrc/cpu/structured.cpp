@@ -17,6 +17,8 @@
 // into a non-increasing fit, clip at 0, restore order and signs. Clusters of
 // equal |y| form regardless of position. (Not the simplex-constrained minimiser
 // of ½‖p - x‖² + the penalty: the composition, as Niculae & Blondel compute it.)
+// On long rows only the head of the sort that holds the support is sorted and
+// pooled (oscar_prox_top).
 //
 // The backwards need y's segments, which the saved p, rounded to the input's
 // dtype, cannot tell apart: fusedmax_bwd and oscarmax_bwd solve the prox again
@@ -52,7 +54,8 @@ namespace attnkern {
 namespace cpu {
 inline namespace CPU_CAPABILITY {  // one copy per instruction set (setup.py)
 
-// Scratch of one row, n entries each: the row, its finite entries, y, the
+// Scratch of one row, n entries each: the row (free once its finite entries
+// are compacted: oscar_prox_top's scratch), its finite entries, y, the
 // gradient (as loaded and compacted), dx (compacted and placed; before it,
 // sparsemax_threshold's scratch) and the finite
 // entries' positions. Not zeroed: every entry is written before it
@@ -73,6 +76,11 @@ struct ProxScratch {
   int64_t *pos, *order, *block_end, *order_tmp;
   int64_t blocks = 0;
   bool zero_y = false;  // the prox set y to 0 without solving (oscar_prox)
+  // oscar_prox solved only the leading pooled blocks (s.blocks of them, their
+  // `ranked` entries' y listed in index order in row), y is -inf elsewhere
+  // (oscar_prox_top).
+  bool top_only = false;
+  int64_t ranked = 0;
   // Where fusedmax's prox was solved only around the support: how many of
   // y's entries are finite, their values listed in index order in
   // block_mean; -1 where y was solved everywhere. The finite entries form
@@ -170,7 +178,10 @@ constexpr uint8_t kSegStart = 1, kSegUp = 2, kSegSupport = 4, kSegFirst = 8, kSe
 // its pooled block, kNonzero in a block whose magnitude is not clipped to 0;
 // kNanRow on every entry of a row holding NaN or +inf; 0 (and rank 0) on -inf.
 // Where the prox was 0 without a sort, no block is unclipped: the ranks stay 0,
-// and the backward, finding no kNonzero in the row, writes zeros.
+// and the backward, finding no kNonzero in the row, writes zeros. Where only
+// the head of the sort was solved (oscar_prox_top), the entries after it carry
+// no block flags and rank 0: the backward reads the ranks of kNonzero entries
+// only, which lead the sort.
 constexpr uint8_t kClusterFinite = 1, kClusterSupport = 2, kClusterPositive = 4, kClusterNegative = 8,
                   kClusterBlockStart = 16, kClusterNonzero = 32, kClusterNanRow = 64;
 
@@ -526,6 +537,7 @@ void sparsemax_vjp_rows(const double* y, double tau, const double* g, int64_t m,
 double threshold(ProxScratch& s, int64_t m) {
   if (s.zero_y) return -1.0 / double(m);
   if (s.local >= 0) return math::sparsemax_threshold(s.block_mean, s.local, s.dxs);
+  if (s.top_only) return math::sparsemax_threshold(s.row, s.ranked, s.dxs);
   return math::sparsemax_threshold(s.y, m, s.dxs);
 }
 
@@ -547,31 +559,17 @@ double cluster_vjp(int64_t start, int64_t stop, int64_t m, Entry entry, Sign sig
   return ssum * (double(m - 1) - 0.5 * double(start + stop - 1));
 }
 
-// y = prox of lam·OSCAR at the m finite entries (see the top of the file),
-// keeping the sort order and the pooled blocks (s.blocks of them), or setting
-// s.zero_y where y is 0 without a sort (below).
-void oscar_prox(ProxScratch& s, int64_t m, double lam) {
+// Pool adjacent violators over the first `count` entries of the sort order:
+// blocks of a non-increasing fit to |x|_(k) - lam·(m-1-k), each block's mean
+// kept beside its sum; returns how many. The blocks of a prefix of the order
+// are the first blocks of the whole order's as far as later entries never
+// merge into them (oscar_prox_top).
+int64_t pool_adjacent_violators(ProxScratch& s, int64_t m, double lam, int64_t count) {
   const double* x = s.xs;
   const int64_t* order = s.order;
-  // y is 0 wherever the largest fitted value, the largest mean of a prefix of
-  // the sorted targets |x|_(k) - lam·(m-1-k), is <= 0; each such prefix mean is
-  // at most max|x| - lam·(m-1)/2, so a row whose max|x| is below lam·(m-1)/2
-  // needs no sort (long rows at moderate lam: the weights grow with m). The
-  // margin of 1e-6 keeps the rounding of the prefix sums from deciding it.
-  double amax = 0.0;
-  for (int64_t i = 0; i < m; ++i) amax = std::max(amax, std::abs(x[i]));
-  if (amax <= lam * double(m - 1) * 0.5 * (1.0 - 1e-6)) {
-    for (int64_t i = 0; i < m; ++i) s.y[i] = sign_of(x[i]) * 0.0;  // (the sorted path's signed zeros)
-    s.zero_y = true;
-    return;
-  }
-  s.zero_y = false;
-  sort_by_magnitude(s, m);
-  // Pool adjacent violators: blocks of a non-increasing fit to |x|_(k) - lam·(m-1-k),
-  // each block's mean kept beside its sum.
   int64_t blocks = 0;
   double* mean = s.block_mean;
-  for (int64_t k = 0; k < m; ++k) {
+  for (int64_t k = 0; k < count; ++k) {
     s.block_sum[blocks] = std::abs(x[order[k]]) - lam * double(m - 1 - k);
     mean[blocks] = s.block_sum[blocks];
     s.block_end[blocks++] = k + 1;
@@ -583,16 +581,190 @@ void oscar_prox(ProxScratch& s, int64_t m, double lam) {
       --blocks;
     }
   }
+  return blocks;
+}
+
+// y at the entries of the first `blocks` pooled blocks: sign(x) times the
+// block's mean clipped at 0.
+void write_blocks(ProxScratch& s, int64_t blocks) {
   int64_t start = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    const double mag = std::max(mean[b], 0.0);
+    const double mag = std::max(s.block_mean[b], 0.0);
     for (int64_t k = start; k < s.block_end[b]; ++k) {
-      const int64_t i = order[k];
-      s.y[i] = sign_of(x[i]) * mag;
+      const int64_t i = s.order[k];
+      s.y[i] = sign_of(s.xs[i]) * mag;
     }
     start = s.block_end[b];
   }
-  s.blocks = blocks;
+}
+
+// oscarmax's prox where only what sparsemax reads of it is solved: the
+// leading pooled blocks exactly, y = -inf at every other entry (below the
+// threshold, which none of them reaches). The entries with |x| above a cut c
+// are sorted and pooled alone. Every later target |x|_(k) - lam·(m-1-k) is at
+// most some U <= c (an entry with |x| <= h is at most h, one above h ranks
+// before all entries with |x| <= h, whose number N gives it a weight of at
+// least lam·N: U = min over levels h of max(h, c - lam·N(h))), so a block of
+// theirs whose mean exceeds U (by a margin for rounding) never merges with
+// what follows (a merge needs a larger mean behind it, and everything behind
+// is a mean of values at most its own), and neither do the blocks before it:
+// those leading blocks are exact, with the bits of the whole sort's, and
+// every later fitted value is at most U plus the margin, V. sparsemax's threshold over the leading blocks' y is at most
+// its threshold over all of y (adding entries only raises it); where it
+// exceeds V, no later entry is in the support and it is the threshold. The
+// first cut is max|x| - lam·(m-1) - 1/4, just under the largest target; a cut
+// that leaves no leading block, or whose threshold falls short, is lowered to
+// that threshold (then the next one passes) but by no more than a step, the
+// steps doubling from 1/2. False where the sorted entries pass a quarter of the
+// row (the caller then sorts it whole).
+bool oscar_prox_top(ProxScratch& s, int64_t m, double lam, double amax) {
+  constexpr int64_t kMinRow = 64, kMaxShare = 4;
+  if (m < kMinRow) return false;
+  const double* x = s.xs;
+  const double margin = 1e-9 * (amax + lam * double(m) + 1.0);
+  double above = std::numeric_limits<double>::infinity(), cut = amax - lam * double(m - 1) - 0.25, step = 0.5;
+  int64_t sorted = 0;
+  constexpr int kLevels = 8;
+  double level[kLevels];
+  int64_t at_most[kLevels] = {};
+  while (cut > 0.0) {
+    // Append the entries with cut < |x| <= above, sorted by decreasing |x|
+    // (ties by index, as sort_by_magnitude), after those already sorted.
+    // The first pass also counts the entries with |x| at most each of
+    // kLevels levels h up to the first cut (below).
+    using Vec = at::vec::Vectorized<double>;
+    int64_t* order = s.order;
+    int32_t* listed = s.near;
+    int64_t count = 0, i = 0;
+    if (sorted == 0) {
+      const double lowest = std::max(0.0, cut - lam * double(m));
+      for (int l = 0; l < kLevels; ++l) level[l] = lowest + (cut - lowest) * double(l + 1) / kLevels;
+      // (Counted a lane at a time in vectors of doubles, exact.)
+      Vec counts[kLevels];
+      for (Vec& c : counts) c = Vec(0.0);
+      for (; i + Vec::size() <= m; i += Vec::size()) {
+        const Vec a = Vec::loadu(x + i).abs();
+        count += left_pack_index<Vec::size()>(listed + count, int32_t(i), lane_mask<double>(a > Vec(cut)));
+        for (int l = 0; l < kLevels; ++l) counts[l] = counts[l] + ((a <= Vec(level[l])) & Vec(1.0));
+      }
+      for (int l = 0; l < kLevels; ++l) {
+        at_most[l] = static_cast<int64_t>(
+            at::vec::vec_reduce_all<double>([](Vec& u, Vec& w) { return u + w; }, counts[l]));
+      }
+    } else {
+      for (; i + Vec::size() <= m; i += Vec::size()) {
+        const Vec a = Vec::loadu(x + i).abs();
+        count += left_pack_index<Vec::size()>(listed + count, int32_t(i),
+                                              lane_mask<double>((a > Vec(cut)) & (a <= Vec(above))));
+      }
+    }
+    for (; i < m; ++i) {
+      const double a = std::abs(x[i]);
+      listed[count] = int32_t(i);
+      count += a > cut && a <= above;
+      if (sorted == 0) {
+        for (int l = 0; l < kLevels; ++l) at_most[l] += a <= level[l];
+      }
+    }
+    const int64_t from = sorted;
+    sorted += count;
+    if (sorted * kMaxShare > m) return false;
+    // (Where every listed |x| is a float, as from float32 rows, |x|'s bits
+    // complemented and the index share one 64-bit key, as in
+    // sort_by_magnitude.)
+    uint64_t* key = s.keys.get();
+    bool floats = true;
+    for (int64_t k = 0; k < count; ++k) {
+      const double a = std::abs(x[listed[k]]);
+      const float f = static_cast<float>(a);
+      floats &= static_cast<double>(f) == a;
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);
+      key[k] = (uint64_t(~bits) << 32) | uint64_t(uint32_t(listed[k]));
+    }
+    if (floats) {
+      std::sort(key, key + count);
+      for (int64_t k = 0; k < count; ++k) order[from + k] = int64_t(key[k] & 0xffffffffu);
+    } else {
+      for (int64_t k = 0; k < count; ++k) order[from + k] = listed[k];
+      std::sort(order + from, order + sorted, [x](int64_t i, int64_t j) {
+        const double a = std::abs(x[i]), b = std::abs(x[j]);
+        return a > b || (a == b && i < j);
+      });
+    }
+    const int64_t blocks = pool_adjacent_violators(s, m, lam, sorted);
+    // Every later target is at most h if its |x| is at most h, else at most
+    // cut - lam·(the entries with |x| at most h, all ranked after it): the
+    // least over the levels of the larger of the two bounds them all.
+    double later = cut;
+    for (int l = 0; l < kLevels; ++l) {
+      if (level[l] <= cut) later = std::min(later, std::max(level[l], cut - lam * double(at_most[l])));
+    }
+    const double bound = later + 2.0 * margin;  // V, above every later fitted value
+    int64_t leading = 0;
+    while (leading < blocks && s.block_mean[leading] > bound) ++leading;
+    above = cut;
+    if (leading == 0) {
+      cut -= step;
+      step *= 2.0;
+      continue;
+    }
+    // The threshold over the leading blocks' y, in the sort's order (the
+    // caller's, over y in index order, may differ in rounding, far inside
+    // the margin).
+    const int64_t ranked = s.block_end[leading - 1];
+    int64_t b = 0;
+    for (int64_t k = 0; k < ranked; ++k) {
+      b += k == s.block_end[b];
+      s.dxs[k] = sign_of(x[order[k]]) * std::max(s.block_mean[b], 0.0);
+    }
+    const double tau = math::sparsemax_threshold(s.dxs, ranked, s.row);
+    if (tau > bound) {
+      std::fill(s.y, s.y + m, -std::numeric_limits<double>::infinity());
+      write_blocks(s, leading);
+      s.blocks = leading;
+      s.top_only = true;
+      // y's finite entries listed in index order for the threshold (which
+      // then has the bits of the threshold over all of y, which skips -inf).
+      int32_t* by_index = s.near;
+      for (int64_t k = 0; k < ranked; ++k) by_index[k] = int32_t(order[k]);
+      std::sort(by_index, by_index + ranked);
+      for (int64_t k = 0; k < ranked; ++k) s.row[k] = s.y[by_index[k]];
+      s.ranked = ranked;
+      return true;
+    }
+    // (A threshold far below the cut, from few or negative leading entries,
+    // says little: then the step.)
+    cut = std::max(std::min(cut - margin, tau - 3.0 * margin), cut - step);
+    step *= 2.0;
+  }
+  return false;
+}
+
+// y = prox of lam·OSCAR at the m finite entries (see the top of the file),
+// keeping the sort order and the pooled blocks (s.blocks of them), or setting
+// s.zero_y where y is 0 without a sort (below), or s.top_only where only the
+// leading blocks were solved (oscar_prox_top).
+void oscar_prox(ProxScratch& s, int64_t m, double lam) {
+  const double* x = s.xs;
+  s.top_only = false;
+  // y is 0 wherever the largest fitted value, the largest mean of a prefix of
+  // the sorted targets |x|_(k) - lam·(m-1-k), is <= 0; each such prefix mean is
+  // at most max|x| - lam·(m-1)/2, so a row whose max|x| is below lam·(m-1)/2
+  // needs no sort (long rows at moderate lam: the weights grow with m). The
+  // margin of 1e-6 keeps the rounding of the prefix sums from deciding it.
+  double top = 0.0, amax = 0.0;
+  row_extremes(x, m, top, amax);
+  if (amax <= lam * double(m - 1) * 0.5 * (1.0 - 1e-6)) {
+    for (int64_t i = 0; i < m; ++i) s.y[i] = sign_of(x[i]) * 0.0;  // (the sorted path's signed zeros)
+    s.zero_y = true;
+    return;
+  }
+  s.zero_y = false;
+  if (oscar_prox_top(s, m, lam, amax)) return;
+  sort_by_magnitude(s, m);
+  s.blocks = pool_adjacent_violators(s, m, lam, m);
+  write_blocks(s, s.blocks);
 }
 
 struct Oscarmax {
@@ -608,10 +780,10 @@ struct Oscarmax {
 
 double Oscarmax::backward(ProxScratch& s, int64_t m, double /*tau: v is 0 off the support*/) {
   double dlam = 0.0;
-  if (s.zero_y) {  // every cluster's magnitude is clipped
-    std::fill(s.dxs, s.dxs + m, 0.0);
-    return dlam;
-  }
+  // (Every cluster's magnitude is clipped, or only the leading ones solved:
+  // the others are off the support, their gradient 0.)
+  if (s.zero_y || s.top_only) std::fill(s.dxs, s.dxs + m, 0.0);
+  if (s.zero_y) return dlam;
   int64_t start = 0;
   for (int64_t b = 0; b < s.blocks; ++b) {
     const int64_t end = s.block_end[b];
@@ -691,9 +863,14 @@ void Oscarmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* flag
   // they are coin flips on rows of scores.)
   const double *xs = s.xs, *y = s.y;
   const int64_t* pos = s.pos;
-  for (int64_t i = 0; i < m; ++i) {
-    flags[pos[i]] = uint8_t(kClusterFinite | (y[i] > tau) * kClusterSupport | (xs[i] > 0.0) * kClusterPositive |
-                            (xs[i] < 0.0) * kClusterNegative);
+  auto flag = [&](int64_t i) {
+    return uint8_t(kClusterFinite | (y[i] > tau) * kClusterSupport | (xs[i] > 0.0) * kClusterPositive |
+                   (xs[i] < 0.0) * kClusterNegative);
+  };
+  if (pos[m - 1] == m - 1) {  // (pos, increasing, is the identity: a loop the compiler vectorizes)
+    for (int64_t i = 0; i < m; ++i) flags[i] = flag(i);
+  } else {
+    for (int64_t i = 0; i < m; ++i) flags[pos[i]] = flag(i);
   }
   if (s.zero_y) return;  // (no unclipped block: the backward reads no rank)
   int64_t start = 0;
@@ -718,22 +895,26 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Saved 
   const int64_t n = lay.n;
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ProxScratch s(n);
-    std::unique_ptr<uint8_t[]> flags(saved.flags ? new uint8_t[n] : nullptr);
-    std::unique_ptr<int32_t[]> ranks(saved.ranks ? new int32_t[n] : nullptr);
+    // (Rows at stride 1 keep their flags and ranks in place.)
+    const bool in_place = lay.inner == 1;
+    std::unique_ptr<uint8_t[]> staged_flags(saved.flags && !in_place ? new uint8_t[n] : nullptr);
+    std::unique_ptr<int32_t[]> staged_ranks(saved.ranks && !in_place ? new int32_t[n] : nullptr);
     double* p = s.out;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
+      uint8_t* flags = !saved.flags ? nullptr : in_place ? saved.flags + base : staged_flags.get();
+      int32_t* ranks = !saved.ranks ? nullptr : in_place ? saved.ranks + base : staged_ranks.get();
       if constexpr (std::is_same_v<Op, Fusedmax> && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
         if (lay.inner == 1 && fusedmax_row_local(s, xp + base, n, lp[r], op + base, saved.flags ? saved.flags + base : nullptr))
           continue;
       }
       lay.load(xp + base, s.row);
       int64_t m = 0;
-      if (flags) std::fill(flags.get(), flags.get() + n, uint8_t(0));
-      if (ranks) std::fill(ranks.get(), ranks.get() + n, int32_t(0));
+      if (flags) std::fill(flags, flags + n, uint8_t(0));
+      if (ranks) std::fill(ranks, ranks + n, int32_t(0));
       if (!finite_entries(s.row, n, s.xs, s.pos, m)) {
         std::fill(p, p + n, std::numeric_limits<double>::quiet_NaN());
-        if (flags) std::fill(flags.get(), flags.get() + n, Op::kNanRow);
+        if (flags) std::fill(flags, flags + n, Op::kNanRow);
       } else {
         if (m < n) std::fill(p, p + n, 0.0);
         if (m > 0) {
@@ -750,12 +931,12 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Saved 
           } else {
             for (int64_t i = 0; i < m; ++i) p[s.pos[i]] = std::max(s.y[i] - tau, 0.0);
           }
-          if (flags) Op::record(s, m, tau, flags.get(), ranks.get());
+          if (flags) Op::record(s, m, tau, flags, ranks);
         }
       }
       lay.store(p, op + base);
-      if (flags) lay.store(flags.get(), saved.flags + base);
-      if (ranks) lay.store(ranks.get(), saved.ranks + base);
+      if (flags && !in_place) lay.store(flags, saved.flags + base);
+      if (ranks && !in_place) lay.store(ranks, saved.ranks + base);
     }
   });
 }
@@ -935,47 +1116,84 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
   std::atomic<bool> bad_ranks_seen{false};
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     bool bad_ranks = false;
-    std::unique_ptr<double[]> buf(new double[3 * n]);
+    // (Rows at stride 1 are read and written in place, others staged.)
+    const bool in_place = lay.inner == 1;
+    std::unique_ptr<scalar_t[]> staged_rows(in_place ? nullptr : new scalar_t[2 * n]);
+    std::unique_ptr<int32_t[]> staged_ranks(in_place ? nullptr : new int32_t[n]);
+    std::unique_ptr<uint8_t[]> staged_flags(in_place ? nullptr : new uint8_t[n]);
+    std::unique_ptr<double[]> v(new double[n]);
     std::unique_ptr<int64_t[]> ibuf(new int64_t[2 * n]);
-    std::unique_ptr<int32_t[]> ranks(new int32_t[n]);
-    std::unique_ptr<uint8_t[]> flags(new uint8_t[n]);
-    double *g = buf.get(), *v = g + n, *out = v + n;
     int64_t *pos = ibuf.get(), *order = pos + n;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      lay.load(fp + base, flags.get());
+      const uint8_t* flags = fp + base;
+      const int32_t* ranks = rp + base;
+      const scalar_t* g = gp + base;
+      scalar_t* out = dp + base;
+      if (!in_place) {
+        lay.load(fp + base, staged_flags.get());
+        flags = staged_flags.get();
+        out = staged_rows.get() + n;
+      }
       double dl = 0.0;
       uint8_t any = 0;
       for (int64_t j = 0; j < n; ++j) any |= flags[j];
       if (any & kClusterNanRow) {
-        std::fill(out, out + n, std::numeric_limits<double>::quiet_NaN());
+        std::fill(out, out + n, std::numeric_limits<scalar_t>::quiet_NaN());
         dl = std::numeric_limits<double>::quiet_NaN();
       } else if (!(any & kClusterNonzero)) {  // every block clipped (y = 0): no gradient
-        std::fill(out, out + n, 0.0);
+        std::fill(out, out + n, scalar_t(0));
       } else {
-        lay.load(rp + base, ranks.get());
-        lay.load(gp + base, g);
-        std::fill(out, out + n, 0.0);
-        int64_t m = 0;
+        if (!in_place) {
+          lay.load(rp + base, staged_ranks.get());
+          lay.load(gp + base, staged_rows.get());
+          ranks = staged_ranks.get();
+          g = staged_rows.get();
+        }
+        std::fill(out, out + n, scalar_t(0));
+        // Only the unclipped blocks carry a gradient (v is 0 off the support,
+        // and a clipped block's entries get 0), and they lead the sort (the
+        // fit is non-increasing): their entries' ranks are 0..count-1. One
+        // pass over the flags, eight at a time (the support and the unclipped
+        // blocks are usually a few entries): the finite entries counted, the
+        // unclipped ones listed in index order, and the support's gradient
+        // summed in index order as the solving backward sums it.
+        static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "flags are read as little-endian words");
+        constexpr uint64_t kBytes = 0x0101010101010101ULL, kFiniteBits = kBytes * kClusterFinite,
+                           kListedBits = kBytes * (kClusterSupport | kClusterNonzero);
+        int64_t m = 0, count = 0, support = 0, j = 0;
         double gsum = 0.0;
-        int64_t support = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          if (!(flags[j] & kClusterFinite)) continue;
-          if (flags[j] & kClusterSupport) {
-            gsum += g[j];
+        auto visit = [&](int64_t at, uint8_t f) {
+          if (f & kClusterSupport) {
+            gsum += static_cast<double>(g[at]);
             ++support;
           }
-          pos[m++] = j;
+          if (f & kClusterNonzero) pos[count++] = at;
+        };
+        for (; j + 8 <= n; j += 8) {
+          uint64_t word;
+          std::memcpy(&word, flags + j, 8);
+          m += __builtin_popcountll(word & kFiniteBits);
+          uint64_t bits = word & kListedBits;
+          while (bits != 0) {
+            const int64_t at = j + __builtin_ctzll(bits) / 8;
+            visit(at, flags[at]);
+            bits &= ~(uint64_t(0xff) << (8 * (at - j)));  // (the byte's other bit too)
+          }
+        }
+        for (; j < n; ++j) {
+          m += (flags[j] & kClusterFinite) != 0;
+          visit(j, flags[j]);
         }
         const double gmean = support > 0 ? gsum / double(support) : 0.0;
-        // The ranks must be a permutation of the m finite entries (they index
-        // order): anything else did not come from oscarmax_fwd_clusters.
-        std::fill(order, order + m, int64_t(-1));
-        for (int64_t i = 0; i < m; ++i) {
-          const int64_t j = pos[i];
-          v[i] = (flags[j] & kClusterSupport) ? g[j] - gmean : 0.0;
-          const int64_t k = ranks[j];
-          if (k < 0 || k >= m || order[k] >= 0) {
+        // Their ranks must be a permutation of 0..count-1 (they index order):
+        // anything else did not come from oscarmax_fwd_clusters.
+        std::fill(order, order + count, int64_t(-1));
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t at = pos[i];
+          v[i] = (flags[at] & kClusterSupport) ? static_cast<double>(g[at]) - gmean : 0.0;
+          const int64_t k = ranks[at];
+          if (k < 0 || k >= count || order[k] >= 0) {
             bad_ranks = true;
             break;
           }
@@ -983,25 +1201,22 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
         }
         if (bad_ranks) break;
         int64_t start = 0;
-        while (start < m) {
+        while (start < count) {
           int64_t stop = start + 1;
-          while (stop < m && !(flags[pos[order[stop]]] & kClusterBlockStart)) ++stop;
-          // (A clipped block's entries keep out's 0 and add nothing to dλ.)
-          if (flags[pos[order[start]]] & kClusterNonzero) {
-            dl -= cluster_vjp(
-                start, stop, m, [&](int64_t k) { return order[k]; }, [&](int64_t i) { return sign(flags[pos[i]]); },
-                v, [&](int64_t i, double d) { out[pos[i]] = d; });
-          }
+          while (stop < count && !(flags[pos[order[stop]]] & kClusterBlockStart)) ++stop;
+          dl -= cluster_vjp(
+              start, stop, m, [&](int64_t k) { return order[k]; }, [&](int64_t i) { return sign(flags[pos[i]]); },
+              v.get(), [&](int64_t i, double d) { out[pos[i]] = static_cast<scalar_t>(d); });
           start = stop;
         }
       }
-      lay.store(out, dp + base);
+      if (!in_place) lay.store(out, dp + base);
       if (dlp) dlp[r] = dl;
     }
     if (bad_ranks) bad_ranks_seen = true;
   });
   TORCH_CHECK_VALUE(!bad_ranks_seen, "attnkern: oscarmax_bwd_clusters: ranks must be those of oscarmax_fwd_clusters ",
-                    "(in each row, a permutation of the finite entries' positions in the sort)");
+                    "(in each row, the entries of unclipped clusters ranked 0, 1, ... without repeats)");
 }
 
 std::tuple<Tensor, Tensor> oscarmax_bwd_clusters(const Tensor& flags_in, const Tensor& ranks_in,
