@@ -1122,8 +1122,8 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
     std::unique_ptr<int32_t[]> staged_ranks(in_place ? nullptr : new int32_t[n]);
     std::unique_ptr<uint8_t[]> staged_flags(in_place ? nullptr : new uint8_t[n]);
     std::unique_ptr<double[]> v(new double[n]);
-    std::unique_ptr<int64_t[]> ibuf(new int64_t[2 * n]);
-    int64_t *pos = ibuf.get(), *order = pos + n;
+    std::unique_ptr<int64_t[]> ibuf(new int64_t[3 * n]);
+    int64_t *pos = ibuf.get(), *order = pos + n, *in_support = order + n;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
       const uint8_t* flags = fp + base;
@@ -1161,13 +1161,12 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
         static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "flags are read as little-endian words");
         constexpr uint64_t kBytes = 0x0101010101010101ULL, kFiniteBits = kBytes * kClusterFinite,
                            kListedBits = kBytes * (kClusterSupport | kClusterNonzero);
+        // (Positions first, gradients after: the gradients' loads, scattered
+        // over a row of memory, then overlap instead of waiting one by one
+        // behind the scan's branches.)
         int64_t m = 0, count = 0, support = 0, j = 0;
-        double gsum = 0.0;
         auto visit = [&](int64_t at, uint8_t f) {
-          if (f & kClusterSupport) {
-            gsum += static_cast<double>(g[at]);
-            ++support;
-          }
+          if (f & kClusterSupport) in_support[support++] = at;
           if (f & kClusterNonzero) pos[count++] = at;
         };
         for (; j + 8 <= n; j += 8) {
@@ -1185,6 +1184,8 @@ void oscarmax_bwd_clusters_impl(const Tensor& flags_t, const Tensor& ranks_t, co
           m += (flags[j] & kClusterFinite) != 0;
           visit(j, flags[j]);
         }
+        double gsum = 0.0;
+        for (int64_t t = 0; t < support; ++t) gsum += static_cast<double>(g[in_support[t]]);
         const double gmean = support > 0 ? gsum / double(support) : 0.0;
         // Their ranks must be a permutation of 0..count-1 (they index order):
         // anything else did not come from oscarmax_fwd_clusters.
