@@ -52,6 +52,22 @@ def random_rows(n, rows=4, scale=1.0, seed=0):
     return scale * torch.randn(rows, n, generator=g, dtype=torch.float64)
 
 
+def assert_kernel_matches_reference(op, x, lam, go, tol):
+    """op's CPU kernel against its reference on rows x at one λ per row (as
+    a tensor, so that it has a gradient): values within tol, gradients in x
+    and λ within 100·tol."""
+    lam_rows = torch.full((x.shape[0], 1), lam, dtype=torch.float64)
+    outs, grads = [], []
+    for backend in ("cpu", "reference"):
+        xs, ls = x.clone().requires_grad_(), lam_rows.clone().requires_grad_()
+        p = op(xs, lam=ls, backend=backend)
+        outs.append(p)
+        grads.append(torch.autograd.grad(p, (xs, ls), go))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=tol)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=tol * 100, atol=tol * 100)
+
+
 @pytest.mark.parametrize("n", [1, 2, 5, 97])
 @pytest.mark.parametrize("lam", [0.0, 0.05, 0.3, 2.0])
 def test_kernel_matches_the_dual_oracle(n, lam):
@@ -101,18 +117,8 @@ def test_fusedmax_solved_around_the_support_matches_the_reference(n, lam, dtype)
     x[9, 32] = math.nextafter(3.0 - 4 * lam, 4.0)
     x[9, 49] = math.nextafter(3.0 - 4 * lam, 0.0)
     x = x.to(dtype)
-    lam_rows = torch.full((10, 1), lam, dtype=torch.float64)
     go = random_rows(n, rows=10, seed=24).to(dtype)
-    outs, grads = [], []
-    for backend in ("cpu", "reference"):
-        xs, ls = x.clone().requires_grad_(), lam_rows.clone().requires_grad_()
-        p = attnkern.fusedmax(xs, lam=ls, backend=backend)
-        outs.append(p)
-        grads.append(torch.autograd.grad(p, (xs, ls), go))
-    tol = 1e-9 if dtype == torch.float64 else 1e-6
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=tol)
-    for got, want in zip(*grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=tol * 100, atol=tol * 100)
+    assert_kernel_matches_reference(attnkern.fusedmax, x, lam, go, 1e-9 if dtype == torch.float64 else 1e-6)
 
 
 @pytest.mark.parametrize("n", [1, 7, 97])
@@ -261,18 +267,8 @@ def test_oscarmax_solved_at_the_top_matches_the_reference(n, lam, dtype):
     x[7] = -x[7].abs()
     x[7, 10] = 0.1  # one small positive entry among negative ones
     x = x.to(dtype)
-    lam_rows = torch.full((8, 1), lam, dtype=torch.float64)
     go = random_rows(n, rows=8, seed=42).to(dtype)
-    outs, grads = [], []
-    for backend in ("cpu", "reference"):
-        xs, ls = x.clone().requires_grad_(), lam_rows.clone().requires_grad_()
-        p = attnkern.oscarmax(xs, lam=ls, backend=backend)
-        outs.append(p)
-        grads.append(torch.autograd.grad(p, (xs, ls), go))
-    tol = 1e-12 if dtype == torch.float64 else 1e-6
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=tol)
-    for got, want in zip(*grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=tol * 100, atol=tol * 100)
+    assert_kernel_matches_reference(attnkern.oscarmax, x, lam, go, 1e-12 if dtype == torch.float64 else 1e-6)
 
 
 @pytest.mark.parametrize("lam", [0.0005, 0.001])
