@@ -425,19 +425,24 @@ void bucket_starts(const uint32_t* count, uint32_t* start) {
 // When every |x| is a float (the input was float32, bfloat16 or float16), the
 // float's bits and the index share one 64-bit key: half the bytes to move
 // and at most four passes.
+// The 64-bit sort key of magnitude a (>= 0) at index i < 2^32: a's float bits
+// complemented, then the index, so that ascending keys order by decreasing a,
+// ties by index; clears `floats` where a is not a float (the key then orders
+// nothing).
+inline uint64_t magnitude_key(double a, int64_t i, bool& floats) {
+  const float f = static_cast<float>(a);
+  floats &= static_cast<double>(f) == a;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return (uint64_t(~bits) << 32) | uint64_t(uint32_t(i));
+}
+
 void sort_by_magnitude(ProxScratch& s, int64_t m) {
   const double* x = s.xs;
   uint64_t* key = s.keys.get();
   int64_t* order = s.order;
   bool floats = m <= int64_t(UINT32_MAX);
-  for (int64_t i = 0; i < m; ++i) {
-    const double a = std::abs(x[i]);
-    const float f = static_cast<float>(a);
-    floats &= static_cast<double>(f) == a;
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    key[i] = (uint64_t(~bits) << 32) | uint64_t(i);
-  }
+  for (int64_t i = 0; i < m; ++i) key[i] = magnitude_key(std::abs(x[i]), i, floats);
   if (floats) {
     if (m <= 64) {
       std::sort(key, key + m);
@@ -609,9 +614,10 @@ void write_blocks(ProxScratch& s, int64_t blocks) {
 // what follows (a merge needs a larger mean behind it, and everything behind
 // is a mean of values at most its own), and neither do the blocks before it:
 // those leading blocks are exact, with the bits of the whole sort's, and
-// every later fitted value is at most U plus the margin, V. sparsemax's threshold over the leading blocks' y is at most
-// its threshold over all of y (adding entries only raises it); where it
-// exceeds V, no later entry is in the support and it is the threshold. The
+// every later fitted value is at most U plus the margin, V. sparsemax's
+// threshold over the leading blocks' y is at most its threshold over all of y
+// (adding entries only raises it); where it exceeds V, no later entry is in
+// the support and it is the threshold. The
 // first cut is max|x| - lam·(m-1) - 1/4, just under the largest target; a cut
 // that leaves no leading block, or whose threshold falls short, is lowered to
 // that threshold (then the next one passes) but by no more than a step, the
@@ -636,52 +642,44 @@ bool oscar_prox_top(ProxScratch& s, int64_t m, double lam, double amax) {
     int64_t* order = s.order;
     int32_t* listed = s.near;
     int64_t count = 0, i = 0;
-    if (sorted == 0) {
+    const bool first = sorted == 0;
+    if (first) {
       const double lowest = std::max(0.0, cut - lam * double(m));
       for (int l = 0; l < kLevels; ++l) level[l] = lowest + (cut - lowest) * double(l + 1) / kLevels;
-      // (Counted a lane at a time in vectors of doubles, exact.)
-      Vec counts[kLevels];
-      for (Vec& c : counts) c = Vec(0.0);
-      for (; i + Vec::size() <= m; i += Vec::size()) {
-        const Vec a = Vec::loadu(x + i).abs();
-        count += left_pack_index<Vec::size()>(listed + count, int32_t(i), lane_mask<double>(a > Vec(cut)));
+    }
+    // (Counted a lane at a time in vectors of doubles, exact.)
+    Vec counts[kLevels];
+    for (Vec& c : counts) c = Vec(0.0);
+    for (; i + Vec::size() <= m; i += Vec::size()) {
+      const Vec a = Vec::loadu(x + i).abs();
+      count += left_pack_index<Vec::size()>(listed + count, int32_t(i),
+                                            lane_mask<double>((a > Vec(cut)) & (a <= Vec(above))));
+      if (first) {
         for (int l = 0; l < kLevels; ++l) counts[l] = counts[l] + ((a <= Vec(level[l])) & Vec(1.0));
-      }
-      for (int l = 0; l < kLevels; ++l) {
-        at_most[l] = static_cast<int64_t>(
-            at::vec::vec_reduce_all<double>([](Vec& u, Vec& w) { return u + w; }, counts[l]));
-      }
-    } else {
-      for (; i + Vec::size() <= m; i += Vec::size()) {
-        const Vec a = Vec::loadu(x + i).abs();
-        count += left_pack_index<Vec::size()>(listed + count, int32_t(i),
-                                              lane_mask<double>((a > Vec(cut)) & (a <= Vec(above))));
       }
     }
     for (; i < m; ++i) {
       const double a = std::abs(x[i]);
       listed[count] = int32_t(i);
       count += a > cut && a <= above;
-      if (sorted == 0) {
+      if (first) {
         for (int l = 0; l < kLevels; ++l) at_most[l] += a <= level[l];
+      }
+    }
+    if (first) {
+      for (int l = 0; l < kLevels; ++l) {
+        at_most[l] += static_cast<int64_t>(
+            at::vec::vec_reduce_all<double>([](Vec& u, Vec& w) { return u + w; }, counts[l]));
       }
     }
     const int64_t from = sorted;
     sorted += count;
     if (sorted * kMaxShare > m) return false;
-    // (Where every listed |x| is a float, as from float32 rows, |x|'s bits
-    // complemented and the index share one 64-bit key, as in
-    // sort_by_magnitude.)
+    // (On 64-bit keys where every listed |x| is a float, as from float32
+    // rows, as sort_by_magnitude.)
     uint64_t* key = s.keys.get();
     bool floats = true;
-    for (int64_t k = 0; k < count; ++k) {
-      const double a = std::abs(x[listed[k]]);
-      const float f = static_cast<float>(a);
-      floats &= static_cast<double>(f) == a;
-      uint32_t bits;
-      std::memcpy(&bits, &f, sizeof bits);
-      key[k] = (uint64_t(~bits) << 32) | uint64_t(uint32_t(listed[k]));
-    }
+    for (int64_t k = 0; k < count; ++k) key[k] = magnitude_key(std::abs(x[listed[k]]), listed[k], floats);
     if (floats) {
       std::sort(key, key + count);
       for (int64_t k = 0; k < count; ++k) order[from + k] = int64_t(key[k] & 0xffffffffu);
@@ -904,9 +902,9 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Saved 
       const int64_t base = lay.base(r);
       uint8_t* flags = !saved.flags ? nullptr : in_place ? saved.flags + base : staged_flags.get();
       int32_t* ranks = !saved.ranks ? nullptr : in_place ? saved.ranks + base : staged_ranks.get();
-      if constexpr (std::is_same_v<Op, Fusedmax> && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
-        if (lay.inner == 1 && fusedmax_row_local(s, xp + base, n, lp[r], op + base, saved.flags ? saved.flags + base : nullptr))
-          continue;
+      if constexpr (std::is_same_v<Op, Fusedmax> &&
+                    (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
+        if (in_place && fusedmax_row_local(s, xp + base, n, lp[r], op + base, flags)) continue;
       }
       lay.load(xp + base, s.row);
       int64_t m = 0;
