@@ -296,6 +296,44 @@ def test_oscarmax_head_pools_across_its_cut(lam):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_oscarmax_rows_read_in_place_equal_the_general_path(dtype):
+    # Unmasked float and double rows at stride 1 are read and written in
+    # place (only the head's entries copied to double, float rows compared
+    # against the double cuts rounded down); strided rows take the general
+    # path. The two agree bit for bit in p, the flags and the ranks: rows
+    # solved at the top, with entries at the first cut and a float either
+    # side of it, ties and a negative largest magnitude at the top, a crowded
+    # top (the head fails and the general path sorts the whole row), rows
+    # whose prox is 0, masked rows.
+    ops = torch.ops.attnkern
+    n, lam = 1025, 0.001
+    x = random_rows(n, rows=8, seed=51)
+    x[0, 7] = 3.0
+    cut = float(np.float32(3.0 - lam * (n - 1) - 0.25))  # the first cut, rounded to float
+    x[0, 100:103] = torch.tensor([cut, math.nextafter(cut, 0.0), math.nextafter(cut, 4.0)])
+    x[0, 103:106] = -x[0, 100:103]
+    x[1, 9] = -x[1].abs().max() - 0.5
+    x[2, :6] = torch.tensor([2.5, -2.5, 2.5, 2.4, -2.4, 2.4], dtype=torch.float64)
+    x[3] = 3.0 + 0.01 * x[3]  # crowded
+    x[4] *= 1e-3  # y = 0 without a sort
+    x[5] *= 1e3
+    x[6, 5:9] = -math.inf
+    x[7] = x[7].float().double() * 0.5
+    x = x.to(dtype)
+    lam_rows = torch.full((8, 1), lam, dtype=torch.float64)
+    lam_rows[7] = 0.0005
+    p, flags, ranks = ops.oscarmax_fwd_clusters(x, lam_rows, -1)
+    strided = ops.oscarmax_fwd_clusters(x.t().contiguous(), lam_rows.t(), 0)
+    assert torch.equal(p, strided[0].t())
+    assert torch.equal(flags, strided[1].t())
+    assert torch.equal(ranks, strided[2].t())
+    assert torch.equal(p, ops.oscarmax_fwd(x, lam_rows, -1))
+    assert (p[:3] > 0).sum(dim=1).min() >= 1
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(p, attnkern.oscarmax(x, lam=lam_rows, backend="reference"), rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("dtype, float_valued", [(torch.float32, True), (torch.float64, False),
                                                  (torch.float64, True)])
 def test_oscarmax_long_rows_with_tied_magnitudes(dtype, float_valued):

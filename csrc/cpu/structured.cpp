@@ -77,10 +77,14 @@ struct ProxScratch {
   int64_t blocks = 0;
   bool zero_y = false;  // the prox set y to 0 without solving (oscar_prox)
   // oscar_prox solved only the leading pooled blocks (s.blocks of them, their
-  // `ranked` entries' y listed in index order in row), y is -inf elsewhere
-  // (oscar_prox_top).
+  // `ranked` entries first in order; sparsemax's threshold on y top_tau), y
+  // is -inf elsewhere (oscar_prox_top).
   bool top_only = false;
   int64_t ranked = 0;
+  double top_tau = 0.0;
+  // oscar_prox_top already failed on this row (read in place, oscarmax_row_top):
+  // oscar_prox sorts it whole without trying again.
+  bool top_failed = false;
   // Where fusedmax's prox was solved only around the support: how many of
   // y's entries are finite, their values listed in index order in
   // block_mean; -1 where y was solved everywhere. The finite entries form
@@ -542,7 +546,7 @@ void sparsemax_vjp_rows(const double* y, double tau, const double* g, int64_t m,
 double threshold(ProxScratch& s, int64_t m) {
   if (s.zero_y) return -1.0 / double(m);
   if (s.local >= 0) return math::sparsemax_threshold(s.block_mean, s.local, s.dxs);
-  if (s.top_only) return math::sparsemax_threshold(s.row, s.ranked, s.dxs);
+  if (s.top_only) return s.top_tau;
   return math::sparsemax_threshold(s.y, m, s.dxs);
 }
 
@@ -623,70 +627,88 @@ void write_blocks(ProxScratch& s, int64_t blocks) {
 // that threshold (then the next one passes) but by no more than a step, the
 // steps doubling from 1/2. False where the sorted entries pass a quarter of the
 // row (the caller then sorts it whole).
-bool oscar_prox_top(ProxScratch& s, int64_t m, double lam, double amax) {
-  constexpr int64_t kMinRow = 64, kMaxShare = 4;
-  if (m < kMinRow) return false;
-  const double* x = s.xs;
+//
+// x: the m finite entries, s.xs itself or a float or double row read in place
+// (then the listed entries alone are copied into s.xs, where the pooling reads
+// them; the float comparisons are those of the double bounds rounded down).
+// whole_y: y is -inf off the leading blocks; otherwise y is written on their
+// entries alone (a caller that reads y there only).
+constexpr int64_t kOscarTopMinRow = 64;
+
+template <typename T>
+bool oscar_prox_top(ProxScratch& s, const T* x, int64_t m, double lam, double amax, bool whole_y) {
+  constexpr int64_t kMaxShare = 4;
+  if (m < kOscarTopMinRow) return false;
   const double margin = 1e-9 * (amax + lam * double(m) + 1.0);
   double above = std::numeric_limits<double>::infinity(), cut = amax - lam * double(m - 1) - 0.25, step = 0.5;
   int64_t sorted = 0;
   constexpr int kLevels = 8;
   double level[kLevels];
+  T vlevel[kLevels];  // (level rounded down to T)
   int64_t at_most[kLevels] = {};
   while (cut > 0.0) {
     // Append the entries with cut < |x| <= above, sorted by decreasing |x|
     // (ties by index, as sort_by_magnitude), after those already sorted.
     // The first pass also counts the entries with |x| at most each of
     // kLevels levels h up to the first cut (below).
-    using Vec = at::vec::Vectorized<double>;
+    using Vec = at::vec::Vectorized<T>;
     int64_t* order = s.order;
     int32_t* listed = s.near;
     int64_t count = 0, i = 0;
     const bool first = sorted == 0;
     if (first) {
       const double lowest = std::max(0.0, cut - lam * double(m));
-      for (int l = 0; l < kLevels; ++l) level[l] = lowest + (cut - lowest) * double(l + 1) / kLevels;
+      for (int l = 0; l < kLevels; ++l) {
+        level[l] = lowest + (cut - lowest) * double(l + 1) / kLevels;
+        vlevel[l] = round_down<T>(level[l]);
+      }
     }
-    // (Counted a lane at a time in vectors of doubles, exact.)
+    const T vcut = round_down<T>(cut), vabove = round_down<T>(above);
+    // (Counted a lane at a time in vectors of T, exact: no lane counts 2^24
+    // entries, as the callers' rows are shorter than that.)
     Vec counts[kLevels];
-    for (Vec& c : counts) c = Vec(0.0);
+    for (Vec& c : counts) c = Vec(T(0));
     for (; i + Vec::size() <= m; i += Vec::size()) {
       const Vec a = Vec::loadu(x + i).abs();
       count += left_pack_index<Vec::size()>(listed + count, int32_t(i),
-                                            lane_mask<double>((a > Vec(cut)) & (a <= Vec(above))));
+                                            lane_mask<T>((a > Vec(vcut)) & (a <= Vec(vabove))));
       if (first) {
-        for (int l = 0; l < kLevels; ++l) counts[l] = counts[l] + ((a <= Vec(level[l])) & Vec(1.0));
+        for (int l = 0; l < kLevels; ++l) counts[l] = counts[l] + ((a <= Vec(vlevel[l])) & Vec(T(1)));
       }
     }
     for (; i < m; ++i) {
-      const double a = std::abs(x[i]);
+      const T a = std::abs(x[i]);
       listed[count] = int32_t(i);
-      count += a > cut && a <= above;
+      count += a > vcut && a <= vabove;
       if (first) {
-        for (int l = 0; l < kLevels; ++l) at_most[l] += a <= level[l];
+        for (int l = 0; l < kLevels; ++l) at_most[l] += a <= vlevel[l];
       }
     }
     if (first) {
       for (int l = 0; l < kLevels; ++l) {
-        at_most[l] += static_cast<int64_t>(
-            at::vec::vec_reduce_all<double>([](Vec& u, Vec& w) { return u + w; }, counts[l]));
+        at_most[l] +=
+            static_cast<int64_t>(at::vec::vec_reduce_all<T>([](Vec& u, Vec& w) { return u + w; }, counts[l]));
       }
     }
     const int64_t from = sorted;
     sorted += count;
     if (sorted * kMaxShare > m) return false;
+    double* xs = s.xs;
+    if (static_cast<const void*>(x) != static_cast<const void*>(xs)) {
+      for (int64_t k = 0; k < count; ++k) xs[listed[k]] = static_cast<double>(x[listed[k]]);
+    }
     // (On 64-bit keys where every listed |x| is a float, as from float32
     // rows, as sort_by_magnitude.)
     uint64_t* key = s.keys.get();
     bool floats = true;
-    for (int64_t k = 0; k < count; ++k) key[k] = magnitude_key(std::abs(x[listed[k]]), listed[k], floats);
+    for (int64_t k = 0; k < count; ++k) key[k] = magnitude_key(std::abs(xs[listed[k]]), listed[k], floats);
     if (floats) {
       std::sort(key, key + count);
       for (int64_t k = 0; k < count; ++k) order[from + k] = int64_t(key[k] & 0xffffffffu);
     } else {
       for (int64_t k = 0; k < count; ++k) order[from + k] = listed[k];
-      std::sort(order + from, order + sorted, [x](int64_t i, int64_t j) {
-        const double a = std::abs(x[i]), b = std::abs(x[j]);
+      std::sort(order + from, order + sorted, [xs](int64_t i, int64_t j) {
+        const double a = std::abs(xs[i]), b = std::abs(xs[j]);
         return a > b || (a == b && i < j);
       });
     }
@@ -707,27 +729,30 @@ bool oscar_prox_top(ProxScratch& s, int64_t m, double lam, double amax) {
       step *= 2.0;
       continue;
     }
-    // The threshold over the leading blocks' y, in the sort's order (the
-    // caller's, over y in index order, may differ in rounding, far inside
-    // the margin).
+    // The threshold over the leading blocks' y, listed in index order (by a
+    // bitmap of their positions), where it has the bits of the threshold
+    // over all of y, which skips the -inf entries: it is the row's threshold
+    // (threshold()) when it passes the bound.
     const int64_t ranked = s.block_end[leading - 1];
-    int64_t b = 0;
-    for (int64_t k = 0; k < ranked; ++k) {
-      b += k == s.block_end[b];
-      s.dxs[k] = sign_of(x[order[k]]) * std::max(s.block_mean[b], 0.0);
+    write_blocks(s, leading);
+    uint64_t* bits = s.keys.get();  // (the keys are sorted into order by now)
+    const int64_t words = (m + 63) / 64;
+    std::fill(bits, bits + words, uint64_t(0));
+    for (int64_t k = 0; k < ranked; ++k) bits[order[k] >> 6] |= uint64_t(1) << (order[k] & 63);
+    int64_t listed_y = 0;
+    for (int64_t w = 0; w < words; ++w) {
+      for (uint64_t word = bits[w]; word != 0; word &= word - 1)
+        s.row[listed_y++] = s.y[64 * w + __builtin_ctzll(word)];
     }
-    const double tau = math::sparsemax_threshold(s.dxs, ranked, s.row);
+    const double tau = math::sparsemax_threshold(s.row, ranked, s.dxs);
     if (tau > bound) {
-      std::fill(s.y, s.y + m, -std::numeric_limits<double>::infinity());
-      write_blocks(s, leading);
+      if (whole_y) {
+        std::fill(s.y, s.y + m, -std::numeric_limits<double>::infinity());
+        write_blocks(s, leading);
+      }
       s.blocks = leading;
       s.top_only = true;
-      // y's finite entries listed in index order for the threshold (which
-      // then has the bits of the threshold over all of y, which skips -inf).
-      int32_t* by_index = s.near;
-      for (int64_t k = 0; k < ranked; ++k) by_index[k] = int32_t(order[k]);
-      std::sort(by_index, by_index + ranked);
-      for (int64_t k = 0; k < ranked; ++k) s.row[k] = s.y[by_index[k]];
+      s.top_tau = tau;
       s.ranked = ranked;
       return true;
     }
@@ -739,6 +764,17 @@ bool oscar_prox_top(ProxScratch& s, int64_t m, double lam, double amax) {
   return false;
 }
 
+// Whether oscarmax's prox is 0 on m finite entries whose largest magnitude is
+// amax, known without a sort: y is 0 wherever the largest fitted value, the
+// largest mean of a prefix of the sorted targets |x|_(k) - lam·(m-1-k), is <= 0;
+// each such prefix mean is at most max|x| - lam·(m-1)/2, so a row whose max|x|
+// is below lam·(m-1)/2 needs no sort (long rows at moderate lam: the weights
+// grow with m). The margin of 1e-6 keeps the rounding of the prefix sums from
+// deciding it.
+bool oscar_prox_is_zero(double amax, int64_t m, double lam) {
+  return amax <= lam * double(m - 1) * 0.5 * (1.0 - 1e-6);
+}
+
 // y = prox of lam·OSCAR at the m finite entries (see the top of the file),
 // keeping the sort order and the pooled blocks (s.blocks of them), or setting
 // s.zero_y where y is 0 without a sort (below), or s.top_only where only the
@@ -746,20 +782,16 @@ bool oscar_prox_top(ProxScratch& s, int64_t m, double lam, double amax) {
 void oscar_prox(ProxScratch& s, int64_t m, double lam) {
   const double* x = s.xs;
   s.top_only = false;
-  // y is 0 wherever the largest fitted value, the largest mean of a prefix of
-  // the sorted targets |x|_(k) - lam·(m-1-k), is <= 0; each such prefix mean is
-  // at most max|x| - lam·(m-1)/2, so a row whose max|x| is below lam·(m-1)/2
-  // needs no sort (long rows at moderate lam: the weights grow with m). The
-  // margin of 1e-6 keeps the rounding of the prefix sums from deciding it.
   double top = 0.0, amax = 0.0;
   row_extremes(x, m, top, amax);
-  if (amax <= lam * double(m - 1) * 0.5 * (1.0 - 1e-6)) {
+  const bool top_failed = std::exchange(s.top_failed, false);
+  if (oscar_prox_is_zero(amax, m, lam)) {
     for (int64_t i = 0; i < m; ++i) s.y[i] = sign_of(x[i]) * 0.0;  // (the sorted path's signed zeros)
     s.zero_y = true;
     return;
   }
   s.zero_y = false;
-  if (oscar_prox_top(s, m, lam, amax)) return;
+  if (!top_failed && oscar_prox_top(s, x, m, lam, amax, /*whole_y=*/true)) return;
   sort_by_magnitude(s, m);
   s.blocks = pool_adjacent_violators(s, m, lam, m);
   write_blocks(s, s.blocks);
@@ -856,6 +888,59 @@ bool fusedmax_row_local(ProxScratch& s, const T* x, int64_t n, double lam, T* ou
   return true;
 }
 
+// oscarmax's pooled blocks into the flags (kNonzero, kBlockStart) and ranks of
+// the finite entries, the i-th at flags[pos(i)] and ranks[pos(i)].
+template <typename Pos>
+void record_blocks(const ProxScratch& s, uint8_t* flags, int32_t* ranks, Pos pos) {
+  int64_t start = 0;
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    // (The same test as the prox's clip and Oscarmax::backward's.)
+    const uint8_t nonzero = s.block_sum[b] / double(s.block_end[b] - start) > 0.0 ? kClusterNonzero : 0;
+    for (int64_t k = start; k < s.block_end[b]; ++k) {
+      const int64_t j = pos(s.order[k]);
+      ranks[j] = int32_t(k);
+      flags[j] |= nonzero | (k == start ? kClusterBlockStart : 0);
+    }
+    start = s.block_end[b];
+  }
+}
+
+// The row-wise oscarmax forward of a row of finite float or double entries at
+// stride 1 whose support oscar_prox_top finds in the head of the sort: read and
+// written in place (only the head's entries in double, only their outputs
+// written after a zero fill), with the bits of the general path. False
+// (nothing written that the general path would not overwrite) for any other
+// row.
+template <typename T>
+bool oscarmax_row_top(ProxScratch& s, const T* x, int64_t n, double lam, T* out, uint8_t* flags, int32_t* ranks) {
+  // (oscar_prox_top counts in vectors of T, exact below 2^24 a lane.)
+  constexpr int64_t kLongestRow = int64_t(1) << 24;
+  double top = 0.0, amax = 0.0;
+  s.local = -1;
+  s.top_only = false;
+  if (n < kOscarTopMinRow || n >= kLongestRow || !row_extremes(x, n, top, amax) || oscar_prox_is_zero(amax, n, lam))
+    return false;
+  s.zero_y = false;
+  if (!oscar_prox_top(s, x, n, lam, amax, /*whole_y=*/false)) {
+    s.top_failed = true;
+    return false;
+  }
+  const double tau = threshold(s, n);
+  const int64_t* order = s.order;
+  const double* y = s.y;
+  std::fill(out, out + n, T(0));
+  for (int64_t k = 0; k < s.ranked; ++k) out[order[k]] = static_cast<T>(std::max(y[order[k]] - tau, 0.0));
+  if (flags) {
+    // (Record's flags: y is -inf, below tau, off the head.)
+    for (int64_t i = 0; i < n; ++i)
+      flags[i] = uint8_t(kClusterFinite | (x[i] > T(0)) * kClusterPositive | (x[i] < T(0)) * kClusterNegative);
+    for (int64_t k = 0; k < s.ranked; ++k) flags[order[k]] |= (y[order[k]] > tau) * kClusterSupport;
+    std::fill(ranks, ranks + n, int32_t(0));
+    record_blocks(s, flags, ranks, [](int64_t i) { return i; });
+  }
+  return true;
+}
+
 void Oscarmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* flags, int32_t* ranks) {
   // (Locals: the byte stores could alias s's pointers. Signs without branches:
   // they are coin flips on rows of scores.)
@@ -871,17 +956,7 @@ void Oscarmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* flag
     for (int64_t i = 0; i < m; ++i) flags[pos[i]] = flag(i);
   }
   if (s.zero_y) return;  // (no unclipped block: the backward reads no rank)
-  int64_t start = 0;
-  for (int64_t b = 0; b < s.blocks; ++b) {
-    // (The same test as the prox's clip and Oscarmax::backward's.)
-    const uint8_t nonzero = s.block_sum[b] / double(s.block_end[b] - start) > 0.0 ? kClusterNonzero : 0;
-    for (int64_t k = start; k < s.block_end[b]; ++k) {
-      const int64_t j = s.pos[s.order[k]];
-      ranks[j] = int32_t(k);
-      flags[j] |= nonzero | (k == start ? kClusterBlockStart : 0);
-    }
-    start = s.block_end[b];
-  }
+  record_blocks(s, flags, ranks, [&](int64_t i) { return pos[i]; });
 }
 
 template <typename Op, typename scalar_t>
@@ -905,6 +980,10 @@ void structured_fwd_impl(const Tensor& x, const Tensor& lam, Tensor& out, Saved 
       if constexpr (std::is_same_v<Op, Fusedmax> &&
                     (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
         if (in_place && fusedmax_row_local(s, xp + base, n, lp[r], op + base, flags)) continue;
+      }
+      if constexpr (std::is_same_v<Op, Oscarmax> &&
+                    (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
+        if (in_place && oscarmax_row_top(s, xp + base, n, lp[r], op + base, flags, ranks)) continue;
       }
       lay.load(xp + base, s.row);
       int64_t m = 0;
