@@ -305,10 +305,11 @@ def test_oscarmax_rows_read_in_place_equal_the_general_path(dtype):
     # solved at the top, with entries at the first cut and a float either
     # side of it, ties and a negative largest magnitude at the top, a crowded
     # top (the head fails and the general path sorts the whole row), rows
-    # whose prox is 0, masked rows.
+    # whose prox is 0, masked rows, and a head whose magnitudes crowd one
+    # end of its band (its sort's buckets: one holds most keys).
     ops = torch.ops.attnkern
     n, lam = 1025, 0.001
-    x = random_rows(n, rows=8, seed=51)
+    x = random_rows(n, rows=9, seed=51)
     x[0, 7] = 3.0
     cut = float(np.float32(3.0 - lam * (n - 1) - 0.25))  # the first cut, rounded to float
     x[0, 100:103] = torch.tensor([cut, math.nextafter(cut, 0.0), math.nextafter(cut, 4.0)])
@@ -320,8 +321,13 @@ def test_oscarmax_rows_read_in_place_equal_the_general_path(dtype):
     x[5] *= 1e3
     x[6, 5:9] = -math.inf
     x[7] = x[7].float().double() * 0.5
+    x[8] *= 0.1
+    x[8, 0] = -3.5
+    crowd = 3.0 + 1e-6 * torch.randperm(100, generator=torch.Generator().manual_seed(52)).double()
+    x[8, 10:110] = torch.where(torch.arange(100) % 3 == 0, -crowd, crowd)
+    x[8] = x[8].float().double()
     x = x.to(dtype)
-    lam_rows = torch.full((8, 1), lam, dtype=torch.float64)
+    lam_rows = torch.full((9, 1), lam, dtype=torch.float64)
     lam_rows[7] = 0.0005
     p, flags, ranks = ops.oscarmax_fwd_clusters(x, lam_rows, -1)
     strided = ops.oscarmax_fwd_clusters(x.t().contiguous(), lam_rows.t(), 0)
@@ -330,6 +336,15 @@ def test_oscarmax_rows_read_in_place_equal_the_general_path(dtype):
     assert torch.equal(ranks, strided[2].t())
     assert torch.equal(p, ops.oscarmax_fwd(x, lam_rows, -1))
     assert (p[:3] > 0).sum(dim=1).min() >= 1
+    assert (p[8] > 0).sum() > 50 and ranks[8].max() >= 100  # (the crowd: one pooled block in the head)
+    # The ranks of the unclipped blocks' entries sort them by decreasing |x|,
+    # ties by index (checked here against no other sort).
+    for row in range(x.shape[0]):
+        at = torch.nonzero(flags[row] & 32).flatten()  # kClusterNonzero
+        by_rank = at[torch.argsort(ranks[row, at])]
+        assert torch.equal(ranks[row, by_rank], torch.arange(len(at), dtype=torch.int32))
+        mag = x[row, by_rank].abs()
+        assert bool((mag[1:] < mag[:-1]).logical_or((mag[1:] == mag[:-1]) & (by_rank[1:] > by_rank[:-1])).all())
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     torch.testing.assert_close(p, attnkern.oscarmax(x, lam=lam_rows, backend="reference"), rtol=0, atol=tol)
 

@@ -420,6 +420,52 @@ void bucket_starts(const uint32_t* count, uint32_t* start) {
   }
 }
 
+// Sorts the keys of a row's head (magnitude_key's, at most a quarter of the
+// row; tmp: as many again) in increasing order. The head's magnitudes lie in a
+// narrow band, where std::sort's comparisons cost more than the few keys move:
+// a counting sort on the top bits that differ among the keys' magnitude halves
+// puts them into at most 64 ordered buckets (in the order listed within one),
+// each then sorted on its own, by insertion while it holds a few keys.
+void sort_head_keys(uint64_t* key, int64_t count, uint64_t* tmp) {
+  constexpr int kBucketBits = 6, kBuckets = 1 << kBucketBits;
+  constexpr int64_t kInsertionLimit = 16;
+  auto sort_range = [](uint64_t* first, uint64_t* last) {
+    if (last - first > kInsertionLimit) {
+      std::sort(first, last);
+      return;
+    }
+    for (uint64_t* k = first + 1; k < last; ++k) {
+      const uint64_t v = *k;
+      uint64_t* at = k;
+      for (; at > first && at[-1] > v; --at) *at = at[-1];
+      *at = v;
+    }
+  };
+  if (count <= kInsertionLimit) {
+    sort_range(key, key + count);
+    return;
+  }
+  uint32_t lo = UINT32_MAX, hi = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    const uint32_t top = uint32_t(key[k] >> 32);
+    lo = std::min(lo, top);
+    hi = std::max(hi, top);
+  }
+  const uint32_t range = hi - lo;
+  // (range >> shift < 64: range has 32 - clz(range) bits.)
+  const int shift = range < kBuckets ? 0 : 32 - __builtin_clz(range) - kBucketBits;
+  auto bucket = [&](uint64_t k) { return (uint32_t(k >> 32) - lo) >> shift; };
+  // Bucket b is [edge[b], edge[b + 1]) of tmp.
+  uint32_t edge[kBuckets + 1] = {};
+  for (int64_t k = 0; k < count; ++k) ++edge[bucket(key[k]) + 1];
+  for (int b = 0; b < kBuckets; ++b) edge[b + 1] += edge[b];
+  uint32_t next[kBuckets];
+  std::copy(edge, edge + kBuckets, next);
+  for (int64_t k = 0; k < count; ++k) tmp[next[bucket(key[k])]++] = key[k];
+  for (int b = 0; b < kBuckets; ++b) sort_range(tmp + edge[b], tmp + edge[b + 1]);
+  std::copy(tmp, tmp + count, key);
+}
+
 // s.order[0:m] = the indices of s.xs[0:m] by decreasing |x|, ties in index
 // order (the prox does not depend on it: tied magnitudes always pool when
 // lam > 0, and are equal anyway when lam = 0). Non-negative numbers order as
@@ -703,7 +749,7 @@ bool oscar_prox_top(ProxScratch& s, const T* x, int64_t m, double lam, double am
     bool floats = true;
     for (int64_t k = 0; k < count; ++k) key[k] = magnitude_key(std::abs(xs[listed[k]]), listed[k], floats);
     if (floats) {
-      std::sort(key, key + count);
+      sort_head_keys(key, count, key + count);
       for (int64_t k = 0; k < count; ++k) order[from + k] = int64_t(key[k] & 0xffffffffu);
     } else {
       for (int64_t k = 0; k < count; ++k) order[from + k] = listed[k];
