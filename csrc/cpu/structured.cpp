@@ -934,6 +934,13 @@ bool fusedmax_row_local(ProxScratch& s, const T* x, int64_t n, double lam, T* ou
   return true;
 }
 
+// The flags every finite entry x of an oscarmax row carries (kFinite and x's
+// sign), without branches: signs are coin flips on rows of scores.
+template <typename T>
+uint8_t finite_entry_flags(T x) {
+  return uint8_t(kClusterFinite | (x > T(0)) * kClusterPositive | (x < T(0)) * kClusterNegative);
+}
+
 // oscarmax's pooled blocks into the flags (kNonzero, kBlockStart) and ranks of
 // the finite entries, the i-th at flags[pos(i)] and ranks[pos(i)].
 template <typename Pos>
@@ -978,8 +985,7 @@ bool oscarmax_row_top(ProxScratch& s, const T* x, int64_t n, double lam, T* out,
   for (int64_t k = 0; k < s.ranked; ++k) out[order[k]] = static_cast<T>(std::max(y[order[k]] - tau, 0.0));
   if (flags) {
     // (Record's flags: y is -inf, below tau, off the head.)
-    for (int64_t i = 0; i < n; ++i)
-      flags[i] = uint8_t(kClusterFinite | (x[i] > T(0)) * kClusterPositive | (x[i] < T(0)) * kClusterNegative);
+    for (int64_t i = 0; i < n; ++i) flags[i] = finite_entry_flags(x[i]);
     for (int64_t k = 0; k < s.ranked; ++k) flags[order[k]] |= (y[order[k]] > tau) * kClusterSupport;
     std::fill(ranks, ranks + n, int32_t(0));
     record_blocks(s, flags, ranks, [](int64_t i) { return i; });
@@ -988,14 +994,10 @@ bool oscarmax_row_top(ProxScratch& s, const T* x, int64_t n, double lam, T* out,
 }
 
 void Oscarmax::record(const ProxScratch& s, int64_t m, double tau, uint8_t* flags, int32_t* ranks) {
-  // (Locals: the byte stores could alias s's pointers. Signs without branches:
-  // they are coin flips on rows of scores.)
+  // (Locals: the byte stores could alias s's pointers.)
   const double *xs = s.xs, *y = s.y;
   const int64_t* pos = s.pos;
-  auto flag = [&](int64_t i) {
-    return uint8_t(kClusterFinite | (y[i] > tau) * kClusterSupport | (xs[i] > 0.0) * kClusterPositive |
-                   (xs[i] < 0.0) * kClusterNegative);
-  };
+  auto flag = [&](int64_t i) { return uint8_t(finite_entry_flags(xs[i]) | (y[i] > tau) * kClusterSupport); };
   if (pos[m - 1] == m - 1) {  // (pos, increasing, is the identity: a loop the compiler vectorizes)
     for (int64_t i = 0; i < m; ++i) flags[i] = flag(i);
   } else {
