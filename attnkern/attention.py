@@ -325,6 +325,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                 f"row kernel (got backend={backend!r} on {query.device}); backend='reference' runs the float64 "
                 f"reference (materialized scores) on any device")
     unfused = return_weights or rows_on_gpu
+    if has_head_param and chosen != "reference" and not compiling:
+        _check_head_param_fits(head_param, head_param_dtype(query.dtype, chosen), query.dtype,
+                               "lam" if takes_lam(normalizer) else "alpha")
     if (chosen == "reference" or unfused) and (window is not None or key_lengths is not None
                                                or bounds is not None):
         # (Unfused: the key band as a dense mask.)
@@ -403,6 +406,19 @@ def head_param_dtype(query_dtype: torch.dtype, chosen: str) -> torch.dtype:
     """The dtype of the kernels' per-head α / λ: float64 to the CPU kernels for
     float64 inputs (unrounded), else (and to the CUDA and Triton kernels) float32."""
     return torch.float64 if acc_dtype(query_dtype) == torch.float64 and chosen == "cpu" else torch.float32
+
+
+def _check_head_param_fits(param, dtype: torch.dtype, query_dtype: torch.dtype, name: str) -> None:
+    """α / λ (validated finite) must stay finite in the dtype the kernels take
+    it in (head_param_dtype): a larger value would reach them as inf."""
+    largest = torch.finfo(dtype).max
+    if isinstance(param, torch.Tensor):
+        too_large = param.device.type == "cpu" and param.numel() > 0 and bool(param.abs().max() > largest)
+    else:
+        too_large = abs(param) > largest
+    if too_large:
+        raise ValueError(f"{name} must be at most {largest:.4g} (the largest {dtype}, in which the kernels take it "
+                         f"for {query_dtype} inputs)")
 
 
 def head_param_vector(param, H: int, query: torch.Tensor, chosen: str) -> torch.Tensor:

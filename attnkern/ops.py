@@ -202,7 +202,13 @@ def _structured(name: str, X: torch.Tensor, dim: int, param, backend: str) -> to
     from attnkern import autograd
 
     if not isinstance(param, torch.Tensor):
-        param = torch.tensor(param, dtype=acc_dtype(X.dtype), device=X.device)
+        # (The kernels read a float64 λ as it is whatever the input's dtype:
+        # a λ beyond the accumulation type's range stays float64 rather than
+        # becoming inf.)
+        dtype = acc_dtype(X.dtype)
+        if abs(param) > torch.finfo(dtype).max:
+            dtype = torch.float64
+        param = torch.tensor(param, dtype=dtype, device=X.device)
     if name in ("fusedmax", "oscarmax") and not on_cuda:
         return getattr(autograd, f"{name}_cpu_apply")(X, param, dim)
     return getattr(autograd, f"{name}_apply")(X, param, dim)

@@ -270,6 +270,11 @@ def test_arguments_are_checked_and_named():
         attnkern.attention(q, k, v, normalizer="oscarmax", lam=torch.tensor([0.1, float("nan")]))
     with pytest.raises(ValueError, match="lam of shape"):
         attnkern.attention(q, k, v, normalizer="oscarmax", lam=torch.ones(3))
+    # (float32 inputs: the kernels take λ in float32, where 1e308 would be inf.)
+    with pytest.raises(ValueError, match="lam must be at most 3.403e[+]38"):
+        attnkern.attention(q, k, v, normalizer="fusedmax", lam=1e308)
+    with pytest.raises(ValueError, match="lam must be at most"):
+        attnkern.attention(q, k, v, normalizer="oscarmax", lam=torch.tensor([1.0, 1e300], dtype=torch.float64))
     with pytest.raises(ValueError, match="normalizer must be one of"):
         attnkern.attention(q, k, v, normalizer="fusemax")
     with pytest.raises(NotImplementedError, match="CPU kernels only"):

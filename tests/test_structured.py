@@ -186,6 +186,43 @@ def test_lam_zero_is_sparsemax_and_large_lam_is_uniform(name):
     torch.testing.assert_close(op(x, lam=1e3), torch.full_like(x, 1 / 33), rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("lam", [1e28, 1e100, 1e308])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lam_far_beyond_the_scores_gives_the_uniform_weights(lam, dtype):
+    # At such lam every running sum of x - mean fits within lam, so the prox
+    # is the row's mean: the kernel takes it in closed form, where the sweep's
+    # bounds x ± lam would drown x (it returned zeros and NaN). A float lam
+    # beyond float32's range reaches the kernel as float64, not inf. Both
+    # gradients are 0 (one segment, no jump, weights fixed), as the reference's.
+    x = random_rows(7, rows=3, seed=5).to(dtype)
+    x[2, 3] = -math.inf
+    want = torch.full_like(x, 1 / 7)
+    want[2] = torch.tensor([1 / 6] * 3 + [0.0] + [1 / 6] * 3, dtype=dtype)
+    for lam_arg in (lam, torch.tensor(lam, dtype=torch.float64)):
+        torch.testing.assert_close(attnkern.fusedmax(x, lam=lam_arg), want, rtol=0, atol=1e-7)
+    go = random_rows(7, rows=3, seed=6).to(dtype)
+    assert_kernel_matches_reference(attnkern.fusedmax, x.double(), lam, go.double(), 1e-12)
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("lam", [0.0, 0.1])
+def test_rows_far_from_zero_keep_their_weights_on_the_simplex(offset, lam):
+    # A near-flat row of 4097 scores around 1e6 puts every entry in the
+    # support. sparsemax's threshold steps now sum y - max y (exact near the
+    # top) instead of y, whose rounding of its size left the weights' sum off
+    # by 1e-4 here; the result should not depend on the offset.
+    g = torch.Generator().manual_seed(0)
+    n = 4097
+    x = offset + 1e-5 * (torch.arange(n, dtype=torch.float64) % 3) + 1e-6 * torch.randn(n, generator=g,
+                                                                                        dtype=torch.float64)
+    p = attnkern.fusedmax(x.unsqueeze(0), lam=lam)
+    # (Each weight y_i - τ still rounds at the offset's size.)
+    assert abs(p.sum().item() - 1.0) <= n * offset * 2**-52
+    tol = offset * 1e-14
+    torch.testing.assert_close(p, attnkern.fusedmax((x - x.max()).unsqueeze(0), lam=lam), rtol=0, atol=tol)
+    torch.testing.assert_close(p, attnkern.fusedmax(x.unsqueeze(0), lam=lam, backend="reference"), rtol=0, atol=tol)
+
+
 def test_plateaus_ties_and_fused_segments():
     x = torch.tensor([[0.5, 0.5, 0.5, 0.1, 0.9, 0.9, 0.2, 0.2],
                       [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],

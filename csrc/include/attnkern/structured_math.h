@@ -15,12 +15,50 @@ namespace attnkern {
 namespace math {
 ATTNKERN_ISA_BEGIN
 
+// Whether the prox of lam·TV at x (n >= 2 entries) is x's mean everywhere,
+// and if so y = that mean: exactly when every running sum of x - mean, the
+// dual of y = mean, is within lam. (Where lam dwarfs x the sweep below would
+// lose x in its bounds x ± lam.) Each y_i of a constant y is within 2·lam of
+// x_i, so a row spread over more than 4·lam is not, and one pass for the
+// extremes decides most rows.
+AK_HD bool tv_prox_constant(const double* x, int64_t n, double lam, double* y) {
+  // (Four lanes of extremes: one would wait on each comparison.)
+  double low[4] = {x[0], x[0], x[0], x[0]}, high[4] = {x[0], x[0], x[0], x[0]};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int l = 0; l < 4; ++l) {
+      low[l] = x[i + l] < low[l] ? x[i + l] : low[l];
+      high[l] = x[i + l] > high[l] ? x[i + l] : high[l];
+    }
+  }
+  for (; i < n; ++i) {
+    low[0] = x[i] < low[0] ? x[i] : low[0];
+    high[0] = x[i] > high[0] ? x[i] : high[0];
+  }
+  for (int l = 1; l < 4; ++l) {
+    low[0] = low[l] < low[0] ? low[l] : low[0];
+    high[0] = high[l] > high[0] ? high[l] : high[0];
+  }
+  if (high[0] - low[0] > 4.0 * lam) return false;
+  double sum = 0.0;
+  for (i = 0; i < n; ++i) sum += x[i];
+  const double mean = sum / double(n);
+  double run = 0.0;
+  for (i = 0; i + 1 < n; ++i) {
+    run += x[i] - mean;
+    if (run > lam || run < -lam) return false;
+  }
+  for (i = 0; i < n; ++i) y[i] = mean;
+  return true;
+}
+
 // y = prox of lam·TV at x (n >= 1 entries, lam >= 0).
 AK_HD void tv_prox(const double* x, int64_t n, double lam, double* y) {
   if (n == 1 || lam == 0.0) {
     for (int64_t i = 0; i < n; ++i) y[i] = x[i];
     return;
   }
+  if (tv_prox_constant(x, n, lam, y)) return;
   // The segment starts at `first`; its value lies in [lo, hi]. lo_dual /
   // hi_dual: the dual variable at k if the segment took lo / hi; lo_end /
   // hi_end: the last k where lo / hi was raised / lowered (where the segment
@@ -88,23 +126,25 @@ AK_HD void tv_prox(const double* x, int64_t n, double lam, double* y) {
 // which is left of the root (no weight exceeds 1); each step only raises τ
 // and drops entries, and the first step that keeps the set gives τ exactly.
 // The steps run on the entries above the start only, compacted into
-// `scratch` (n entries): rows of scores usually have few. No sort.
+// `scratch` (n entries): rows of scores usually have few. No sort. They work
+// on y - max(y) (exact for the entries within 1 of the top, which are all
+// they read): sums of y itself would carry rounding of the size of y into τ,
+// which a row far from 0 with a wide support shows in its weights' sum.
 AK_HD double sparsemax_threshold(const double* y, int64_t n, double* scratch) {
   double top = y[0];
   for (int64_t i = 1; i < n; ++i) top = y[i] > top ? y[i] : top;
-  const double start = top - 1.0;
-  // (>=: the top itself, even where top - 1 rounds to top; an entry at the
-  // start only shortens the first step.)
+  // (>=: an entry at the start only shortens the first step.)
   // (Compacted without a branch per entry: which entries pass is a coin flip
   // near the threshold. Adding 0.0 for the others leaves the sums' bits as
   // they are: the sums start at +0.0.)
   int64_t count = 0;
   double sum = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    const bool in = y[i] >= start;
-    scratch[count] = y[i];
+    const double d = y[i] - top;
+    const bool in = d >= -1.0;
+    scratch[count] = d;
     count += in;
-    sum += in ? y[i] : 0.0;
+    sum += in ? d : 0.0;
   }
   double tau = (sum - 1.0) / double(count);
   for (;;) {
@@ -117,7 +157,7 @@ AK_HD double sparsemax_threshold(const double* y, int64_t n, double* scratch) {
       c += in;
       s += in ? v : 0.0;
     }
-    if (c == count || c == 0) return tau;
+    if (c == count || c == 0) return top + tau;
     count = c;
     tau = (s - 1.0) / double(c);
   }
