@@ -411,10 +411,12 @@ double Fusedmax::backward(ProxScratch& s, int64_t m, double tau) {
   return math::fusedmax_vjp(s.y, s.gs, m, tau, s.dxs);
 }
 
-// A radix pass's first slot per bucket: the running sum of the counts.
+// A counting sort's first slot per bucket (a radix pass's, sort_head_keys'):
+// the running sum of the counts.
+template <int kBuckets>
 void bucket_starts(const uint32_t* count, uint32_t* start) {
   uint32_t total = 0;
-  for (int b = 0; b < 256; ++b) {
+  for (int b = 0; b < kBuckets; ++b) {
     start[b] = total;
     total += count[b];
   }
@@ -455,14 +457,13 @@ void sort_head_keys(uint64_t* key, int64_t count, uint64_t* tmp) {
   // (range >> shift < 64: range has 32 - clz(range) bits.)
   const int shift = range < kBuckets ? 0 : 32 - __builtin_clz(range) - kBucketBits;
   auto bucket = [&](uint64_t k) { return (uint32_t(k >> 32) - lo) >> shift; };
-  // Bucket b is [edge[b], edge[b + 1]) of tmp.
-  uint32_t edge[kBuckets + 1] = {};
-  for (int64_t k = 0; k < count; ++k) ++edge[bucket(key[k]) + 1];
-  for (int b = 0; b < kBuckets; ++b) edge[b + 1] += edge[b];
-  uint32_t next[kBuckets];
-  std::copy(edge, edge + kBuckets, next);
+  uint32_t in_bucket[kBuckets] = {}, start[kBuckets], next[kBuckets];
+  for (int64_t k = 0; k < count; ++k) ++in_bucket[bucket(key[k])];
+  bucket_starts<kBuckets>(in_bucket, start);
+  std::copy(start, start + kBuckets, next);
   for (int64_t k = 0; k < count; ++k) tmp[next[bucket(key[k])]++] = key[k];
-  for (int b = 0; b < kBuckets; ++b) sort_range(tmp + edge[b], tmp + edge[b + 1]);
+  // (Bucket b is now [start[b], next[b]) of tmp.)
+  for (int b = 0; b < kBuckets; ++b) sort_range(tmp + start[b], tmp + next[b]);
   std::copy(tmp, tmp + count, key);
 }
 
@@ -506,7 +507,7 @@ void sort_by_magnitude(ProxScratch& s, int64_t m) {
         const int shift = 32 + 8 * d;
         if (count[d][(from[0] >> shift) & 255] == uint32_t(m)) continue;  // (every key has this byte)
         uint32_t start[256];
-        bucket_starts(count[d], start);
+        bucket_starts<256>(count[d], start);
         for (int64_t i = 0; i < m; ++i) to[start[(from[i] >> shift) & 255]++] = from[i];
         std::swap(from, to);
       }
@@ -535,7 +536,7 @@ void sort_by_magnitude(ProxScratch& s, int64_t m) {
   for (int d = 0; d < 8; ++d) {
     if (count[d][(from[0] >> (8 * d)) & 255] == uint32_t(m)) continue;  // (every key has this byte)
     uint32_t start[256];
-    bucket_starts(count[d], start);
+    bucket_starts<256>(count[d], start);
     for (int64_t i = 0; i < m; ++i) {
       const uint32_t at = start[(from[i] >> (8 * d)) & 255]++;
       to[at] = from[i];
