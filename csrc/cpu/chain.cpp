@@ -251,7 +251,9 @@ inline at::vec::Vectorized<double> load_widened(const scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return Vec::loadu(p);
   } else {
-#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
+#if ATTNKERN_HAS(AVX512)
+    if constexpr (std::is_same_v<scalar_t, float>) return _mm512_cvtps_pd(_mm256_loadu_ps(p));
+#elif ATTNKERN_HAS(AVX2)
     if constexpr (std::is_same_v<scalar_t, float>) return _mm256_cvtps_pd(_mm_loadu_ps(p));
 #endif
     alignas(64) double wide[Vec::size()];
@@ -267,7 +269,9 @@ inline void store_narrowed(const at::vec::Vectorized<double>& v, scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     v.store(p);
   } else {
-#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
+#if ATTNKERN_HAS(AVX512)
+    if constexpr (std::is_same_v<scalar_t, float>) return _mm256_storeu_ps(p, _mm512_cvtpd_ps(v));
+#elif ATTNKERN_HAS(AVX2)
     if constexpr (std::is_same_v<scalar_t, float>) return _mm_storeu_ps(p, _mm256_cvtpd_ps(v));
 #endif
     alignas(64) double wide[Vec::size()];
@@ -277,10 +281,32 @@ inline void store_narrowed(const at::vec::Vectorized<double>& v, scalar_t* p) {
 }
 
 // Transposes the square block v[0..size) (v[l] lane k becomes v[k] lane l):
-// four shuffles of pairs and four of halves at AVX2; through memory at the
+// at AVX512 eight shuffles each of pairs, of 128-bit quarters and of 256-bit
+// halves; at AVX2 four of pairs and four of halves; through memory at the
 // other levels.
 inline void transpose_lanes(at::vec::Vectorized<double>* v) {
-#if ATTNKERN_HAS(AVX2) && !ATTNKERN_HAS(AVX512)
+#if ATTNKERN_HAS(AVX512)
+  __m512d pairs[8], quarters[8];
+  for (int l = 0; l < 8; l += 2) {
+    pairs[l] = _mm512_unpacklo_pd(v[l], v[l + 1]);  // lanes 0, 2, 4, 6 of rows l, l + 1
+    pairs[l + 1] = _mm512_unpackhi_pd(v[l], v[l + 1]);
+  }
+  // Quarters 0 and 2 (then 1 and 3) of rows 4q..4q+3's pairs: the lanes
+  // k, k + 4 of four rows, for k = 0, 2 (then 1, 3).
+  const __m512i even_quarters = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i odd_quarters = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int q = 0; q < 2; ++q) {
+    const __m512d* p = pairs + 4 * q;
+    quarters[4 * q + 0] = _mm512_permutex2var_pd(p[0], even_quarters, p[2]);  // lanes 0, 4
+    quarters[4 * q + 1] = _mm512_permutex2var_pd(p[1], even_quarters, p[3]);  // lanes 1, 5
+    quarters[4 * q + 2] = _mm512_permutex2var_pd(p[0], odd_quarters, p[2]);   // lanes 2, 6
+    quarters[4 * q + 3] = _mm512_permutex2var_pd(p[1], odd_quarters, p[3]);   // lanes 3, 7
+  }
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm512_shuffle_f64x2(quarters[k], quarters[4 + k], 0x44);
+    v[k + 4] = _mm512_shuffle_f64x2(quarters[k], quarters[4 + k], 0xEE);
+  }
+#elif ATTNKERN_HAS(AVX2)
   const __m256d t0 = _mm256_unpacklo_pd(v[0], v[1]), t1 = _mm256_unpackhi_pd(v[0], v[1]);
   const __m256d t2 = _mm256_unpacklo_pd(v[2], v[3]), t3 = _mm256_unpackhi_pd(v[2], v[3]);
   v[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
@@ -308,8 +334,8 @@ inline void transpose_lanes(at::vec::Vectorized<double>* v) {
 // and within kLinearRange (ready()); the others go one at a time as above.
 // Lanes never mix: a row's result does not depend on the rows that share its
 // group, and unused lanes repeat lane 0. The backward (gradient()) needs only
-// one-step conditional differences along the chain, not the tangents of every
-// message.
+// one-step conditionals along the chain, not the tangents of every message,
+// and no backward messages.
 struct CrfLanes {
   using Vec = at::vec::Vectorized<double>;
   static constexpr int kLanes = Vec::size();
@@ -325,8 +351,8 @@ struct CrfLanes {
   std::unique_ptr<double[]> buf;
   // A row and its incoming gradient as loaded (n entries each); then per
   // entry, lanes side by side: the rows, the label factors, the forward and
-  // backward messages, μ, the incoming gradient (then the gradient out) and
-  // the backward's D.
+  // backward messages (in gradient(): the forward messages and 1 / d), μ,
+  // the incoming gradient (then the gradient out), the backward's D and φ.
   double *staged_row, *staged_grad, *xs, *f0, *f1, *fa0, *fa1, *bb0, *bb1, *mu, *g, *ds, *phi;
   double* out;
   const void* x_src[kLanes];  // add_direct's rows
@@ -549,19 +575,31 @@ struct CrfLanes {
 #endif
   }
 
-  // Each lane's label factors (f0, f1) = (e^{-max(u, 0)}, e^{min(u, 0)}) (one
-  // of the two is 1) and e^{w - max w} (e).
-  void factors() {
+  // The label factors (c0, c1) = (e^{-max(u, 0)}, e^{min(u, 0)}) of the
+  // entries u (one of the two is 1).
+  static void label_factors(const Vec& u, Vec& c0, Vec& c1) {
+    const Vec small = exp_nonpositive(u.abs().neg()), nonneg = u >= Vec(0.0);
+    c0 = Vec::blendv(Vec(1.0), small, nonneg);
+    c1 = Vec::blendv(small, Vec(1.0), nonneg);
+  }
+
+  // Each lane's e^{w - max w} (e).
+  void transition_factors() {
     for (int l = 0; l < kLanes; ++l) {
       const double top = std::max(std::max(w[0][l], w[1][l]), std::max(w[2][l], w[3][l]));
       for (int k = 0; k < 4; ++k) e[k][l] = std::exp(w[k][l] - top);
     }
+  }
+
+  // e, and each entry's label factors into f0, f1.
+  void factors() {
+    transition_factors();
     double *p0 = f0, *p1 = f1;
     for (int64_t i = 0; i < n; ++i) {
-      const Vec x = at(xs, i);
-      const Vec small = exp_nonpositive(x.abs().neg()), nonneg = x >= Vec(0.0);
-      Vec::blendv(Vec(1.0), small, nonneg).store(p0 + i * kLanes);
-      Vec::blendv(small, Vec(1.0), nonneg).store(p1 + i * kLanes);
+      Vec c0, c1;
+      label_factors(at(xs, i), c0, c1);
+      c0.store(p0 + i * kLanes);
+      c1.store(p1 + i * kLanes);
     }
   }
 
@@ -624,63 +662,80 @@ struct CrfLanes {
   //   du_i = Var(z_i)·D_i + R_i,
   //   D_i = g_i + φ_i·D_{i-1} (D_0 = g_0),
   //   R_i = φ_{i+1}·(Var(z_{i+1})·g_{i+1} + R_{i+1}) (R_{n-1} = 0),
-  // with φ_i = a0·a1·det(e) / ((a0·e00 + a1·e10)·(a0·e01 + a1·e11)), a the
-  // forward pair at i - 1: products of positive terms and det(e), so nothing
-  // cancels. In w, with ξ_i(a, b) the marginal of (z_{i-1}, z_i) = (a, b),
+  // with φ_i = a0·a1·det(e) / (d_i(0)·d_i(1)), a the forward pair at i - 1 and
+  // d_i(b) = a0·e_0b + a1·e_1b: products of positive terms and det(e), so
+  // nothing cancels. In w, with ξ_i(a, b) the marginal of (z_{i-1}, z_i) = (a, b),
   //   dw_ab = Σ_i ξ_i(a, b)·((a - μ_{i-1})·D_{i-1} + (b - μ_i)·(g_i + R_i / Var(z_i))),
   // the covariance of the transition count with g·z split at the transition
   // (the prefix and the suffix are independent given it). In a lane's row
   // every odds μ / (1 - μ) lies within e^{±2·kLinearRange}, so Var(z_i) is a
-  // normal double. One pass both ways (messages, φ, D), then one backward
-  // (μ, R, the outputs).
+  // normal double.
+  //
+  // The marginals need no backward messages: given z_i, z_{i-1} depends on
+  // the prefix alone, P(z_{i-1} = a | z_i = b) = a(a)·e_ab / d_i(b), so from
+  // the last forward pair's μ the pairs (P(z_i = 0), P(z_i = 1)) run
+  // backwards as ξ_i(a, b) = a(a)·e_ab·P(z_i = b) / d_i(b), summed over b: sums
+  // of positive terms, so 1 - μ is as exact as μ. One forward pass (label
+  // factors, messages, 1 / d, φ, D), then one backward pass (μ, R, outputs).
   template <bool with_dw>
   void gradient() {
-    factors();
+    transition_factors();
     const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
     const Vec det = e00 * e11 - e01 * e10;
-    const double *p0 = f0, *p1 = f1, *gs = g;
-    double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1, *dd = ds, *phis = phi, *outs = out;
-    // The messages, and with them φ_i (from a_{i-1}: the factors cancel) and D_i.
+    // Local copies of the array pointers: stores through them cannot then be
+    // taken to change the pointers.
+    const double *us = xs, *gs = g;
+    double *a0s = fa0, *a1s = fa1, *r0s = bb0, *r1s = bb1, *dd = ds, *phis = phi, *outs = out;
+    // Forward: the messages a (scaled), 1 / d_i(b) into r0s, r1s, φ_i, D_i.
+    Vec a0, a1;
+    label_factors(at(us, 0), a0, a1);
     Vec d = at(gs, 0);
+    a0.store(a0s);
+    a1.store(a1s);
     d.store(dd);
-    messages([&](int64_t i, const Vec& a0, const Vec& a1) {
-      const Vec phi_i = (a0 * a1) * det / (at::vec::fmadd(e00, a0, e10 * a1) * at::vec::fmadd(e01, a0, e11 * a1));
+    for (int64_t i = 1; i < n; ++i) {
+      Vec c0, c1;
+      label_factors(at(us, i), c0, c1);
+      const Vec d0 = at::vec::fmadd(e00, a0, e10 * a1), d1 = at::vec::fmadd(e01, a0, e11 * a1);
+      const Vec inv = Vec(1.0) / (d0 * d1);
+      const Vec phi_i = (a0 * a1) * det * inv;
       d = at::vec::fmadd(phi_i, d, at(gs, i));
+      (d1 * inv).store(r0s + i * kLanes);
+      (d0 * inv).store(r1s + i * kLanes);
       phi_i.store(phis + i * kLanes);
       d.store(dd + i * kLanes);
-    });
-    // Last entry first: μ, R, the outputs.
+      a0 = c0 * d0;
+      a1 = c1 * d1;
+      rescale(a0, a1);
+      a0.store(a0s + i * kLanes);
+      a1.store(a1s + i * kLanes);
+    }
+    // Backward from the last entry: μ (as the pair p0, p1), R, the outputs.
+    const Vec last = Vec(1.0) / (a0 + a1);
+    Vec p0 = a0 * last, p1 = a1 * last;
     Vec r(0.0);
     Vec s00(0.0), s01(0.0), s10(0.0), s11(0.0);
-    for (int64_t j = n - 1; j >= 0; --j) {
-      const Vec c0 = at(p0, j), c1 = at(p1, j), gj = at(gs, j), b0 = at(b0s, j), b1 = at(b1s, j);
-      // The pair at j before its scaling, from a_{j-1}: μ_j and ξ_j share a
-      // denominator with it.
-      Vec u0 = c0, u1 = c1, prev0, prev1;
-      if (j > 0) {
-        prev0 = at(a0s, j - 1);
-        prev1 = at(a1s, j - 1);
-        u0 = c0 * at::vec::fmadd(e00, prev0, e10 * prev1);
-        u1 = c1 * at::vec::fmadd(e01, prev0, e11 * prev1);
-      }
-      const Vec x0 = u0 * b0, x1 = u1 * b1, inv = Vec(1.0) / (x0 + x1);
-      const Vec mu1 = x1 * inv, mu0 = x0 * inv, var = mu0 * mu1;  // μ_j, 1 - μ_j, Var(z_j)
+    for (int64_t j = n - 1;; --j) {
+      const Vec gj = at(gs, j), var = p0 * p1;  // Var(z_j)
       at::vec::fmadd(var, at(dd, j), r).store(outs + j * kLanes);
-      if constexpr (with_dw) {
-        if (j > 0) {
-          // ξ_j(a, b) = a_{j-1}(a)·e_ab·f_b·b_b / Σ.
-          const Vec t0 = c0 * b0 * inv, t1 = c1 * b1 * inv;
-          const Vec x00 = prev0 * e00 * t0, x01 = prev0 * e01 * t1, x10 = prev1 * e10 * t0, x11 = prev1 * e11 * t1;
-          const Vec dprev = at(dd, j - 1), h = gj + r / var;
-          const Vec back0 = (x10 + x11).neg() * dprev, back1 = (x00 + x01) * dprev;  // (a - μ_{j-1})·D_{j-1}
-          const Vec ahead0 = mu1.neg() * h, ahead1 = mu0 * h;                           // (b - μ_j)·(g_j + R_j / Var)
-          s00 = at::vec::fmadd(x00, back0 + ahead0, s00);
-          s01 = at::vec::fmadd(x01, back0 + ahead1, s01);
-          s10 = at::vec::fmadd(x10, back1 + ahead0, s10);
-          s11 = at::vec::fmadd(x11, back1 + ahead1, s11);
-        }
-      }
       if (j == 0) break;
+      const Vec prev0 = at(a0s, j - 1), prev1 = at(a1s, j - 1);
+      const Vec y0 = p0 * at(r0s, j), y1 = p1 * at(r1s, j);  // P(z_j = b) / d_j(b)
+      if constexpr (with_dw) {
+        const Vec x00 = prev0 * e00 * y0, x01 = prev0 * e01 * y1, x10 = prev1 * e10 * y0, x11 = prev1 * e11 * y1;
+        const Vec dprev = at(dd, j - 1), h = gj + r / var;
+        const Vec back0 = (x10 + x11).neg() * dprev, back1 = (x00 + x01) * dprev;  // (a - μ_{j-1})·D_{j-1}
+        const Vec ahead0 = p1.neg() * h, ahead1 = p0 * h;                          // (b - μ_j)·(g_j + R_j / Var)
+        s00 = at::vec::fmadd(x00, back0 + ahead0, s00);
+        s01 = at::vec::fmadd(x01, back0 + ahead1, s01);
+        s10 = at::vec::fmadd(x10, back1 + ahead0, s10);
+        s11 = at::vec::fmadd(x11, back1 + ahead1, s11);
+        p0 = x00 + x01;
+        p1 = x10 + x11;
+      } else {
+        p0 = prev0 * at::vec::fmadd(e00, y0, e01 * y1);
+        p1 = prev1 * at::vec::fmadd(e10, y0, e11 * y1);
+      }
       r = at(phis, j) * at::vec::fmadd(var, gj, r);
     }
     if constexpr (with_dw) {
