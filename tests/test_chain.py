@@ -128,6 +128,20 @@ def test_long_rows_keep_their_messages_in_range(level):
     torch.testing.assert_close(got, torch.sigmoid(u), rtol=1e-12, atol=0)
 
 
+def test_independent_labels_stay_exact_along_long_rows():
+    # With W = 0 the labels are independent: μ = sigmoid(u) and du = μ(1 - μ)·g at every entry, however
+    # far from the row's end. Rows side by side take μ backwards through the chain, a recurrence that keeps
+    # the pair's sum and so piles its rounding into a common factor; it must not reach the outputs.
+    g = torch.Generator().manual_seed(41)
+    u = (torch.randn(9, 4096, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    go = torch.randn(9, 4096, generator=g, dtype=torch.float64)
+    mu = attnkern.crf_marginals(u, torch.zeros(2, 2, dtype=torch.float64))
+    want = torch.sigmoid(u.detach())
+    torch.testing.assert_close(mu, want, rtol=2e-15, atol=0)
+    mu.backward(go)
+    torch.testing.assert_close(u.grad, want * torch.sigmoid(-u.detach()) * go, rtol=1e-14, atol=0)
+
+
 def test_long_rows_match_the_reference():
     u, w = random_case(1025, rows=2, seed=4, per_row=True)
     u[0, 100:140] = -math.inf

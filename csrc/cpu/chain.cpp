@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -340,8 +341,8 @@ struct CrfLanes {
   using Vec = at::vec::Vectorized<double>;
   static constexpr int kLanes = Vec::size();
   static constexpr int kAllLanes = (1 << kLanes) - 1;
-  // The longest rows taken side by side: a group's arrays hold 11·kLanes + 2
-  // doubles per entry (3 MiB per thread at this length at AVX512), and longer
+  // The longest rows taken side by side: a group's arrays hold 9·kLanes + 2
+  // doubles per entry (2.4 MiB per thread at this length at AVX512), and longer
   // rows would cost more memory than one at a time does.
   static constexpr int64_t kMaxEntries = int64_t(1) << 12;
 
@@ -350,10 +351,10 @@ struct CrfLanes {
   int64_t rows[kLanes];
   std::unique_ptr<double[]> buf;
   // A row and its incoming gradient as loaded (n entries each); then per
-  // entry, lanes side by side: the rows, the label factors, the forward and
-  // backward messages (in gradient(): the forward messages and 1 / d), μ,
-  // the incoming gradient (then the gradient out), the backward's D and φ.
-  double *staged_row, *staged_grad, *xs, *f0, *f1, *fa0, *fa1, *bb0, *bb1, *mu, *g, *ds, *phi;
+  // entry, lanes side by side: the rows, the forward messages, 1 / d (see
+  // forward_messages), μ, the incoming gradient (then the gradient out), the
+  // backward's D and φ.
+  double *staged_row, *staged_grad, *xs, *fa0, *fa1, *r0, *r1, *mu, *g, *ds, *phi;
   double* out;
   const void* x_src[kLanes];  // add_direct's rows
   const void* g_src[kLanes];  // and their gradients
@@ -367,13 +368,13 @@ struct CrfLanes {
   // index): they are spaced by a few cache lines more.
   static constexpr int64_t kArrayPad = 40;
 
-  explicit CrfLanes(int64_t n_) : n(n_), buf(new double[2 * (n_ + kArrayPad) + 11 * (kLanes * n_ + kArrayPad)]) {
+  explicit CrfLanes(int64_t n_) : n(n_), buf(new double[2 * (n_ + kArrayPad) + 9 * (kLanes * n_ + kArrayPad)]) {
     double* b = buf.get();
     for (double** a : {&staged_row, &staged_grad}) {
       *a = b;
       b += n + kArrayPad;
     }
-    for (double** a : {&xs, &f0, &f1, &fa0, &fa1, &bb0, &bb1, &mu, &g, &ds, &phi}) {
+    for (double** a : {&xs, &fa0, &fa1, &r0, &r1, &mu, &g, &ds, &phi}) {
       *a = b;
       b += kLanes * n + kArrayPad;
     }
@@ -541,11 +542,38 @@ struct CrfLanes {
     }
   }
 
-  // e^x for x in [-kLinearRange, 0], the range of the lanes' label factors:
+  // e^x for x in [-kLinearRange, 0], the range of the lanes' label factors,
+  // cheaper than Sleef's exp, which handles every argument. Below AVX512:
   // x = k·ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor polynomial of
   // degree 13 (remainder below 2e-17 relative), 2^k written into the exponent
-  // bits: cheaper than Sleef's exp, which handles every argument.
+  // bits.
   static Vec exp_nonpositive(Vec x) {
+#if ATTNKERN_HAS(AVX512)
+    // x = (k / 16)·ln 2 + r with |r| <= ln 2 / 32: e^x = 2^floor(k / 16) ·
+    // 2^((k mod 16) / 16) · e^r, the middle factor from a table of 16 held in
+    // two registers, e^r by its Taylor polynomial of degree 7 (remainder below
+    // 2e-18 relative): fewer multiply-adds than the polynomial below.
+    constexpr double kRound = 0x1.8p52;
+    constexpr double kLn2By16Hi = 0x1.62e42fefa39efp-5, kLn2By16Lo = 0x1.abc9e3b39803fp-60;
+    // t = x·16·log2(e) + 1.5·2^52 rounds x·16·log2(e) to the integer k
+    // (t - 1.5·2^52), whose low 4 bits it holds in its own: the table index.
+    const Vec t = at::vec::fmadd(x, Vec(0x1.71547652b82fep+4), Vec(kRound)), k = t - Vec(kRound);
+    const Vec r = at::vec::fmadd(k, Vec(-kLn2By16Lo), at::vec::fmadd(k, Vec(-kLn2By16Hi), x));
+    const Vec r2 = r * r, r4 = r2 * r2;
+    auto pair = [&](double lo, double hi) { return at::vec::fmadd(Vec(hi), r, Vec(lo)); };
+    const Vec q0 = pair(1.0, 1.0), q1 = pair(1.0 / 2, 1.0 / 6), q2 = pair(1.0 / 24, 1.0 / 120),
+              q3 = pair(1.0 / 720, 1.0 / 5040);
+    const Vec p = at::vec::fmadd(at::vec::fmadd(q3, r2, q2), r4, at::vec::fmadd(q1, r2, q0));
+    // 2^(j / 16), j = 0..15, rounded to double.
+    const __m512d low = _mm512_setr_pd(0x1.0000000000000p+0, 0x1.0b5586cf9890fp+0, 0x1.172b83c7d517bp+0,
+                                       0x1.2387a6e756238p+0, 0x1.306fe0a31b715p+0, 0x1.3dea64c123422p+0,
+                                       0x1.4bfdad5362a27p+0, 0x1.5ab07dd485429p+0);
+    const __m512d high = _mm512_setr_pd(0x1.6a09e667f3bcdp+0, 0x1.7a11473eb0187p+0, 0x1.8ace5422aa0dbp+0,
+                                        0x1.9c49182a3f090p+0, 0x1.ae89f995ad3adp+0, 0x1.c199bdd85529cp+0,
+                                        0x1.d5818dcfba487p+0, 0x1.ea4afa2a490dap+0);
+    const Vec fraction = _mm512_permutex2var_pd(low, _mm512_castpd_si512(t), high);
+    return _mm512_scalef_pd(fraction * p, k * Vec(1.0 / 16));
+#else
     constexpr double kLn2Hi = 0x1.62e42fefa3800p-1, kLn2Lo = 0x1.ef35793c76730p-45;
     // t = x·log2(e) + 1.5·2^52 rounds x·log2(e) to the integer k (t - 1.5·2^52)
     // and holds 2^51 + k in its low mantissa bits.
@@ -573,6 +601,7 @@ struct CrfLanes {
     const IVec biased = at::vec::cast<int64_t>(t) + IVec(kToBiased);
     return p * at::vec::cast<double>(biased << IVec(52));
 #endif
+#endif
   }
 
   // The label factors (c0, c1) = (e^{-max(u, 0)}, e^{min(u, 0)}) of the
@@ -591,65 +620,80 @@ struct CrfLanes {
     }
   }
 
-  // e, and each entry's label factors into f0, f1.
-  void factors() {
-    transition_factors();
-    double *p0 = f0, *p1 = f1;
-    for (int64_t i = 0; i < n; ++i) {
-      Vec c0, c1;
-      label_factors(at(xs, i), c0, c1);
-      c0.store(p0 + i * kLanes);
-      c1.store(p1 + i * kLanes);
-    }
+  // e as vectors: e_00, e_01, e_10, e_11.
+  std::array<Vec, 4> transitions() const {
+    return {Vec::loadu(e[0]), Vec::loadu(e[1]), Vec::loadu(e[2]), Vec::loadu(e[3])};
   }
 
-  // chain_sweeps_linear's messages on every lane, after factors(): the
-  // forward pairs a_i into fa0, fa1 and the backward pairs b_j into bb0, bb1
-  // (both scaled), the two recurrences in one loop so that their latencies
-  // overlap, their coefficients formed off the dependency chains.
-  // step(i, a0, a1) sees the forward pair at i - 1 (i >= 1) before it
-  // advances.
+  // The forward messages on every lane: the pairs a_i (scaled) into fa0, fa1
+  // and 1 / d_i(b) into r0, r1 (i >= 1), where d_i(b) = a0·e_0b + a1·e_1b
+  // from the pair a at i - 1 (a_i(b) = f_b·d_i(b), f the label factors,
+  // computed here as each entry is reached), after transition_factors().
+  // step(i, a0, a1, inv) sees that pair and 1 / (d_i(0)·d_i(1)).
   template <typename Step>
-  void messages(Step&& step) {
-    const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
+  void forward_messages(Step&& step) {
+    const auto [e00, e01, e10, e11] = transitions();
     // Local copies of the array pointers: stores through them cannot then be
     // taken to change the pointers.
-    const double *p0 = f0, *p1 = f1;
-    double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1;
-    Vec a0 = at(p0, 0), a1 = at(p1, 0), b0(1.0), b1(1.0);
+    const double* us = xs;
+    double *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
+    Vec a0, a1;
+    label_factors(at(us, 0), a0, a1);
     a0.store(a0s);
     a1.store(a1s);
-    b0.store(b0s + (n - 1) * kLanes);
-    b1.store(b1s + (n - 1) * kLanes);
-    for (int64_t i = 1, j = n - 2; i < n; ++i, --j) {
-      const Vec c0 = at(p0, i), c1 = at(p1, i), q0 = at(p0, j + 1), q1 = at(p1, j + 1);
-      Vec n0 = at::vec::fmadd(c0 * e00, a0, (c0 * e10) * a1), n1 = at::vec::fmadd(c1 * e01, a0, (c1 * e11) * a1);
-      Vec m0 = at::vec::fmadd(e00 * q0, b0, (e01 * q1) * b1), m1 = at::vec::fmadd(e10 * q0, b0, (e11 * q1) * b1);
-      step(i, a0, a1);
-      rescale(n0, n1);
-      rescale(m0, m1);
-      a0 = n0;
-      a1 = n1;
-      b0 = m0;
-      b1 = m1;
+    for (int64_t i = 1; i < n; ++i) {
+      Vec c0, c1;
+      label_factors(at(us, i), c0, c1);
+      const Vec d0 = at::vec::fmadd(e00, a0, e10 * a1), d1 = at::vec::fmadd(e01, a0, e11 * a1);
+      const Vec inv = Vec(1.0) / (d0 * d1);
+      step(i, a0, a1, inv);
+      (d1 * inv).store(r0s + i * kLanes);
+      (d0 * inv).store(r1s + i * kLanes);
+      a0 = c0 * d0;
+      a1 = c1 * d1;
+      rescale(a0, a1);
       a0.store(a0s + i * kLanes);
       a1.store(a1s + i * kLanes);
-      b0.store(b0s + j * kLanes);
-      b1.store(b1s + j * kLanes);
     }
   }
 
-  // chain_sweeps_linear's messages and μ on every lane.
+  // The marginal pair (P(z = 0), P(z = 1)) of the last entry, after
+  // forward_messages.
+  void last_marginals(Vec& p0, Vec& p1) const {
+    const Vec a0 = at(fa0, n - 1), a1 = at(fa1, n - 1), norm = Vec(1.0) / (a0 + a1);
+    p0 = a0 * norm;
+    p1 = a1 * norm;
+  }
+
+  // μ on every lane: the forward messages, then the marginals backwards.
+  // Given z_j, z_{j-1} depends on the prefix alone: P(z_{j-1} = a | z_j = b)
+  // = a(a)·e_ab / d_j(b) (a the forward pair at j - 1), so the pairs
+  // p = (P(z_j = 0), P(z_j = 1)) run backwards from the last entry's as
+  // ξ_j(a, b) = a(a)·e_ab·P(z_j = b) / d_j(b) summed over b: sums of positive
+  // terms, so 1 - μ is as exact as μ, and no backward messages are needed.
   void sweeps() {
-    factors();
-    messages([](int64_t, const Vec&, const Vec&) {});
-    const double *a0s = fa0, *a1s = fa1, *b0s = bb0, *b1s = bb1;
+    transition_factors();
+    forward_messages([](int64_t, const Vec&, const Vec&, const Vec&) {});
+    const auto [e00, e01, e10, e11] = transitions();
+    const double *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
     double* mus = mu;
-    for (int64_t i = 0; i < n; ++i) {
-      const Vec one = at(a1s, i) * at(b1s, i);
-      (one / (at(a0s, i) * at(b0s, i) + one)).store(mus + i * kLanes);
+    Vec p0, p1;
+    last_marginals(p0, p1);
+    p1.store(mus + (n - 1) * kLanes);
+    for (int64_t j = n - 1; j > 0; --j) {
+      const Vec y0 = p0 * at(r0s, j), y1 = p1 * at(r1s, j);  // P(z_j = b) / d_j(b)
+      p0 = at(a0s, j - 1) * at::vec::fmadd(e00, y0, e01 * y1);
+      p1 = at(a1s, j - 1) * at::vec::fmadd(e10, y0, e11 * y1);
+      (p1 * drift_removed(p0, p1)).store(mus + (j - 1) * kLanes);
     }
   }
+
+  // The steps backwards keep the pair's sum, so its rounding errors add up
+  // in a common factor of the pair (1 + δ, |δ| at most a few ulps per entry)
+  // that nothing contracts; the others shrink by |φ| per step. The outputs
+  // take the pair times 1 / (p0 + p1) = 1 / (1 + δ), here 2 - (p0 + p1)
+  // (within δ² of it), off the recurrence, which goes on unscaled.
+  static Vec drift_removed(const Vec& p0, const Vec& p1) { return Vec(2.0) - (p0 + p1); }
 
   // The gradient on every lane (rows and incoming gradients loaded): du into
   // out and, when with_dw, the gradient in w into dw.
@@ -662,64 +706,47 @@ struct CrfLanes {
   //   du_i = Var(z_i)·D_i + R_i,
   //   D_i = g_i + φ_i·D_{i-1} (D_0 = g_0),
   //   R_i = φ_{i+1}·(Var(z_{i+1})·g_{i+1} + R_{i+1}) (R_{n-1} = 0),
-  // with φ_i = a0·a1·det(e) / (d_i(0)·d_i(1)), a the forward pair at i - 1 and
-  // d_i(b) = a0·e_0b + a1·e_1b: products of positive terms and det(e), so
-  // nothing cancels. In w, with ξ_i(a, b) the marginal of (z_{i-1}, z_i) = (a, b),
+  // with φ_i = a0·a1·det(e) / (d_i(0)·d_i(1)), a the forward pair at i - 1:
+  // products of positive terms and det(e), so nothing cancels. In w, with
+  // ξ_i(a, b) the marginal of (z_{i-1}, z_i) = (a, b),
   //   dw_ab = Σ_i ξ_i(a, b)·((a - μ_{i-1})·D_{i-1} + (b - μ_i)·(g_i + R_i / Var(z_i))),
   // the covariance of the transition count with g·z split at the transition
   // (the prefix and the suffix are independent given it). In a lane's row
   // every odds μ / (1 - μ) lies within e^{±2·kLinearRange}, so Var(z_i) is a
-  // normal double.
-  //
-  // The marginals need no backward messages: given z_i, z_{i-1} depends on
-  // the prefix alone, P(z_{i-1} = a | z_i = b) = a(a)·e_ab / d_i(b), so from
-  // the last forward pair's μ the pairs (P(z_i = 0), P(z_i = 1)) run
-  // backwards as ξ_i(a, b) = a(a)·e_ab·P(z_i = b) / d_i(b), summed over b: sums
-  // of positive terms, so 1 - μ is as exact as μ. One forward pass (label
-  // factors, messages, 1 / d, φ, D), then one backward pass (μ, R, outputs).
+  // normal double. One forward pass (messages, φ, D), then one backward pass
+  // (μ as sweeps() runs it, R, the outputs).
   template <bool with_dw>
   void gradient() {
     transition_factors();
-    const Vec e00 = Vec::loadu(e[0]), e01 = Vec::loadu(e[1]), e10 = Vec::loadu(e[2]), e11 = Vec::loadu(e[3]);
+    const auto [e00, e01, e10, e11] = transitions();
     const Vec det = e00 * e11 - e01 * e10;
-    // Local copies of the array pointers: stores through them cannot then be
-    // taken to change the pointers.
-    const double *us = xs, *gs = g;
-    double *a0s = fa0, *a1s = fa1, *r0s = bb0, *r1s = bb1, *dd = ds, *phis = phi, *outs = out;
-    // Forward: the messages a (scaled), 1 / d_i(b) into r0s, r1s, φ_i, D_i.
-    Vec a0, a1;
-    label_factors(at(us, 0), a0, a1);
+    const double* gs = g;
+    double *dd = ds, *phis = phi, *outs = out;
     Vec d = at(gs, 0);
-    a0.store(a0s);
-    a1.store(a1s);
     d.store(dd);
-    for (int64_t i = 1; i < n; ++i) {
-      Vec c0, c1;
-      label_factors(at(us, i), c0, c1);
-      const Vec d0 = at::vec::fmadd(e00, a0, e10 * a1), d1 = at::vec::fmadd(e01, a0, e11 * a1);
-      const Vec inv = Vec(1.0) / (d0 * d1);
+    forward_messages([&](int64_t i, const Vec& a0, const Vec& a1, const Vec& inv) {
       const Vec phi_i = (a0 * a1) * det * inv;
       d = at::vec::fmadd(phi_i, d, at(gs, i));
-      (d1 * inv).store(r0s + i * kLanes);
-      (d0 * inv).store(r1s + i * kLanes);
       phi_i.store(phis + i * kLanes);
       d.store(dd + i * kLanes);
-      a0 = c0 * d0;
-      a1 = c1 * d1;
-      rescale(a0, a1);
-      a0.store(a0s + i * kLanes);
-      a1.store(a1s + i * kLanes);
-    }
-    // Backward from the last entry: μ (as the pair p0, p1), R, the outputs.
-    const Vec last = Vec(1.0) / (a0 + a1);
-    Vec p0 = a0 * last, p1 = a1 * last;
+    });
+    const double *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
+    Vec p0, p1;  // P(z_j = 0), P(z_j = 1)
+    last_marginals(p0, p1);
     Vec r(0.0);
     Vec s00(0.0), s01(0.0), s10(0.0), s11(0.0);
     for (int64_t j = n - 1;; --j) {
-      const Vec gj = at(gs, j), var = p0 * p1;  // Var(z_j)
+      const Vec scale = drift_removed(p0, p1), q0 = p0 * scale, q1 = p1 * scale;  // 1 - μ_j, μ_j
+      const Vec gj = at(gs, j), var = q0 * q1;                                      // Var(z_j)
       at::vec::fmadd(var, at(dd, j), r).store(outs + j * kLanes);
       if (j == 0) break;
       const Vec prev0 = at(a0s, j - 1), prev1 = at(a1s, j - 1);
+      if constexpr (with_dw) {
+        // The sums in w read ξ_j, so here the recurrence takes the rescaled
+        // pair.
+        p0 = q0;
+        p1 = q1;
+      }
       const Vec y0 = p0 * at(r0s, j), y1 = p1 * at(r1s, j);  // P(z_j = b) / d_j(b)
       if constexpr (with_dw) {
         const Vec x00 = prev0 * e00 * y0, x01 = prev0 * e01 * y1, x10 = prev1 * e10 * y0, x11 = prev1 * e11 * y1;
