@@ -142,6 +142,31 @@ def test_independent_labels_stay_exact_along_long_rows():
     torch.testing.assert_close(u.grad, want * torch.sigmoid(-u.detach()) * go, rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize("coupling", [0.0, 3.0, 4.0, 4.5])
+def test_float_rows_in_float_lanes_stay_within_ten_ulps(coupling):
+    # float, bfloat16 and float16 rows whose chain is coupled by |log ρ| <= 4 (ρ = e^{W00 + W11 - W01 - W10})
+    # and whose scores fit run 16 to a vector in float arithmetic: μ within 10 float ulps of the float64
+    # result, du within 1e-6 of max |du|. More strongly coupled rows run in double: within one ulp.
+    g = torch.Generator().manual_seed(43)
+    w = torch.tensor([[coupling / 4, -coupling / 4], [-coupling / 4, coupling / 4]], dtype=torch.float64)
+    w = w + 1e-3 * torch.randn(2, 2, generator=g, dtype=torch.float64)
+    allowed = 10.0 if coupling <= 4 else 1.0
+    for scale in (0.1, 1.0, 10.0):
+        u = (torch.randn(17, 1025, generator=g) * scale).requires_grad_()
+        go = torch.randn(17, 1025, generator=g)
+        mu = attnkern.crf_marginals(u, w)
+        mu.backward(go)
+        u64 = u.detach().double().requires_grad_()
+        want = attnkern.crf_marginals(u64, w)
+        want.backward(go.double())
+        ulp = torch.from_numpy(np.spacing(want.detach().float().abs().numpy())).double()
+        assert ((mu.double() - want.detach()).abs() / ulp).max() <= allowed
+        assert (u.grad.double() - u64.grad).abs().max() <= 1e-6 * u64.grad.abs().max()
+        # A row's result does not depend on the rows that share its group.
+        one = attnkern.crf_marginals(u.detach()[5:6], w)
+        assert torch.equal(one[0], mu.detach()[5])
+
+
 def test_long_rows_match_the_reference():
     u, w = random_case(1025, rows=2, seed=4, per_row=True)
     u[0, 100:140] = -math.inf

@@ -16,7 +16,8 @@
 // side, one per vector lane (struct CrfLanes), whenever their entries allow
 // the linear sweep and none is masked; other rows go one at a time. The rows
 // side by side take a shorter backward, from the chain's covariance
-// (CrfLanes::gradient).
+// (CrfLanes::gradient). Float, bfloat16 and float16 rows of weakly coupled
+// chains run in float lanes, twice as many a vector (float_lanes_fit).
 //
 // sparsemap_chain (Niculae, Martins, Blondel & Cardie, 2018): in closed form
 // (a clamped total-variation prox, or an order-constrained projection when
@@ -123,6 +124,29 @@ bool linear_range(const double* u, int64_t m, const double* w) {
   double largest = 0.0;
   for (int64_t i = 0; i < m; ++i) largest = std::max(largest, std::abs(u[i]));
   return hi - lo + largest <= kLinearRange;
+}
+
+// Float lanes (CrfLanes<float>, for float, bfloat16 and float16 rows) keep
+// each pair's sum in [2^-40, 2^40], which holds every message, reciprocal
+// and product of their sweeps within float's normal range when W's spread is
+// at most 27 and that spread plus max |u| at most 40 (docs/algorithms.md,
+// section 11). Their rounding errors in μ grow with the chain's coupling,
+// t = tanh(|log ρ| / 4), ρ = e^{w00 + w11 - w01 - w10}, as about
+// 5 + 1 / (1 - t) float ulps: rows coupled by |log ρ| <= 4 stay within 10.
+constexpr double kFloatPairCeiling = 0x1p40, kFloatPairFloor = 0x1p-40;
+constexpr double kFloatRange = 40.0, kFloatSpread = 27.0, kFloatCoupling = 4.0;
+
+// Whether a row whose largest |u| is `largest` (finite) with transition
+// scores w fits the float lanes.
+bool float_lanes_fit(double largest, const double* w) {
+  double lo = w[0], hi = w[0];
+  for (int k = 1; k < 4; ++k) {
+    lo = std::min(lo, w[k]);
+    hi = std::max(hi, w[k]);
+  }
+  if (!(lo > kNegInf)) return false;
+  const double spread = hi - lo, coupling = std::abs(w[0] + w[3] - w[1] - w[2]);
+  return spread <= kFloatSpread && spread + largest <= kFloatRange && coupling <= kFloatCoupling;
 }
 
 // Scales a message pair back into [2^-200, 2^200] (exactly: a power of two);
@@ -245,13 +269,13 @@ struct CrfMarginals {
   }
 };
 
-// kLanes entries of a row at p widened to double, one vector.
-template <typename scalar_t>
-inline at::vec::Vectorized<double> load_widened(const scalar_t* p) {
-  using Vec = at::vec::Vectorized<double>;
-  if constexpr (std::is_same_v<scalar_t, double>) {
+// A vector of lane_t from a row at p (Vec::size() entries, widened).
+template <typename lane_t, typename scalar_t>
+inline at::vec::Vectorized<lane_t> load_widened(const scalar_t* p) {
+  using Vec = at::vec::Vectorized<lane_t>;
+  if constexpr (std::is_same_v<scalar_t, lane_t>) {
     return Vec::loadu(p);
-  } else {
+  } else if constexpr (std::is_same_v<lane_t, double>) {
 #if ATTNKERN_HAS(AVX512)
     if constexpr (std::is_same_v<scalar_t, float>) return _mm512_cvtps_pd(_mm256_loadu_ps(p));
 #elif ATTNKERN_HAS(AVX2)
@@ -260,16 +284,20 @@ inline at::vec::Vectorized<double> load_widened(const scalar_t* p) {
     alignas(64) double wide[Vec::size()];
     for (int k = 0; k < Vec::size(); ++k) wide[k] = static_cast<double>(p[k]);
     return Vec::loadu(wide);
+  } else {
+    alignas(64) lane_t wide[Vec::size()];
+    for (int k = 0; k < Vec::size(); ++k) wide[k] = static_cast<lane_t>(p[k]);
+    return Vec::loadu(wide);
   }
 }
 
 // v narrowed to scalar_t into p (Vec::size() entries).
-template <typename scalar_t>
-inline void store_narrowed(const at::vec::Vectorized<double>& v, scalar_t* p) {
-  using Vec = at::vec::Vectorized<double>;
-  if constexpr (std::is_same_v<scalar_t, double>) {
+template <typename lane_t, typename scalar_t>
+inline void store_narrowed(const at::vec::Vectorized<lane_t>& v, scalar_t* p) {
+  using Vec = at::vec::Vectorized<lane_t>;
+  if constexpr (std::is_same_v<scalar_t, lane_t>) {
     v.store(p);
-  } else {
+  } else if constexpr (std::is_same_v<lane_t, double>) {
 #if ATTNKERN_HAS(AVX512)
     if constexpr (std::is_same_v<scalar_t, float>) return _mm256_storeu_ps(p, _mm512_cvtpd_ps(v));
 #elif ATTNKERN_HAS(AVX2)
@@ -278,13 +306,31 @@ inline void store_narrowed(const at::vec::Vectorized<double>& v, scalar_t* p) {
     alignas(64) double wide[Vec::size()];
     v.store(wide);
     for (int k = 0; k < Vec::size(); ++k) p[k] = static_cast<scalar_t>(wide[k]);
+  } else {
+    alignas(64) lane_t wide[Vec::size()];
+    v.store(wide);
+    for (int k = 0; k < Vec::size(); ++k) p[k] = static_cast<scalar_t>(wide[k]);
   }
 }
 
-// Transposes the square block v[0..size) (v[l] lane k becomes v[k] lane l):
-// at AVX512 eight shuffles each of pairs, of 128-bit quarters and of 256-bit
-// halves; at AVX2 four of pairs and four of halves; through memory at the
-// other levels.
+// Transposes the square block v[0..size) (v[l] lane k becomes v[k] lane l)
+// through memory.
+template <typename lane_t>
+inline void transpose_lanes_in_memory(at::vec::Vectorized<lane_t>* v) {
+  using Vec = at::vec::Vectorized<lane_t>;
+  constexpr int k = Vec::size();
+  alignas(64) lane_t block[k * k];
+  for (int l = 0; l < k; ++l) v[l].store(block + l * k);
+  alignas(64) lane_t column[k];
+  for (int c = 0; c < k; ++c) {
+    for (int l = 0; l < k; ++l) column[l] = block[l * k + c];
+    v[c] = Vec::loadu(column);
+  }
+}
+
+// The same for double lanes: at AVX512 eight shuffles each of pairs, of
+// 128-bit quarters and of 256-bit halves; at AVX2 four of pairs and four of
+// halves; through memory at the other levels.
 inline void transpose_lanes(at::vec::Vectorized<double>* v) {
 #if ATTNKERN_HAS(AVX512)
   __m512d pairs[8], quarters[8];
@@ -315,15 +361,59 @@ inline void transpose_lanes(at::vec::Vectorized<double>* v) {
   v[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
   v[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
 #else
-  using Vec = at::vec::Vectorized<double>;
-  constexpr int k = Vec::size();
-  alignas(64) double block[k * k];
-  for (int l = 0; l < k; ++l) v[l].store(block + l * k);
-  alignas(64) double column[k];
-  for (int c = 0; c < k; ++c) {
-    for (int l = 0; l < k; ++l) column[l] = block[l * k + c];
-    v[c] = Vec::loadu(column);
+  transpose_lanes_in_memory(v);
+#endif
+}
+
+// The same for float lanes: at AVX512 sixteen shuffles each of pairs, of
+// pairs of pairs, of 256-bit halves and of 128-bit quarters; at AVX2 eight of
+// pairs, of pairs of pairs and of halves; through memory at the other levels.
+inline void transpose_lanes(at::vec::Vectorized<float>* v) {
+#if ATTNKERN_HAS(AVX512)
+  __m512 pairs[16], quads[16];
+  for (int l = 0; l < 16; l += 2) {
+    pairs[l] = _mm512_unpacklo_ps(v[l], v[l + 1]);
+    pairs[l + 1] = _mm512_unpackhi_ps(v[l], v[l + 1]);
   }
+  // quads[4j + k], quarter q: entry 4q + k of rows 4j..4j+3.
+  for (int j = 0; j < 4; ++j) {
+    __m512d p[4];
+    for (int t = 0; t < 4; ++t) p[t] = _mm512_castps_pd(pairs[4 * j + t]);
+    quads[4 * j + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(p[0], p[2]));
+    quads[4 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p[0], p[2]));
+    quads[4 * j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p[1], p[3]));
+    quads[4 * j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p[1], p[3]));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 low8 = _mm512_shuffle_f32x4(quads[k], quads[4 + k], 0x44);    // quarters 0, 1 of rows 0..7
+    const __m512 high8 = _mm512_shuffle_f32x4(quads[k], quads[4 + k], 0xEE);   // quarters 2, 3 of rows 0..7
+    const __m512 low16 = _mm512_shuffle_f32x4(quads[8 + k], quads[12 + k], 0x44);
+    const __m512 high16 = _mm512_shuffle_f32x4(quads[8 + k], quads[12 + k], 0xEE);
+    v[k] = _mm512_shuffle_f32x4(low8, low16, 0x88);
+    v[4 + k] = _mm512_shuffle_f32x4(low8, low16, 0xDD);
+    v[8 + k] = _mm512_shuffle_f32x4(high8, high16, 0x88);
+    v[12 + k] = _mm512_shuffle_f32x4(high8, high16, 0xDD);
+  }
+#elif ATTNKERN_HAS(AVX2)
+  __m256 pairs[8], quads[8];
+  for (int l = 0; l < 8; l += 2) {
+    pairs[l] = _mm256_unpacklo_ps(v[l], v[l + 1]);
+    pairs[l + 1] = _mm256_unpackhi_ps(v[l], v[l + 1]);
+  }
+  for (int j = 0; j < 2; ++j) {
+    __m256d p[4];
+    for (int t = 0; t < 4; ++t) p[t] = _mm256_castps_pd(pairs[4 * j + t]);
+    quads[4 * j + 0] = _mm256_castpd_ps(_mm256_unpacklo_pd(p[0], p[2]));
+    quads[4 * j + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(p[0], p[2]));
+    quads[4 * j + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(p[1], p[3]));
+    quads[4 * j + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(p[1], p[3]));
+  }
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_permute2f128_ps(quads[k], quads[4 + k], 0x20);
+    v[4 + k] = _mm256_permute2f128_ps(quads[k], quads[4 + k], 0x31);
+  }
+#else
+  transpose_lanes_in_memory(v);
 #endif
 }
 
@@ -337,30 +427,36 @@ inline void transpose_lanes(at::vec::Vectorized<double>* v) {
 // group, and unused lanes repeat lane 0. The backward (gradient()) needs only
 // one-step conditionals along the chain, not the tangents of every message,
 // and no backward messages.
+template <typename lane_t>
 struct CrfLanes {
-  using Vec = at::vec::Vectorized<double>;
+  using Vec = at::vec::Vectorized<lane_t>;
+  static constexpr bool kFloat = std::is_same_v<lane_t, float>;
   static constexpr int kLanes = Vec::size();
   static constexpr int kAllLanes = (1 << kLanes) - 1;
-  // The longest rows taken side by side: a group's arrays hold 9·kLanes + 2
-  // doubles per entry (2.4 MiB per thread at this length at AVX512), and longer
-  // rows would cost more memory than one at a time does.
+  // The longest rows taken side by side: a group's arrays hold 9·kLanes
+  // lane_t per entry (2.4 MiB per thread at this length at AVX512), and
+  // longer rows would cost more memory than one at a time does.
   static constexpr int64_t kMaxEntries = int64_t(1) << 12;
+  // Each message pair's sum is kept in [kFloor, kCeiling] by exact powers of
+  // two (rescale).
+  static constexpr lane_t kCeiling = kFloat ? lane_t(kFloatPairCeiling) : lane_t(kPairCeiling);
+  static constexpr lane_t kFloor = kFloat ? lane_t(kFloatPairFloor) : lane_t(kPairFloor);
 
   int64_t n;
   int count = 0;
   int64_t rows[kLanes];
-  std::unique_ptr<double[]> buf;
-  // A row and its incoming gradient as loaded (n entries each); then per
-  // entry, lanes side by side: the rows, the forward messages, 1 / d (see
-  // forward_messages), μ, the incoming gradient (then the gradient out), the
-  // backward's D and φ.
-  double *staged_row, *staged_grad, *xs, *fa0, *fa1, *r0, *r1, *mu, *g, *ds, *phi;
-  double* out;
+  std::unique_ptr<lane_t[]> buf;
+  // Per entry, lanes side by side: the rows, the forward messages, 1 / d
+  // (see forward_messages), μ, the incoming gradient (then the gradient
+  // out), the backward's D and φ.
+  lane_t *xs, *fa0, *fa1, *r0, *r1, *mu, *g, *ds, *phi;
+  lane_t* out;
   const void* x_src[kLanes];  // add_direct's rows
   const void* g_src[kLanes];  // and their gradients
   alignas(64) double w[4][kLanes];   // each lane's transition scores
-  alignas(64) double e[4][kLanes];   // e^{w - max w}
-  alignas(64) double dw[4][kLanes];  // the gradient in w (gradient<true>())
+  alignas(64) lane_t e[4][kLanes];   // e^{w - max w}, rounded once from double
+  alignas(64) lane_t det[kLanes];    // e_00·e_11 - e_01·e_10, likewise
+  alignas(64) lane_t dw[4][kLanes];  // the gradient in w (gradient<true>())
 
   // Arrays spaced by whole multiples of 4 KiB put entry i of every array in
   // one L1 set and let loads wait on unrelated stores with the same low
@@ -368,13 +464,9 @@ struct CrfLanes {
   // index): they are spaced by a few cache lines more.
   static constexpr int64_t kArrayPad = 40;
 
-  explicit CrfLanes(int64_t n_) : n(n_), buf(new double[2 * (n_ + kArrayPad) + 9 * (kLanes * n_ + kArrayPad)]) {
-    double* b = buf.get();
-    for (double** a : {&staged_row, &staged_grad}) {
-      *a = b;
-      b += n + kArrayPad;
-    }
-    for (double** a : {&xs, &fa0, &fa1, &r0, &r1, &mu, &g, &ds, &phi}) {
+  explicit CrfLanes(int64_t n_) : n(n_), buf(new lane_t[9 * (kLanes * n_ + kArrayPad)]) {
+    lane_t* b = buf.get();
+    for (lane_t** a : {&xs, &fa0, &fa1, &r0, &r1, &mu, &g, &ds, &phi}) {
       *a = b;
       b += kLanes * n + kArrayPad;
     }
@@ -382,7 +474,8 @@ struct CrfLanes {
   }
 
   // Whether a row (n entries at stride 1) can run in a lane: every entry
-  // finite and the linear sweep's range condition (linear_range) met.
+  // finite and the linear sweep's range condition met (linear_range; for
+  // float lanes float_lanes_fit).
   template <typename scalar_t>
   static bool ready(const scalar_t* row, int64_t n, const double* wr) {
     // The largest |entry|, NaN if any entry is NaN (at::vec::maximum keeps NaN).
@@ -400,27 +493,27 @@ struct CrfLanes {
       largest = std::isnan(a) || a > largest ? a : largest;
     }
     const double widest = largest;
-    return std::isfinite(widest) && linear_range(&widest, 1, wr);
+    if constexpr (kFloat) {
+      return std::isfinite(widest) && float_lanes_fit(widest, wr);
+    } else {
+      return std::isfinite(widest) && linear_range(&widest, 1, wr);
+    }
   }
 
   bool full() const { return count == kLanes; }
 
-  // Where the next row and its gradient are to be loaded.
-  double* next_row() const { return staged_row; }
-  double* next_grad() const { return staged_grad; }
-
-  // Takes the row just loaded at next_row() (and, when with_grad, its
-  // gradient at next_grad()), row r of the tensor with transition scores wr,
-  // as the next lane: its entries go into the lane's places in xs (and g),
-  // where the passes read a vector per entry without gathering.
-  void add(int64_t r, const double* wr, bool with_grad) {
-    put(staged_row, xs, count);
-    if (with_grad) put(staged_grad, g, count);
+  // Takes row r of the tensor (transition scores wr), loaded into row (and
+  // its gradient into grad, unless null), as the next lane: its entries go
+  // into the lane's places in xs (and g), where the passes read a vector per
+  // entry without gathering.
+  void add(int64_t r, const double* wr, const double* row, const double* grad) {
+    put(row, xs, count);
+    if (grad) put(grad, g, count);
     take(r, wr);
   }
 
-  void put(const double* row, double* soa, int l) const {
-    for (int64_t i = 0; i < n; ++i) soa[i * kLanes + l] = row[i];
+  void put(const double* row, lane_t* soa, int l) const {
+    for (int64_t i = 0; i < n; ++i) soa[i * kLanes + l] = static_cast<lane_t>(row[i]);
   }
 
   // Takes row r (transition scores wr), whose entries (and gradient) lie at
@@ -455,22 +548,22 @@ struct CrfLanes {
   }
 
   template <typename scalar_t>
-  void transpose_in(const scalar_t* const* from, double* soa) const {
+  void transpose_in(const scalar_t* const* from, lane_t* soa) const {
     Vec block[kLanes];
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
-      for (int l = 0; l < kLanes; ++l) block[l] = load_widened(from[l] + i);
+      for (int l = 0; l < kLanes; ++l) block[l] = load_widened<lane_t>(from[l] + i);
       transpose_lanes(block);
       for (int k = 0; k < kLanes; ++k) block[k].store(soa + (i + k) * kLanes);
     }
     for (; i < n; ++i) {
-      for (int l = 0; l < kLanes; ++l) soa[i * kLanes + l] = static_cast<double>(from[l][i]);
+      for (int l = 0; l < kLanes; ++l) soa[i * kLanes + l] = static_cast<lane_t>(from[l][i]);
     }
   }
 
   // The used lanes of an array into rows at stride 1 (to[l] for lane l).
   template <typename scalar_t>
-  void transpose_out(const double* soa, scalar_t* const* to) const {
+  void transpose_out(const lane_t* soa, scalar_t* const* to) const {
     Vec block[kLanes];
     int64_t i = 0;
     if (count == kLanes) {
@@ -500,7 +593,7 @@ struct CrfLanes {
   // transposed a block at a time (direct), else a lane at a time through
   // scratch (n entries).
   template <typename scalar_t>
-  void write_rows(const double* soa, scalar_t* dst, const RowLayout& lay, bool direct, double* scratch) const {
+  void write_rows(const lane_t* soa, scalar_t* dst, const RowLayout& lay, bool direct, double* scratch) const {
     if (direct) {
       scalar_t* to[kLanes] = {};
       for (int l = 0; l < count; ++l) to[l] = dst + lay.base(rows[l]);
@@ -525,18 +618,19 @@ struct CrfLanes {
   }
 
   // Lane l of an array into dst (n entries).
-  void column(const double* soa, int l, double* dst) const {
+  void column(const lane_t* soa, int l, double* dst) const {
     for (int64_t i = 0; i < n; ++i) dst[i] = soa[i * kLanes + l];
   }
 
-  static Vec at(const double* soa, int64_t i) { return Vec::loadu(soa + i * kLanes); }
+  static Vec at(const lane_t* soa, int64_t i) { return Vec::loadu(soa + i * kLanes); }
 
-  // Scales each lane's pair back into [2^-200, 2^200], as rescale_pair does.
+  // Scales each lane's pair back into [kFloor, kCeiling] (for double lanes
+  // [2^-200, 2^200], as rescale_pair does).
   static void rescale(Vec& a, Vec& b) {
     const Vec sum = a + b;
-    const Vec high = sum > Vec(kPairCeiling), low = sum < Vec(kPairFloor);
+    const Vec high = sum > Vec(kCeiling), low = sum < Vec(kFloor);
     if ((high | low).zero_mask() != kAllLanes) [[unlikely]] {
-      const Vec by = Vec::blendv(Vec::blendv(Vec(1.0), Vec(kPairFloor), high), Vec(kPairCeiling), low);
+      const Vec by = Vec::blendv(Vec::blendv(Vec(1.0), Vec(kFloor), high), Vec(kCeiling), low);
       a = a * by;
       b = b * by;
     }
@@ -548,6 +642,38 @@ struct CrfLanes {
   // degree 13 (remainder below 2e-17 relative), 2^k written into the exponent
   // bits.
   static Vec exp_nonpositive(Vec x) {
+    if constexpr (kFloat) {
+      return exp_nonpositive_float(x);
+    } else {
+      return exp_nonpositive_double(x);
+    }
+  }
+
+  // The same in float for x in [-kFloatRange, 0]: x = k·ln 2 + r with
+  // |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 7 (remainder
+  // below 6e-9 relative), 2^k by scalef at AVX512, into the exponent bits at
+  // AVX2; Sleef's exp at the other levels.
+  static Vec exp_nonpositive_float(Vec x) {
+#if ATTNKERN_HAS(AVX2)
+    const Vec k = (x * Vec(1.44269504088896341f)).round();
+    const Vec r = at::vec::fmadd(k, Vec(2.12194440e-4f), at::vec::fmadd(k, Vec(-0.693359375f), x));
+    const Vec r2 = r * r, r4 = r2 * r2;
+    auto pair = [&](float lo, float hi) { return at::vec::fmadd(Vec(hi), r, Vec(lo)); };
+    const Vec q0 = pair(1.0f, 1.0f), q1 = pair(1.0f / 2, 1.0f / 6), q2 = pair(1.0f / 24, 1.0f / 120),
+              q3 = pair(1.0f / 720, 1.0f / 5040);
+    const Vec p = at::vec::fmadd(at::vec::fmadd(q3, r2, q2), r4, at::vec::fmadd(q1, r2, q0));
+#if ATTNKERN_HAS(AVX512)
+    return _mm512_scalef_ps(p, k);
+#else
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
+    return p * Vec(_mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+#endif
+#else
+    return x.exp();
+#endif
+  }
+
+  static Vec exp_nonpositive_double(Vec x) {
 #if ATTNKERN_HAS(AVX512)
     // x = (k / 16)·ln 2 + r with |r| <= ln 2 / 32: e^x = 2^floor(k / 16) ·
     // 2^((k mod 16) / 16) · e^r, the middle factor from a table of 16 held in
@@ -616,7 +742,12 @@ struct CrfLanes {
   void transition_factors() {
     for (int l = 0; l < kLanes; ++l) {
       const double top = std::max(std::max(w[0][l], w[1][l]), std::max(w[2][l], w[3][l]));
-      for (int k = 0; k < 4; ++k) e[k][l] = std::exp(w[k][l] - top);
+      double wide[4];
+      for (int k = 0; k < 4; ++k) {
+        wide[k] = std::exp(w[k][l] - top);
+        e[k][l] = static_cast<lane_t>(wide[k]);
+      }
+      det[l] = static_cast<lane_t>(wide[0] * wide[3] - wide[1] * wide[2]);
     }
   }
 
@@ -629,14 +760,16 @@ struct CrfLanes {
   // and 1 / d_i(b) into r0, r1 (i >= 1), where d_i(b) = a0·e_0b + a1·e_1b
   // from the pair a at i - 1 (a_i(b) = f_b·d_i(b), f the label factors,
   // computed here as each entry is reached), after transition_factors().
-  // step(i, a0, a1, inv) sees that pair and 1 / (d_i(0)·d_i(1)).
+  // step(i, a0, a1, r0, r1) sees that pair and 1 / d_i. Double lanes take
+  // both reciprocals from one division, 1 / (d_i(0)·d_i(1)); in float lanes
+  // that product could leave float's range.
   template <typename Step>
   void forward_messages(Step&& step) {
     const auto [e00, e01, e10, e11] = transitions();
     // Local copies of the array pointers: stores through them cannot then be
     // taken to change the pointers.
-    const double* us = xs;
-    double *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
+    const lane_t* us = xs;
+    lane_t *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
     Vec a0, a1;
     label_factors(at(us, 0), a0, a1);
     a0.store(a0s);
@@ -645,10 +778,18 @@ struct CrfLanes {
       Vec c0, c1;
       label_factors(at(us, i), c0, c1);
       const Vec d0 = at::vec::fmadd(e00, a0, e10 * a1), d1 = at::vec::fmadd(e01, a0, e11 * a1);
-      const Vec inv = Vec(1.0) / (d0 * d1);
-      step(i, a0, a1, inv);
-      (d1 * inv).store(r0s + i * kLanes);
-      (d0 * inv).store(r1s + i * kLanes);
+      Vec rec0, rec1;
+      if constexpr (kFloat) {
+        rec0 = Vec(1.0) / d0;
+        rec1 = Vec(1.0) / d1;
+      } else {
+        const Vec inv = Vec(1.0) / (d0 * d1);
+        rec0 = d1 * inv;
+        rec1 = d0 * inv;
+      }
+      step(i, a0, a1, rec0, rec1);
+      rec0.store(r0s + i * kLanes);
+      rec1.store(r1s + i * kLanes);
       a0 = c0 * d0;
       a1 = c1 * d1;
       rescale(a0, a1);
@@ -673,10 +814,10 @@ struct CrfLanes {
   // terms, so 1 - μ is as exact as μ, and no backward messages are needed.
   void sweeps() {
     transition_factors();
-    forward_messages([](int64_t, const Vec&, const Vec&, const Vec&) {});
+    forward_messages([](int64_t, const Vec&, const Vec&, const Vec&, const Vec&) {});
     const auto [e00, e01, e10, e11] = transitions();
-    const double *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
-    double* mus = mu;
+    const lane_t *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
+    lane_t* mus = mu;
     Vec p0, p1;
     last_marginals(p0, p1);
     p1.store(mus + (n - 1) * kLanes);
@@ -719,18 +860,18 @@ struct CrfLanes {
   void gradient() {
     transition_factors();
     const auto [e00, e01, e10, e11] = transitions();
-    const Vec det = e00 * e11 - e01 * e10;
-    const double* gs = g;
-    double *dd = ds, *phis = phi, *outs = out;
+    const Vec dets = Vec::loadu(det);
+    const lane_t* gs = g;
+    lane_t *dd = ds, *phis = phi, *outs = out;
     Vec d = at(gs, 0);
     d.store(dd);
-    forward_messages([&](int64_t i, const Vec& a0, const Vec& a1, const Vec& inv) {
-      const Vec phi_i = (a0 * a1) * det * inv;
+    forward_messages([&](int64_t i, const Vec& a0, const Vec& a1, const Vec& rec0, const Vec& rec1) {
+      const Vec phi_i = dets * (a0 * rec0) * (a1 * rec1);
       d = at::vec::fmadd(phi_i, d, at(gs, i));
       phi_i.store(phis + i * kLanes);
       d.store(dd + i * kLanes);
     });
-    const double *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
+    const lane_t *a0s = fa0, *a1s = fa1, *r0s = r0, *r1s = r1;
     Vec p0, p1;  // P(z_j = 0), P(z_j = 1)
     last_marginals(p0, p1);
     Vec r(0.0);
@@ -779,6 +920,61 @@ struct CrfLanes {
 template <typename Op>
 constexpr bool kSideBySide = std::is_same_v<Op, CrfMarginals>;
 
+// One thread's groups of rows side by side: float lanes for the float,
+// bfloat16 and float16 rows that fit them (float_lanes_fit; not when a
+// gradient in W is wanted, whose sums over the row want double), double lanes
+// for the other rows within the linear range. offer_* hands a row to a group
+// (run(group) when it fills) or returns false: the row then goes alone.
+template <typename scalar_t>
+struct LaneGroups {
+  int64_t n;
+  std::unique_ptr<CrfLanes<double>> wide;
+  std::unique_ptr<CrfLanes<float>> narrow;
+
+  LaneGroups(int64_t n_, bool side_by_side, bool float_lanes) : n(n_) {
+    if (!side_by_side || n > CrfLanes<double>::kMaxEntries) return;
+    wide = std::make_unique<CrfLanes<double>>(n);
+    if (!std::is_same_v<scalar_t, double> && float_lanes) narrow = std::make_unique<CrfLanes<float>>(n);
+  }
+
+  explicit operator bool() const { return wide != nullptr; }
+
+  // Row r (transition scores wr) at stride 1 from x, its gradient from gr
+  // (or null).
+  template <typename Run>
+  bool offer_direct(int64_t r, const double* wr, const scalar_t* x, const scalar_t* gr, Run&& run) {
+    return offer([&](auto& lanes) { return lanes.ready(x, n, wr); },
+                 [&](auto& lanes) { lanes.add_direct(r, wr, x, gr); }, run);
+  }
+
+  // Row r loaded into row, its gradient into grad (or null).
+  template <typename Run>
+  bool offer_loaded(int64_t r, const double* wr, const double* row, const double* grad, Run&& run) {
+    return offer([&](auto& lanes) { return lanes.ready(row, n, wr); },
+                 [&](auto& lanes) { lanes.add(r, wr, row, grad); }, run);
+  }
+
+  // The first group that takes the row (ready), given it (add), run once full.
+  template <typename Ready, typename Add, typename Run>
+  bool offer(Ready&& ready, Add&& add, Run&& run) {
+    auto give = [&](auto& lanes) {
+      add(lanes);
+      if (lanes.full()) run(lanes);
+      return true;
+    };
+    if (narrow && ready(*narrow)) return give(*narrow);
+    if (ready(*wide)) return give(*wide);
+    return false;
+  }
+
+  // Runs the groups left partly filled.
+  template <typename Run>
+  void finish(Run&& run) {
+    if (narrow && narrow->count > 0) run(*narrow);
+    if (wide && wide->count > 0) run(*wide);
+  }
+};
+
 // The row loops of the chain ops (CrfMarginals, Sparsemap): rows gathered
 // along dim, -inf entries removed, NaN for a row with NaN or +inf or without
 // a feasible labeling. Op::forward writes s.mu; Op::backward, given the
@@ -796,34 +992,21 @@ void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) 
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ChainScratch s(n);
     typename Op::Workspace ws(n);
-    std::unique_ptr<CrfLanes> lanes;
-    if (kSideBySide<Op> && n <= CrfLanes::kMaxEntries) lanes = std::make_unique<CrfLanes>(n);
-    auto run_lanes = [&] {
-      lanes->stage<scalar_t>(direct, /*with_grad=*/false);
-      lanes->sweeps();
-      lanes->write_rows(lanes->mu, op, lay, direct, s.out);
-      lanes->count = 0;
+    LaneGroups<scalar_t> groups(n, kSideBySide<Op>, /*float_lanes=*/true);
+    auto run_lanes = [&](auto& lanes) {
+      lanes.template stage<scalar_t>(direct, /*with_grad=*/false);
+      lanes.sweeps();
+      lanes.write_rows(lanes.mu, op, lay, direct, s.out);
+      lanes.count = 0;
     };
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      if (lanes && direct) {
-        if (CrfLanes::ready(xp + base, n, wp + 4 * r)) {
-          lanes->add_direct(r, wp + 4 * r, xp + base, nullptr);
-          if (lanes->full()) run_lanes();
-          continue;
-        }
+      if (groups && direct) {
+        if (groups.offer_direct(r, wp + 4 * r, xp + base, nullptr, run_lanes)) continue;
         lay.load(xp + base, s.row);
-      } else if (lanes) {
-        double* row = lanes->next_row();
-        lay.load(xp + base, row);
-        if (CrfLanes::ready(row, n, wp + 4 * r)) {
-          lanes->add(r, wp + 4 * r, /*with_grad=*/false);
-          if (lanes->full()) run_lanes();
-          continue;
-        }
-        std::copy(row, row + n, s.row);
       } else {
         lay.load(xp + base, s.row);
+        if (groups && groups.offer_loaded(r, wp + 4 * r, s.row, nullptr, run_lanes)) continue;
       }
       int64_t m = 0;
       if (!chain_entries(s, n, m)) {
@@ -837,7 +1020,7 @@ void chain_fwd_impl(const Tensor& x, const Tensor& w, Tensor& out, int64_t dim) 
       }
       lay.store(s.out, op + base);
     }
-    if (lanes && lanes->count > 0) run_lanes();
+    groups.finish(run_lanes);
   });
 }
 
@@ -871,47 +1054,36 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
   at::parallel_for(0, lay.rows(), lay.grain(), [&](int64_t begin, int64_t end) {
     ChainScratch s(n);
     typename Op::Workspace ws(n);
-    std::unique_ptr<CrfLanes> lanes;
-    if (kSideBySide<Op> && n <= CrfLanes::kMaxEntries) lanes = std::make_unique<CrfLanes>(n);
-    auto run_lanes = [&] {
-      lanes->stage<scalar_t>(direct, /*with_grad=*/true);
-      if (dwp) {
-        lanes->gradient</*with_dw=*/true>();
+    LaneGroups<scalar_t> groups(n, kSideBySide<Op>, /*float_lanes=*/dwp == nullptr);
+    auto run_lanes = [&](auto& lanes) {
+      lanes.template stage<scalar_t>(direct, /*with_grad=*/true);
+      if constexpr (std::remove_reference_t<decltype(lanes)>::kFloat) {
+        lanes.template gradient</*with_dw=*/false>();  // (no float lanes when dW is wanted)
+      } else if (dwp) {
+        lanes.template gradient</*with_dw=*/true>();
       } else {
-        lanes->gradient</*with_dw=*/false>();
+        lanes.template gradient</*with_dw=*/false>();
       }
-      lanes->write_rows(lanes->out, dp, lay, direct, s.out);
-      for (int l = 0; l < lanes->count; ++l) {
-        const int64_t r = lanes->rows[l];
+      lanes.write_rows(lanes.out, dp, lay, direct, s.out);
+      for (int l = 0; l < lanes.count; ++l) {
+        const int64_t r = lanes.rows[l];
         if (dwp) {
-          for (int k = 0; k < 4; ++k) dwp[4 * r + k] = lanes->dw[k][l];
+          for (int k = 0; k < 4; ++k) dwp[4 * r + k] = lanes.dw[k][l];
         }
       }
-      lanes->count = 0;
+      lanes.count = 0;
     };
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = lay.base(r);
-      if (lanes && direct) {
-        if (CrfLanes::ready(xp + base, n, wp + 4 * r)) {
-          lanes->add_direct(r, wp + 4 * r, xp + base, gp + base);
-          if (lanes->full()) run_lanes();
-          continue;
-        }
+      if (groups && direct) {
+        if (groups.offer_direct(r, wp + 4 * r, xp + base, gp + base, run_lanes)) continue;
         lay.load(xp + base, s.row);
-      } else if (lanes) {
-        double* row = lanes->next_row();
-        lay.load(xp + base, row);
-        if (CrfLanes::ready(row, n, wp + 4 * r)) {
-          lay.load(gp + base, lanes->next_grad());
-          lanes->add(r, wp + 4 * r, /*with_grad=*/true);
-          if (lanes->full()) run_lanes();
-          continue;
-        }
-        std::copy(row, row + n, s.row);
+        lay.load(gp + base, s.grad);
       } else {
         lay.load(xp + base, s.row);
+        lay.load(gp + base, s.grad);
+        if (groups && groups.offer_loaded(r, wp + 4 * r, s.row, s.grad, run_lanes)) continue;
       }
-      lay.load(gp + base, s.grad);
       double* dw_row = dwp ? dwp + 4 * r : nullptr;
       if (dw_row) std::fill(dw_row, dw_row + 4, 0.0);
       int64_t m = 0;
@@ -929,7 +1101,7 @@ void chain_bwd_impl(const Tensor& x, const Tensor& grad, const Tensor& w, Tensor
       }
       lay.store(s.out, dp + base);
     }
-    if (lanes && lanes->count > 0) run_lanes();
+    groups.finish(run_lanes);
   });
 }
 
