@@ -267,11 +267,15 @@ def crf_marginals(unary: torch.Tensor, pairwise, dim: int = -1, *, backend: str 
     Entries of `unary` at -inf are removed first: the finite entries on either
     side become neighbours, and they get 0 (a row of only -inf gives zeros). A
     row with NaN or +inf gives NaN, as does a row that no labeling can score.
-    Exact forward-backward in float64. First derivatives only (in unary and
-    pairwise). Kernels: CPU, and CUDA (one thread per row, the CPU kernel's
-    log-space math, scratch of 120 bytes per entry for up to 256 MiB of rows
-    at a time); on other devices pass backend="reference" (float64, slow: an
-    oracle).
+    Forward-backward in float64, exact, except on the CPU for float32,
+    bfloat16 and float16 rows of weakly coupled chains (|log ρ| <= 4, ρ =
+    exp(pairwise[0,0] + pairwise[1,1] - pairwise[0,1] - pairwise[1,0]), with
+    the spread of pairwise <= 27 and max |unary| + that spread <= 40), which
+    run in float: within 10 float ulps of the exact marginals (docs/api.md).
+    First derivatives only (in unary and pairwise). Kernels: CPU, and CUDA
+    (one thread per row, the CPU kernel's log-space math, scratch of 120 bytes
+    per entry for up to 256 MiB of rows at a time); on other devices pass
+    backend="reference" (float64, slow: an oracle).
     """
     return _structured("crf_marginals", unary, dim, pairwise, backend)
 
