@@ -229,6 +229,9 @@ struct Problem {
     if (row_bounds) hi = std::min(hi, row_bounds[2 * (bi * L + i) + 1]);
     return hi;
   }
+  // The keys [lo, hi) that some row of [i0, i0 + m) of batch bi sees, in
+  // absolute keys (hi <= lo: none); banded problems only.
+  std::pair<int64_t, int64_t> band_span(int64_t bi, int64_t i0, int64_t m) const;
   // The keys a block of rows [i0, i0 + m) of batch bi runs over: from the
   // returned first key (a multiple of kBlockN, the block's key0), n of them
   // (0: no row of the block sees a key).
@@ -243,6 +246,9 @@ struct Problem {
   // (From key key0 on: the block's keys.)
   const acc_t* k_head(int64_t bi, int64_t hk) const { return k + ((bi * Hk + hk - k_head0) * S + key0) * E; }
   const acc_t* v_head(int64_t bi, int64_t hk) const { return v + ((bi * Hk + hk - v_head0) * S + key0) * Ev; }
+  // Where (batch bi, kv-head hk)'s rows of v_rows_half start, from key key0,
+  // in half-type values.
+  int64_t v_half_offset(int64_t bi, int64_t hk) const { return ((bi * Hk + hk) * S + key0) * ev_half; }
   const acc_t* kp_head(int64_t bi, int64_t hk) const {
     return kp + ((bi * Hk + hk - kp_head0) * round_up_panel<acc_t>(S) + key0) * E;
   }
@@ -259,16 +265,20 @@ struct Problem {
 };
 
 template <typename acc_t>
+std::pair<int64_t, int64_t> Problem<acc_t>::band_span(int64_t bi, int64_t i0, int64_t m) const {
+  if (!row_bounds) return {key_lo(bi, i0), key_hi(bi, i0 + m - 1)};
+  int64_t lo = S, hi = 0;
+  for (int64_t i = i0; i < i0 + m; ++i) {  // (rows with no key take no part)
+    const int64_t a = key_lo(bi, i), b = key_hi(bi, i);
+    if (a < b) lo = std::min(lo, a), hi = std::max(hi, b);
+  }
+  return {lo, hi};
+}
+
+template <typename acc_t>
 std::pair<int64_t, int64_t> Problem<acc_t>::block_keys(int64_t bi, int64_t i0, int64_t m) const {
   if (!banded()) return {0, S};
-  int64_t lo = key_lo(bi, i0), hi = key_hi(bi, i0 + m - 1);
-  if (row_bounds) {  // (rows with no key take no part)
-    lo = S, hi = 0;
-    for (int64_t i = i0; i < i0 + m; ++i) {
-      const int64_t a = key_lo(bi, i), b = key_hi(bi, i);
-      if (a < b) lo = std::min(lo, a), hi = std::max(hi, b);
-    }
-  }
+  const auto [lo, hi] = band_span(bi, i0, m);
   if (hi <= lo) return {0, 0};
   const int64_t first = lo - lo % kBlockN;
   return {first, hi - first};
@@ -401,7 +411,20 @@ inline void score_block(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t 
   if (scores_half_masked(P, bi, h, i0, m, 0, n, y, ld, scale_later)) return;
   TORCH_INTERNAL_ASSERT(ld == n, "score rows of stride ld > n come only from half-type GEMMs");
   const acc_t* q = P.q_rows(bi, h, i0);
-  if (P.kp) {
+  if (P.kp && P.banded()) {
+    // Each strip of a micro-kernel's rows over the panels its rows' bands
+    // meet: a window's band moves by a key a row, so a strip skips panels
+    // the whole block spans; mask_scores sets every entry outside a row's
+    // band, formed or not.
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, m - r0);
+      const auto [first, end] = P.band_span(bi, i0 + r0, rows);
+      const int64_t lo = std::clamp<int64_t>(first - P.key0, 0, n), hi = std::clamp<int64_t>(end - P.key0, lo, n);
+      if (lo < hi)
+        gemm_packed_cols<acc_t>(rows, n, lo, hi, P.E, P.scale, q + r0 * P.E, P.kp_head(bi, h / P.group()),
+                                y + r0 * n);
+    }
+  } else if (P.kp) {
     gemm_packed_cols<acc_t>(m, n, 0, n, P.E, P.scale, q, P.kp_head(bi, h / P.group()), y);
   } else {
     gemm<acc_t>(false, true, m, n, P.E, P.scale, q, P.E, P.k_head(bi, h / P.group()), P.E, acc_t(0), y, n);
@@ -693,7 +716,11 @@ inline __m256 load8_float(const kv_t* p) {
 
 // out[i] = x[0:n] · rows[i][0:n] for the eight rows (float, or bfloat16 /
 // float16 widened as they are read), reduced together (hsum8): with E = 64
-// separate sums were a third of a decoding's score work.
+// separate sums were a third of a decoding's score work. Each row's block of
+// four vectors is read before the next row's, so the loads run along memory
+// (a vector of all eight rows at a time, a row apart, left decoding's scores
+// waiting on L3 and DRAM). Every row takes its products in order of e,
+// whatever the loop order.
 template <typename kv_t>
 inline void dot8_rows(const float* x, const kv_t* const* rows, int64_t n, float* out) {
   __m256 a[8];
@@ -703,6 +730,17 @@ inline void dot8_rows(const float* x, const kv_t* const* rows, int64_t n, float*
   if (n >= 16) {
     __m512 w[8];
     for (int i = 0; i < 8; ++i) w[i] = _mm512_setzero_ps();
+    for (; e + 64 <= n; e += 64) {
+      const __m512 x0 = _mm512_loadu_ps(x + e), x1 = _mm512_loadu_ps(x + e + 16), x2 = _mm512_loadu_ps(x + e + 32),
+                   x3 = _mm512_loadu_ps(x + e + 48);
+      for (int i = 0; i < 8; ++i) {
+        const kv_t* r = rows[i] + e;
+        w[i] = _mm512_fmadd_ps(x0, load16_float(r), w[i]);
+        w[i] = _mm512_fmadd_ps(x1, load16_float(r + 16), w[i]);
+        w[i] = _mm512_fmadd_ps(x2, load16_float(r + 32), w[i]);
+        w[i] = _mm512_fmadd_ps(x3, load16_float(r + 48), w[i]);
+      }
+    }
     for (; e + 16 <= n; e += 16) {
       const __m512 xv = _mm512_loadu_ps(x + e);
       for (int i = 0; i < 8; ++i) w[i] = _mm512_fmadd_ps(xv, load16_float(rows[i] + e), w[i]);
@@ -712,6 +750,17 @@ inline void dot8_rows(const float* x, const kv_t* const* rows, int64_t n, float*
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[i]), 1)));
   }
 #endif
+  for (; e + 32 <= n; e += 32) {
+    const __m256 x0 = _mm256_loadu_ps(x + e), x1 = _mm256_loadu_ps(x + e + 8), x2 = _mm256_loadu_ps(x + e + 16),
+                 x3 = _mm256_loadu_ps(x + e + 24);
+    for (int i = 0; i < 8; ++i) {
+      const kv_t* r = rows[i] + e;
+      a[i] = _mm256_fmadd_ps(x0, load8_float(r), a[i]);
+      a[i] = _mm256_fmadd_ps(x1, load8_float(r + 8), a[i]);
+      a[i] = _mm256_fmadd_ps(x2, load8_float(r + 16), a[i]);
+      a[i] = _mm256_fmadd_ps(x3, load8_float(r + 24), a[i]);
+    }
+  }
   for (; e + 8 <= n; e += 8) {
     const __m256 xv = _mm256_loadu_ps(x + e);
     for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(xv, load8_float(rows[i] + e), a[i]);

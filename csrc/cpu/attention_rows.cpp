@@ -579,8 +579,35 @@ void backward_sparse_rows(const Problem<acc_t>& P, int64_t m, int64_t n, acc_t b
 template <typename acc_t>
 const acc_t* widen_v_rows(const Problem<acc_t>& P, int64_t bi, int64_t hk, int64_t j0, int64_t j1,
                           std::vector<acc_t>& buf) {
-  return widen_half_rows(static_cast<const h16*>(P.v_rows_half) + ((bi * P.Hk + hk) * P.S + P.key0 + j0) * P.ev_half,
+  return widen_half_rows(static_cast<const h16*>(P.v_rows_half) + P.v_half_offset(bi, hk) + j0 * P.ev_half,
                          P.half_is_bf16, j1 - j0, P.ev_half, P.Ev, buf);
+}
+
+// The key rows [0, n) of a block (rows of row_bytes, contiguous from rows)
+// asked for before its score GEMM, so that their cache misses resolve during
+// it: the entry-by-entry passes over a sparse block's supports reach rows of
+// V (and in the backward K, dK and dV) in no order a hardware prefetcher
+// follows, and a window's block meets about a block's worth of keys that no
+// earlier block of its thread touched. Spans past kKeyRowsPrefetchBytes are
+// left alone (long rows: their supports are a small part of them, and the
+// span would push the GEMM's operands out of L2).
+constexpr int64_t kKeyRowsPrefetchBytes = 128 * 1024;
+
+inline void prefetch_key_rows(const void* rows, int64_t n, int64_t row_bytes, bool write) {
+  if (rows == nullptr || n * row_bytes > kKeyRowsPrefetchBytes) return;
+  prefetch_span(static_cast<const char*>(rows), n * row_bytes, write);
+}
+
+// Where listed_pv reads the block's V rows, and their size in bytes.
+template <typename acc_t>
+std::pair<const void*, int64_t> listed_v_rows(const Problem<acc_t>& P, int64_t bi, int64_t hk) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (P.v_rows_half) {
+      const int64_t off = P.v_half_offset(bi, hk);
+      return {static_cast<const char*>(P.v_rows_half) + off * 2, P.ev_half * 2};
+    }
+  }
+  return {P.v_head(bi, hk), P.Ev * static_cast<int64_t>(sizeof(acc_t))};
 }
 
 // O (m x Ev) = the block's rows of probabilities times V, row by row over
@@ -599,7 +626,7 @@ void listed_pv(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t m, acc_t*
   };
   if constexpr (std::is_same_v<acc_t, float>) {
     if (P.v_rows_half) {
-      const int64_t off = ((bi * P.Hk + hk) * P.S + P.key0) * P.ev_half;
+      const int64_t off = P.v_half_offset(bi, hk);
       if (P.half_is_bf16) return rows(static_cast<const c10::BFloat16*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
       return rows(static_cast<const c10::Half*>(P.v_rows_half) + off, P.ev_half, P.ev_half);
     }
@@ -649,6 +676,10 @@ void rows_forward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
   // (Dropout scales the kept weights of whole rows: those rows are written.)
   const bool generic_listed = FAM == Family::kGeneric && b > acc_t(0) && b < acc_t(1);
   const bool listed_rows = !P.drop.on && (kListed<acc_t, FAM> || generic_listed);
+  if (listed_rows) {
+    const auto [v_rows, v_row_bytes] = listed_v_rows(P, bi, h / P.group());
+    prefetch_key_rows(v_rows, n, v_row_bytes, false);
+  }
   score_block(P, bi, h, i0, m, n, y, ld, listed_rows ? &scale_later : nullptr);
   const int64_t limit = static_cast<int64_t>(kSparseDensity * m * n);
   if (listed_rows) {
@@ -702,6 +733,13 @@ void rows_backward(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, i
   const acc_t* qb = P.q_rows(bi, h, i0);
   acc_t* y = ws.y.data();
   acc_t* d = ws.d.data();
+  if (FAM != Family::kSoftmax) {
+    constexpr int64_t elem = sizeof(acc_t);
+    const int64_t e_bytes = P.E * elem, ev_bytes = P.Ev * elem;
+    prefetch_key_rows(kh, n, e_bytes, false);
+    prefetch_key_rows(vh, n, ev_bytes, false);
+    if (!P.do16) prefetch_key_rows(dk, n, e_bytes, true), prefetch_key_rows(dv, n, ev_bytes, true);
+  }
   score_block(P, bi, h, i0, m, n, y, n);
   const acc_t b = P.b[h];
   // α > 2 always goes entry by entry, where its mean is pivoted.

@@ -642,6 +642,21 @@ struct ListedRows {
   const kv_t* operator()(int64_t j) const { return reinterpret_cast<const kv_t*>(rows[j]); }
 };
 
+// Rows a decoding pass asks for this many rows before it reads them, where
+// they are listed: a paged cache's pages lie anywhere, and a page's rows of
+// one head (a few hundred bytes each, a page's heads apart) are too few for
+// a hardware prefetcher to follow before the next page. Contiguous rows are
+// left to the prefetchers, which asking only slows.
+constexpr int64_t kListedRowsAhead = 16;
+
+template <typename Rows>
+inline void ask_row_ahead(const Rows& rows, int64_t j, int64_t w, int64_t row_bytes) {
+  if constexpr (std::is_same_v<Rows, ListedRows<typename Rows::value_type>>) {
+    if (j + kListedRowsAhead < w)
+      prefetch_span(reinterpret_cast<const char*>(rows(j + kListedRowsAhead)), row_bytes, false);
+  }
+}
+
 // o[0:ev] = Σ_j y[j] v(j)[0:ev] over the keys with y[j] != 0 (o zero on
 // entry), the columns in register blocks of four vectors: an axpy per key
 // would carry every column through a store and a reload. Keys are added in
@@ -655,6 +670,7 @@ void accumulate_pv(const float* y, int64_t w, const Rows& v, int64_t ev, float* 
   for (; c + 2 * W2 <= ev; c += 2 * W2) {
     Vf a0(0), a1(0), a2(0), a3(0), x0, x1, x2, x3;
     for (int64_t j = 0; j < w; ++j) {
+      if (c == 0) ask_row_ahead(v, j, w, ev * static_cast<int64_t>(sizeof(kv_t)));
       if (y[j] == 0.f) continue;
       const Vf p(y[j]);
       load_pair(v(j) + c, x0, x1);
@@ -707,7 +723,7 @@ void decode_chunk(const Problem<acc_t>& P, int64_t bi, int64_t h, int64_t i0, in
     float s[8];
     const kv_t* rows8[8];
     for (; j + 8 <= w; j += 8) {
-      for (int i = 0; i < 8; ++i) rows8[i] = k_rows(j + i);
+      for (int i = 0; i < 8; ++i) rows8[i] = k_rows(j + i), ask_row_ahead(k_rows, j + i, w, ek * sizeof(kv_t));
       for (int64_t r = 0; r < m; ++r) {
         dot8_rows(qr + r * P.E, rows8, ek, s);
         for (int i = 0; i < 8; ++i) y[r * w + j + i] = P.scale * s[i];

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if ATTNKERN_HAS(AVX2) && ATTNKERN_HAS(GNU_EXTENSIONS)
@@ -257,6 +258,26 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t ars
   }
 }
 
+// Loads one value of every cache line of rows [0, w) of src (d values a row,
+// row stride ld) in memory order, the values discarded. pack_panels'
+// transposes read a panel's rows a vector of each at a time, an order no
+// hardware prefetcher follows; run through in order first, the panel comes
+// in at streaming speed and the transposes find it in L1.
+template <typename T>
+inline void read_in_order(const T* src, int64_t w, int64_t d, int64_t ld) {
+#if ATTNKERN_HAS(GNU_EXTENSIONS)
+  constexpr int64_t kLineValues = 64 / static_cast<int64_t>(sizeof(T));
+  using Bits = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>>;
+  const int64_t span = ld == d ? w * d : d;  // (contiguous rows: one run)
+  for (int64_t j = 0; j < (ld == d ? 1 : w); ++j)
+    for (int64_t e = 0; e < span; e += kLineValues) {
+      Bits x;
+      std::memcpy(&x, src + j * ld + e, sizeof(x));
+      asm volatile("" : : "r"(x));  // (the load stays; nothing else happens)
+    }
+#endif
+}
+
 // Packs the rows of src (n x d, row stride ld) into key panels: panel p holds
 // rows [p·kPanel, (p+1)·kPanel) transposed, as d rows of kPanel entries
 // (dst[p·d·kPanel + e·kPanel + jj] = src[(p·kPanel + jj)·ld + e]), zero past
@@ -273,6 +294,7 @@ void pack_panels(const T* src, int64_t n, int64_t d, int64_t ld, T* dst) {
   for (int64_t j0 = 0; j0 < n; j0 += NR) {
     T* panel = dst + j0 * d;
     const int64_t w = std::min(NR, n - j0);
+    read_in_order(src + j0 * ld, w, d, ld);
     int64_t e0 = 0;
     if (w == NR)
       for (; e0 + TB <= d; e0 += TB)
